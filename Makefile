@@ -11,7 +11,6 @@ setup: $(VENV)/.installed
 # torch first: a plain `pip install torch` (or a package that needs it) would pull a multi-GB CUDA build.
 $(VENV)/.installed: requirements.txt
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r requirements.txt
 	touch $@

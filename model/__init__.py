@@ -1,0 +1,1 @@
+from model.config import ModelConfig, ConfigError

@@ -1,0 +1,101 @@
+"""Fused execution of synthesized attention (DESIGN.md §1, "Fused kernels").
+
+Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
+
+Three ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
+- `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense, factorized_random and their mixtures) through torch
+  SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
+  keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.
+- `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A (Hl, n, n) is
+  computed once and applied with the batch folded into the columns of V — one matmul, no B·Hl·n² buffer.
+- `BiasedQKAttention`: S = q·kᵀ + bias with a learnable bias (random+dot, random+dense): flash forward with the bias
+  detached, a backward that walks the batch in chunks so only chunk·Hl·n² is live while d(bias) is summed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
+    """M (n, n): 0 on and below the diagonal, -inf above — added to the logits before the softmax."""
+    return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale·q kᵀ + M) v on the fused kernel.
+
+    q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h). Returns (B, Hl, n, d_h).
+    """
+    B, d_h = v.shape[0], v.shape[-1]
+    width = max(q.shape[-1], d_h)
+    q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
+    k = _pad_last(k, width).expand(B, -1, -1, -1)
+    v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
+    out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
+    return out[..., :d_h]
+
+
+def shared_map_attention(logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(S + M) v for input-independent logits S (Hl, n, n); v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
+    Hl, n, _ = logits.shape
+    B, _, _, d_h = v.shape
+    A = torch.softmax(logits + causal_mask(n, logits.device, logits.dtype), dim=-1)  # (Hl, n, n), once per step
+    v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
+    y = torch.matmul(A, v_cols)                                                      # (Hl, n, B·d_h)
+    return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
+
+
+class BiasedQKAttention(torch.autograd.Function):
+    """out = softmax(q kᵀ + bias + M) v with scale 1 and a learnable, batch-shared bias (Hl, n, n).
+
+    q, k, v: (B, Hl, n, f), same width (pad before). Forward: SDPA flash kernel with the bias as a detached
+    float mask. Backward, per chunk of samples (standard softmax-attention gradients):
+        P = softmax(S),  dP = dO vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),
+        dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  d(bias) = Σ_batch dS.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, chunk: int):
+        mask = (bias + causal_mask(bias.shape[-1], bias.device, bias.dtype)).unsqueeze(0)  # (1, Hl, n, n)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        ctx.save_for_backward(q, k, v, mask, out)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, mask, out = ctx.saved_tensors
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # q, k may be expanded
+        d_bias = torch.zeros_like(mask[0])
+        for s in range(0, q.shape[0], ctx.chunk):
+            b = slice(s, s + ctx.chunk)
+            P = torch.softmax(q[b] @ k[b].transpose(-1, -2) + mask, dim=-1)   # (c, Hl, n, n)
+            dP = d_out[b] @ v[b].transpose(-1, -2)                            # (c, Hl, n, n)
+            D = (d_out[b] * out[b]).sum(-1, keepdim=True)                     # (c, Hl, n, 1)
+            dS = P * (dP - D)
+            dq[b] = dS @ k[b]
+            dk[b] = dS.transpose(-1, -2) @ q[b]
+            dv[b] = P.transpose(-1, -2) @ d_out[b]
+            d_bias += dS.sum(0)
+        return dq, dk, dv, d_bias, None
+
+
+def biased_qk_attention(q, k, bias, v, chunk: int = 1) -> torch.Tensor:
+    """softmax(q kᵀ + bias + M) v; q, k: (B or 1, Hl, n, f), bias (Hl, n, n), v (B, Hl, n, d_h) -> (B, Hl, n, d_h)."""
+    B, d_h = v.shape[0], v.shape[-1]
+    width = max(q.shape[-1], d_h)
+    q = _pad_last(q, width).expand(B, -1, -1, -1)
+    k = _pad_last(k, width).expand(B, -1, -1, -1)
+    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), bias, chunk)
+    return out[..., :d_h]
+
+
+def inv_sqrt(d: int) -> float:
+    return 1.0 / math.sqrt(d)

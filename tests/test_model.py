@@ -1,0 +1,193 @@
+"""The Synthesizer family on one process: causality, fused == reference, the paper's formulas, overfitting."""
+import pytest
+import torch
+from torch.profiler import profile
+
+from model import ConfigError, ModelConfig, build_model
+from model.kernels import causal_mask
+
+VARIANTS = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu", "gmlp",
+            "random+dot", "dense+dot", "random+dense", "random+factorized_random", "dot+dense+factorized_random",
+            "random+dot+dense"]
+L = 16
+
+
+def config(variant, impl="fused", **kw) -> ModelConfig:
+    extra = {"mixer": "sgu", "block": "gmlp"} if variant == "gmlp" else {"mixer": variant}
+    # Large inits so that maps are far from uniform and every weight visibly matters.
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=L, factorized_k=4, init_std=0.3,
+                random_init_std=1.0, sgu_init_eps=4.0 * L, impl=impl, seed=3)
+    return ModelConfig(**{**base, **extra, **kw})
+
+
+def tokens(B, n, seed=0):
+    return torch.randint(0, 64, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causal(variant, impl):
+    model = build_model(config(variant, impl)).eval()
+    x = tokens(2, L)
+    for t in (0, 5, L - 2):
+        y = x.clone()
+        y[:, t + 1:] = (y[:, t + 1:] + 1 + torch.arange(L - t - 1)) % 64   # change every later token
+        a, b = model(x), model(y)
+        assert (a[:, :t + 1] - b[:, :t + 1]).abs().max() <= 1e-6, f"position ≤ {t} saw the future"
+        assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-4   # and later positions do see the change
+
+
+@pytest.mark.parametrize("n", [11, L])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_matches_reference(variant, n):
+    fused, ref = build_model(config(variant, "fused")), build_model(config(variant, "reference"))
+    ref.load_state_dict(fused.state_dict())                     # same names: a state dict moves between them
+    x = tokens(3, n + 1)
+    out = {}
+    for name, m in (("fused", fused), ("reference", ref)):
+        logits = m(x[:, :-1])
+        m(x[:, :-1], x[:, 1:]).backward()
+        out[name] = logits, {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+    (lf, gf), (lr, gr) = out["fused"], out["reference"]
+    assert (lf - lr).abs().max() <= 1e-5
+    assert gf.keys() == gr.keys() and len(gf) > 0
+    for k in gf:
+        assert (gf[k] - gr[k]).abs().max() <= 1e-5, k
+
+
+def test_random_fixed_is_frozen_but_saved():
+    model = build_model(config("random_fixed"))
+    Rs = [p for n, p in model.named_parameters() if n.endswith("synth.random_fixed.R")]
+    assert len(Rs) == 2 and not any(p.requires_grad for p in Rs)
+    assert all(f"blocks.{i}.mixer.synth.random_fixed.R" in model.state_dict() for i in range(2))
+    x = tokens(2, L + 1)
+    model(x[:, :-1], x[:, 1:]).backward()
+    assert all(p.grad is None for p in Rs)
+
+
+def naive_attention(S, v):
+    """softmax over j ≤ i, written as loops over positions (another way to compute A V)."""
+    B, H, n, _ = S.shape
+    out = torch.zeros(B, H, n, v.shape[-1], dtype=S.dtype)
+    for i in range(n):
+        w = torch.softmax(S[:, :, i, :i + 1], dim=-1)               # only keys j ≤ i
+        out[:, :, i] = torch.einsum("bhj,bhjd->bhd", w, v[:, :, :i + 1])
+    return out
+
+
+def test_synthesizer_formulas_against_loops():
+    """Each synthesizer's map equals the paper's formula evaluated element by element."""
+    torch.manual_seed(0)
+    n, d_h, H = 12, 8, 4
+    x = torch.randn(2, n, 32)
+    model = build_model(config("dense+dot", "reference"))
+    mixer = model.blocks[0].mixer
+    dense, dot = mixer.synth["dense"], mixer.synth["dot"]
+    W1, b1 = dense.w1.weight.view(H, d_h, 32), dense.w1.bias.view(H, d_h)
+    for h in range(H):
+        for i in range(n):
+            hid = torch.relu(W1[h] @ x[0, i] + b1[h])
+            for j in (0, i, n - 1):
+                s = dense.w2[h, j] @ hid + dense.w2_bias[h, j]
+                assert torch.allclose(dense.logits(x)[0, h, i, j], s, atol=1e-5)
+    # factorized dense: S[i, j] = A_i[j mod a] · B_i[⌊j/a⌋], all a·b products distinct positions
+    fd = build_model(config("factorized_dense", factorized_a=4, factorized_b=4)).blocks[0].mixer.synth["factorized_dense"]
+    S = fd.logits(x)
+    hid = torch.relu(fd.w1(x).view(2, n, H, d_h))
+    for h in range(H):
+        for i in range(n):
+            A = fd.fa[h] @ hid[0, i, h] + fd.fa_bias[h]
+            Bv = fd.fb[h] @ hid[0, i, h] + fd.fb_bias[h]
+            expect = torch.stack([A[j % 4] * Bv[j // 4] for j in range(n)])
+            assert torch.allclose(S[0, h, i], expect, atol=1e-5)
+    # factorized random: independent of x, S = R1 R2ᵀ
+    fr = build_model(config("factorized_random")).blocks[0].mixer.synth["factorized_random"]
+    S1, S2 = fr.logits(x), fr.logits(torch.randn(2, n, 32))
+    assert torch.equal(S1, S2)
+    assert torch.allclose(S1[0, 1, 3, 5], fr.R1[1, 3] @ fr.R2[1, 5])
+    # the whole mixture: α = softmax(θ), A = softmax(α_dense S_dense + α_dot S_dot + M), Y = A V
+    with torch.no_grad():
+        mixer.theta.copy_(torch.randn_like(mixer.theta))
+    alpha = torch.softmax(mixer.theta, -1)
+    S = alpha[:, 0, None, None] * dense.logits(x) + alpha[:, 1, None, None] * dot.logits(x)
+    v = mixer.value(x).view(2, n, H, d_h).transpose(1, 2)
+    expect = mixer.out(naive_attention(S, v).transpose(1, 2).reshape(2, n, 32))
+    assert torch.allclose(mixer(x), expect, atol=1e-5)
+
+
+def test_attention_maps_are_causal_distributions():
+    model = build_model(config("random+dot", "fused"))
+    maps = model.attention_maps(tokens(3, 10))
+    assert len(maps) == 2 and maps[0].shape == (3, 4, 10, 10)
+    for A in maps:
+        assert torch.allclose(A.sum(-1), torch.ones(3, 4, 10), atol=1e-6)
+        assert A.triu(1).abs().max() == 0
+        assert A.tril(-1).abs().max() > 0
+
+
+def test_per_layer_mixer_list():
+    model = build_model(config("dot", mixer=["random", "dot"]))
+    assert list(model.blocks[0].mixer.synth) == ["random"] and list(model.blocks[1].mixer.synth) == ["dot"]
+
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+@pytest.mark.parametrize("variant", ["dot", "dense", "factorized_random", "dense+dot", "random+dot"])
+def test_fused_path_runs_the_flash_kernel(variant):
+    model = build_model(config(variant))
+    x = tokens(2, L + 1)
+    with profile() as prof:
+        model(x[:, :-1], x[:, 1:]).backward()
+    names = {e.name for e in prof.events()}
+    assert FLASH in names and "aten::_scaled_dot_product_attention_math" not in names
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_overfits_one_batch(variant):
+    torch.manual_seed(0)
+    model = build_model(config(variant, init_std=0.02, random_init_std=0.5, sgu_init_eps=1e-3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = tokens(4, L + 1, seed=5)
+    for step in range(300):
+        loss = model(x[:, :-1], x[:, 1:])
+        if loss.item() < 0.5:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5, f"{variant}: loss {loss.item():.3f} after 300 steps"
+
+
+def one_line(exc_info) -> str:
+    msg = str(exc_info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_error_sequence_too_long():
+    model = build_model(config("random"))
+    with pytest.raises(ValueError) as e:
+        model(tokens(1, L + 1))
+    msg = one_line(e)
+    assert f"n={L + 1}" in msg and f"L={L}" in msg
+
+
+def test_error_unknown_variant_lists_valid_names():
+    with pytest.raises(ConfigError) as e:
+        config("randm")
+    msg = one_line(e)
+    assert "randm" in msg and "factorized_random" in msg and "sgu" in msg and "random+dot" in msg
+
+
+def test_error_factorization_must_multiply_to_L():
+    with pytest.raises(ConfigError) as e:
+        config("factorized_dense", factorized_a=3, factorized_b=5)
+    msg = one_line(e)
+    assert "factorized_a" in msg and "15" in msg and str(L) in msg
+
+
+def test_error_mixture_of_unmixable():
+    with pytest.raises(ConfigError) as e:
+        config("sgu+dot")
+    one_line(e)

@@ -62,8 +62,9 @@ class Block(nn.Module):
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x, A
 
-    def flops(self, n):
-        return self.mixer.flops(n) + (self.mlp.flops(n) if self.mlp is not None else 0)
+    def train_flops(self, n):
+        """Forward + backward FLOPs per token of this block."""
+        return self.mixer.train_flops(n) + (3 * self.mlp.flops(n) if self.mlp is not None else 0)
 
 
 class SynthesizerLM(nn.Module):
@@ -123,10 +124,10 @@ class SynthesizerLM(nn.Module):
             maps.append(A)
         return maps
 
-    def flops_per_token(self, n: int) -> dict:
-        """Forward FLOPs per token (2 per multiply-add, full n² terms) per layer and for the head."""
+    def train_flops_per_token(self, n: int) -> dict:
+        """Forward + backward FLOPs per token (2 per multiply-add, full n² terms) per layer and for the head."""
         d, V = self.cfg.d_model, self.cfg.vocab_size
-        return {"layers": [b.flops(n) for b in self.blocks], "head": 2 * d * V}
+        return {"layers": [b.train_flops(n) for b in self.blocks], "head": 3 * 2 * d * V}
 
 
 def build_model(cfg: ModelConfig, seed: int | None = None) -> SynthesizerLM:

@@ -108,10 +108,17 @@ class SynthesizedAttention(nn.Module):
             yield "theta", self.theta
 
     def flops(self, n):
+        """Forward FLOPs per token."""
         H = tp.full_shape(self.value.weight)[0] // self.d_h
         mixing = 2 * n * H * self.d_h + (len(self.names) - 1) * H * n     # A V, plus the α-weighted sum
         return (linear_flops(self.value) + linear_flops(self.out) + mixing
                 + sum(s.flops(n) for s in self.synth.values()))
+
+    def train_flops(self, n):
+        """Forward + backward (2 × forward) per token; a map with nothing to learn needs no dA = dY Vᵀ."""
+        frozen_map = not any(p.requires_grad for _, p in self.synthesizer_parameters()) and \
+            not any(s.input_dependent for s in self.synth.values())
+        return 3 * self.flops(n) - (2 * n * tp.full_shape(self.value.weight)[0] if frozen_map else 0)
 
 
 class SpatialGatingMixer(nn.Module):
@@ -158,3 +165,6 @@ class SpatialGatingMixer(nn.Module):
     def flops(self, n):
         Hl_c = self.norm_weight.numel() * tp.tp_world()                  # d_in
         return linear_flops(self.in_proj) + linear_flops(self.out) + 2 * n * Hl_c
+
+    def train_flops(self, n):
+        return 3 * self.flops(n)

@@ -1,0 +1,60 @@
+"""Parameter and FLOP accounting read off the real modules (TP-sharded tensors counted at full size).
+
+- trainable / frozen: numel of the parameters with / without requires_grad;
+- Table 1 (Tay et al. 2020): the trainable parameters of each layer's synthesizing function, excluding the
+  value/output projections and biases (each mixer lists them in `synthesizer_parameters()`);
+- training FLOPs per token: forward + backward (2 × forward: input and weight gradients; a map with nothing to
+  learn skips dA), 2 FLOPs per multiply-add, with the full n² terms of attention/synthesis at sequence length n (no causal discount).
+"""
+from __future__ import annotations
+
+import math
+
+import torch.nn as nn
+
+from model import parallel as tp
+from model.lm import SynthesizerLM
+
+def full_numel(p) -> int:
+    return math.prod(tp.full_shape(p))
+
+
+def count(params) -> tuple[int, int]:
+    """(trainable, frozen) element counts."""
+    trainable = frozen = 0
+    for p in params:
+        if p.requires_grad:
+            trainable += full_numel(p)
+        else:
+            frozen += full_numel(p)
+    return trainable, frozen
+
+
+def table1_count(mixer: nn.Module) -> int:
+    return sum(full_numel(p) for _, p in mixer.synthesizer_parameters() if p.requires_grad)
+
+
+def model_stats(model: SynthesizerLM, n: int | None = None) -> dict:
+    """Per layer and in total: parameters (trainable, frozen), Table-1 count, training FLOPs per token at n."""
+    cfg = model.cfg
+    n = n or cfg.max_seq_len
+    flops = model.train_flops_per_token(n)
+    layers = []
+    for i, (block, mixer_name) in enumerate(zip(model.blocks, cfg.layer_mixers())):
+        trainable, frozen = count(block.parameters())
+        layers.append({"layer": i, "mixer": mixer_name, "trainable": trainable, "frozen": frozen,
+                       "table1": table1_count(block.mixer),
+                       "train_flops_per_token": flops["layers"][i]})
+    other = [p for name, p in model.named_parameters() if not name.startswith("blocks.")]
+    trainable, frozen = count(other)
+    outside = {"trainable": trainable, "frozen": frozen, "train_flops_per_token": flops["head"]}
+    total_trainable, total_frozen = count(model.parameters())
+    return {
+        "seq_len": n,
+        "layers": layers,
+        "embeddings_and_head": outside,
+        "total": {"trainable": total_trainable, "frozen": total_frozen,
+                  "table1": sum(l["table1"] for l in layers),
+                  "train_flops_per_token": sum(l["train_flops_per_token"] for l in layers)
+                  + outside["train_flops_per_token"]},
+    }

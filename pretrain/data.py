@@ -1,0 +1,311 @@
+"""Streaming, resumable token batches from the WebDataset shards that tools/make_shards.py writes.
+
+Public API
+    DataError(ValueError)                      every data problem, as one line naming the path/value and the fix
+    read_manifest(shard_dir) -> dict           the validated manifest.json, plus "shard_dir"
+    check_vocab(manifest, model_vocab_size)    DataError unless the tokenizer and the model agree on the vocabulary size
+    tokenizer_path(manifest) -> str            the tokenizer.model copy inside the shard directory
+    TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4)
+        iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings]}
+        state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
+                                               depend on; a new iterator continues exactly where the saved one was
+        val_batches(max_batches=None)          finite, the same batches on every call, the same count on every rank
+        worker_shards(epoch, worker) -> [names]    the train shards one DataLoader worker of this rank reads in an epoch
+
+Order of the train stream, a function of (manifest, seed, dp_world, num_workers, B, mix_shards) only:
+    epoch e:  shards = the train shards shuffled by Random(f"{seed}/{e}"), the same list on every rank;
+              rank r takes shards[r::dp_world] (the node splitter, by the data-parallel rank we are given: webdataset's
+              split_by_node would use torch.distributed's global rank, wrong under tensor/pipeline parallelism);
+              worker w of W takes those[w::W] (the worker splitter);
+              the worker reads its shards in groups of mix_shards and pools and shuffles each group's samples with
+              Random(f"{seed}/{e}/{r}/{w}/{group index}") (a shard is consecutive text: mixing a few varies a batch).
+    A worker's samples run on from epoch to epoch without end and are cut into batches of B. The DataLoader
+    (batch_size=None: batches are made in the workers) hands out batch j of the rank from worker j % W; since no
+    worker's stream ends, that round robin is never broken and every rank can always take one more step.
+Resume: after k consumed batches logical worker w has produced len(range(w, k, W)) of them. A new iterator's DataLoader
+serves its physical worker 0 first, so physical worker p plays logical worker (p + k) % W, and each worker skips its
+count x B samples: whole groups (and epochs) by the manifest's counts without opening them, then the head of one group,
+read as bytes but not decoded. Changing dp_world, num_workers, B, seq_len, seed or mix_shards changes the order, so
+load_state_dict refuses it: resuming under a new layout needs an explicit remap of the position.
+
+The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
+"""
+
+import functools
+import glob
+import itertools
+import json
+import math
+import os
+import random
+
+import numpy as np
+import torch
+import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+MANIFEST_FORMAT = 1
+DTYPES = {"uint16": ("<u2", "tokens.u16"), "int32": ("<i4", "tokens.i32")}  # manifest dtype -> (numpy, tar member)
+STATE_KEYS = ("dp_rank", "dp_world", "num_workers", "micro_batch_size", "seq_len", "seed", "mix_shards")
+MAKE = "tools/make_shards.py"
+
+
+class DataError(ValueError):
+    """A problem with the shard data or its settings; the message is one line that names the path/value and the fix."""
+
+
+def _need(cond, msg):
+    if not cond:
+        raise DataError(msg)
+
+
+def read_manifest(shard_dir):
+    """Load and validate shard_dir/manifest.json; the result also carries "shard_dir"."""
+    _need(os.path.isdir(shard_dir), f"shard directory {shard_dir} does not exist: build it with {MAKE} --out ...")
+    path = os.path.join(shard_dir, "manifest.json")
+    if not os.path.isfile(path):
+        tars = glob.glob(os.path.join(shard_dir, "*.tar"))
+        _need(tars, f"shard directory {shard_dir} is empty (no manifest.json, no .tar shards): build it with {MAKE}")
+        raise DataError(f"{shard_dir} has {len(tars)} shards but no manifest.json (an unfinished {MAKE} run?): "
+                        "rebuild it")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"malformed manifest {path}: {e.msg} at line {e.lineno}: rebuild it with {MAKE}") from None
+    bad = f"malformed manifest {path}:"
+    _need(isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT,
+          f"{bad} expected a JSON object with \"format\": {MANIFEST_FORMAT}: rebuild it with {MAKE}")
+    for key in ("seq_len", "vocab_size"):
+        _need(isinstance(m.get(key), int) and m[key] > 0,
+              f"{bad} \"{key}\" must be a positive integer, got {m.get(key)!r}")
+    _need(m.get("dtype") in DTYPES, f"{bad} \"dtype\" must be one of {sorted(DTYPES)}, got {m.get('dtype')!r}")
+    _need(isinstance(m.get("tokenizer"), str), f"{bad} \"tokenizer\" must be a file name, got {m.get('tokenizer')!r}")
+    _need(isinstance(m.get("splits"), dict) and "train" in m["splits"], f"{bad} no \"splits\" with a \"train\" entry")
+    for name, split in m["splits"].items():
+        ok = isinstance(split, dict) and isinstance(split.get("shards"), list) and all(
+            isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("samples"), int)
+            and s["samples"] > 0 for s in split["shards"])
+        _need(ok, f"{bad} split \"{name}\" needs \"shards\": [{{\"name\": str, \"samples\": int > 0}}, ...]")
+        total = sum(s["samples"] for s in split["shards"])
+        _need(split.get("samples") == total,
+              f"{bad} split \"{name}\" says {split.get('samples')} samples but its shards hold {total}")
+    return dict(m, shard_dir=shard_dir)
+
+
+def tokenizer_path(manifest):
+    return os.path.join(manifest["shard_dir"], manifest["tokenizer"])
+
+
+def check_vocab(manifest, model_vocab_size):
+    v = manifest["vocab_size"]
+    _need(v == model_vocab_size,
+          f"data {manifest['shard_dir']} has vocab_size={v} (tokenizer {tokenizer_path(manifest)}) but "
+          f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} or rebuild the shards")
+
+
+# ---- pipeline stages (module level, so DataLoader workers can pickle them under any start method) ----
+
+def split_by_dp_rank(src, rank, world):
+    """Node splitter: this data-parallel rank's share of one epoch's shard list."""
+    return itertools.islice(src, rank, None, world)
+
+
+def split_by_loader_worker(src, worker, workers):
+    """Worker splitter: one DataLoader worker's share of its rank's shards."""
+    return itertools.islice(src, worker, None, workers)
+
+
+def _worker():
+    info = torch.utils.data.get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+def _read_tar(path, count=None):
+    """The samples of one shard in file order, as raw bytes (webdataset's own tar reader)."""
+    samples = list(group_by_keys(tar_file_expander(url_opener([{"url": path}]))))
+    _need(count is None or len(samples) == count,
+          f"shard {path} holds {len(samples)} samples but manifest.json says {count}: rebuild the directory")
+    return samples
+
+
+class EpochShards(torch.utils.data.IterableDataset):
+    """Pipeline source: what one (rank, worker) reads, epoch after epoch without end, starting `skip_batches` in.
+
+    Yields groups of up to `mix` consecutive shards of the worker's epoch list, as {"urls", "names", "skip",
+    "order_seed"}: a group's samples are pooled and shuffled together, because one shard holds consecutive text and a
+    batch drawn from one shard alone would be one passage. The first group may start part-way (skip > 0).
+    """
+
+    def __init__(self, shard_dir, shards, seed, nodesplitter, mix, skip_batches, batch_size):
+        self.shard_dir, self.shards, self.seed = shard_dir, shards, seed  # shards: [(name, samples)] sorted by name
+        self.nodesplitter, self.mix, self.skip_batches, self.batch_size = nodesplitter, mix, skip_batches, batch_size
+        self.rank = nodesplitter.keywords["rank"]
+
+    def shards_for(self, epoch, worker, workers):
+        order = list(self.shards)
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)  # the same permutation on every rank and worker
+        return list(split_by_loader_worker(self.nodesplitter(order), worker, workers))
+
+    def groups(self, epoch, worker, workers):
+        mine = self.shards_for(epoch, worker, workers)
+        return [mine[i : i + self.mix] for i in range(0, len(mine), self.mix)]
+
+    def start(self, worker, workers):
+        """(epoch, group index, samples to skip in that group) of this worker's next sample: manifest counts only."""
+        skip = len(range(worker, self.skip_batches, workers)) * self.batch_size
+        epoch = 0
+        while True:
+            for i, group in enumerate(self.groups(epoch, worker, workers)):
+                n = sum(count for _, count in group)
+                if skip < n:
+                    return epoch, i, skip
+                skip -= n
+            epoch += 1
+
+    def __iter__(self):
+        physical, workers = _worker()
+        # A new DataLoader serves its worker 0 first, but after k batches the next one is logical worker k % W's: so
+        # physical worker p plays logical worker (p + k) % W, and the round robin goes on exactly as before.
+        worker = (physical + self.skip_batches) % workers
+        epoch, first, skip = self.start(worker, workers)
+        while True:
+            groups = self.groups(epoch, worker, workers)
+            for i in range(first, len(groups)):
+                names = [name for name, _ in groups[i]]
+                yield {"urls": [os.path.join(self.shard_dir, n) for n in names], "names": names, "skip": skip,
+                       "order_seed": f"{self.seed}/{epoch}/{self.rank}/{worker}/{i}"}
+                skip = 0
+            epoch, first = epoch + 1, 0
+
+
+def shuffled_samples(src, counts):
+    """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded)."""
+    for group in src:
+        samples = [s for url, name in zip(group["urls"], group["names"]) for s in _read_tar(url, counts[name])]
+        order = list(range(len(samples)))
+        random.Random(group["order_seed"]).shuffle(order)
+        for j in order[group["skip"]:]:
+            yield samples[j]
+
+
+def collate(samples, dtype, member, seq_len):
+    rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
+    for s, row in zip(samples, rows):
+        _need(len(row) == seq_len + 1,
+              f"sample {s['__key__']} in {s['__url__']} has {len(row)} tokens, not seq_len+1={seq_len + 1}")
+    return {"tokens": torch.from_numpy(np.stack(rows).astype(np.int64)), "ids": [s["__key__"] for s in samples]}
+
+
+class TokenStream:
+    """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
+
+    def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
+                 mix_shards=4):
+        _need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        _need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
+        _need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
+        self.manifest = m = read_manifest(shard_dir)
+        _need(m["seq_len"] == seq_len,
+              f"shards in {shard_dir} have seq_len={m['seq_len']} but seq_len={seq_len} was requested: "
+              f"train with seq_len={m['seq_len']} or rebuild them with --seq-len {seq_len}")
+        self.shard_dir, self.micro_batch_size, self.seq_len = shard_dir, micro_batch_size, seq_len
+        self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
+        _need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
+        self.mix_shards = mix_shards
+        self.dtype, self.member = DTYPES[m["dtype"]]
+        self.train = self._split("train")
+        need = dp_world * max(1, num_workers)
+        _need(len(self.train) >= need,
+              f"{shard_dir} has {len(self.train)} train shards but dp_world={dp_world} x num_workers={num_workers} "
+              f"needs at least {need}: rebuild with a smaller --samples-per-shard or use fewer data workers")
+        self._consumed = 0  # batches handed to the trainer: the whole resumable position
+        self._live = 0  # id of the one live iterator
+
+    def _split(self, split):
+        shards = self.manifest["splits"].get(split, {}).get("shards", [])
+        _need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
+                      f"{MAKE}" + (" --val-fraction > 0" if split == "val" else ""))
+        for s in shards:
+            path = os.path.join(self.shard_dir, s["name"])
+            _need(os.path.isfile(path), f"shard {path} listed in manifest.json is missing: rebuild {self.shard_dir}")
+        return sorted((s["name"], s["samples"]) for s in shards)
+
+    # ---- train stream ----
+
+    def _source(self, skip_batches):
+        nodesplitter = functools.partial(split_by_dp_rank, rank=self.dp_rank, world=self.dp_world)
+        return EpochShards(self.shard_dir, self.train, self.seed, nodesplitter, self.mix_shards, skip_batches,
+                           self.micro_batch_size)
+
+    def _loader(self, skip_batches):
+        pipeline = wds.DataPipeline(
+            self._source(skip_batches),
+            wds.pipelinefilter(shuffled_samples)(dict(self.train)),
+            wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
+        )
+        return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=self.num_workers,
+                                           prefetch_factor=2 if self.num_workers else None)
+
+    def __iter__(self):
+        self._live += 1
+        return self._batches(self._live)
+
+    def _batches(self, me):
+        for batch in self._loader(skip_batches=self._consumed):
+            if me != self._live:
+                raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
+            self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
+            yield batch
+
+    def _collate(self, samples):
+        return collate(samples, self.dtype, self.member, self.seq_len)
+
+    def worker_shards(self, epoch, worker):
+        return [name for name, _ in self._source(0).shards_for(epoch, worker, max(1, self.num_workers))]
+
+    # ---- Stateful ----
+
+    def state_dict(self):
+        src, workers = self._source(self._consumed), max(1, self.num_workers)
+        position = []  # for people reading a checkpoint; only consumed_batches is used to resume
+        for w in range(workers):
+            epoch, i, skip = src.start(w, workers)
+            group = [name for name, _ in src.groups(epoch, w, workers)[i]]
+            position.append({"worker": w, "epoch": epoch, "shards": group, "sample": skip})
+        return {"consumed_batches": self._consumed, **{k: getattr(self, k) for k in STATE_KEYS}, "position": position}
+
+    def load_state_dict(self, sd):
+        for key in ("consumed_batches",) + STATE_KEYS:
+            _need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
+        for key in STATE_KEYS:
+            _need(sd[key] == getattr(self, key),
+                  f"cannot resume the data stream: the checkpoint has {key}={sd[key]} but this run has "
+                  f"{key}={getattr(self, key)}; the sample order depends on it, so an explicit remap of the data "
+                  f"position is needed (not supported): run with {key}={sd[key]}")
+        self._consumed = int(sd["consumed_batches"])
+        self._live += 1  # an iterator made before this no longer matches the position
+
+    # ---- validation ----
+
+    def val_batches(self, max_batches=None, split="val"):
+        """The same batches on every call. Rank r takes the block of K = ceil(ceil(total / dp_world) / B) batches that
+        starts at sample r*K*B in manifest order (the last rank wraps round to the start), so every rank runs the same
+        number of batches, the blocks are disjoint until the wrap, and max_batches takes a prefix of each block."""
+        shards = self._split(split)  # checked here, not at the first next(): errors surface where the call is
+        total = sum(c for _, c in shards)
+        full = math.ceil(math.ceil(total / self.dp_world) / self.micro_batch_size)
+        n_batches = full if max_batches is None else min(full, max_batches)
+        samples = self._samples_from(shards, self.dp_rank * full * self.micro_batch_size % total)
+        return (self._collate(list(itertools.islice(samples, self.micro_batch_size))) for _ in range(n_batches))
+
+    def _samples_from(self, shards, start):
+        """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened."""
+        i = 0
+        while start >= shards[i][1]:
+            start -= shards[i][1]
+            i += 1
+        while True:
+            name, count = shards[i]
+            yield from _read_tar(os.path.join(self.shard_dir, name), count)[start:]
+            i, start = (i + 1) % len(shards), 0

@@ -1,0 +1,354 @@
+"""The data path of issue #3: tokenizer and shard tools, and the streaming, resumable loader (pretrain/data.py).
+
+Real files in tmp dirs, the real tools run as subprocesses, real webdataset tars, real DataLoader worker processes.
+"""
+
+import collections
+import gzip
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
+SEQ, VOCAB, PER_SHARD, B = 32, 512, 50, 4
+
+
+def run_tool(name, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *map(str, args), "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """~250 KB of Austen -> a 512-piece tokenizer -> seq_len 32 shards of 50 samples (about 70 train shards)."""
+    tmp = tmp_path_factory.mktemp("data")
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        lines, size = [], 0
+        for line in f:
+            lines.append(line)
+            size += len(line)
+            if size > 250_000:
+                break
+    text = tmp / "corpus.txt"
+    text.write_text("".join(lines), encoding="utf-8")
+    tok = tmp / "tok" / "tokenizer.model"
+    r = run_tool("train_tokenizer.py", "--input", text, "--vocab-size", VOCAB, "--out", tok)
+    assert r.returncode == 0, r.stderr
+    shards = tmp / "shards"
+    r = run_tool("make_shards.py", "--input", text, "--tokenizer", tok, "--out", shards, "--seq-len", SEQ,
+                 "--samples-per-shard", PER_SHARD, "--val-fraction", 0.05, "--seed", 7)
+    assert r.returncode == 0, r.stderr
+    return {"dir": str(shards), "text": text, "tok": tok, "docs": [l.strip() for l in lines if l.strip()],
+            "stdout": r.stdout, "manifest": read_manifest(str(shards))}
+
+
+def tar_samples(path):
+    """(key, token array) of every sample in a tar, read with tarfile alone (independent of the loader)."""
+    out = []
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            key, ext = member.name.split(".", 1)
+            assert ext == "tokens.u16", member.name
+            out.append((key, np.frombuffer(tar.extractfile(member).read(), dtype="<u2")))
+    return out
+
+
+def stream(built, **kw):
+    args = dict(micro_batch_size=B, seq_len=SEQ, dp_rank=0, dp_world=1, num_workers=0, seed=0)
+    args.update(kw)
+    return TokenStream(built["dir"], **args)
+
+
+def take(s, n):
+    it = iter(s)
+    return [next(it) for _ in range(n)]
+
+
+def one_line(exc_info, *needles):
+    msg = str(exc_info.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert str(needle) in msg, (needle, msg)
+    return msg
+
+
+# ---- tools ----
+
+def test_make_shards_manifest_matches_tars(built):
+    m, d = built["manifest"], built["dir"]
+    assert (m["format"], m["seq_len"], m["vocab_size"], m["dtype"]) == (1, SEQ, VOCAB, "uint16")
+    all_ids = []
+    for split in ("train", "val"):
+        info = m["splits"][split]
+        assert len(info["shards"]) >= (40 if split == "train" else 2)
+        for shard in info["shards"]:
+            samples = tar_samples(os.path.join(d, shard["name"]))
+            assert len(samples) == shard["samples"] and shard["first_id"] == samples[0][0]
+            assert all(len(tokens) == SEQ + 1 for _, tokens in samples)
+            all_ids += [key for key, _ in samples]
+        assert info["samples"] == sum(s["samples"] for s in info["shards"]) and info["tokens"] == info["samples"] * SEQ
+    assert len(all_ids) == len(set(all_ids)) == m["splits"]["train"]["samples"] + m["splits"]["val"]["samples"]
+    assert {f for f in os.listdir(d) if f.endswith(".tar")} == {
+        s["name"] for split in m["splits"].values() for s in split["shards"]}
+    copy = os.path.join(d, m["tokenizer"])
+    assert open(copy, "rb").read() == open(built["tok"], "rb").read()
+    assert hashlib.sha256(open(copy, "rb").read()).hexdigest() == m["tokenizer_sha256"]
+    assert "MB/s" in built["stdout"] and "tokens/s" in built["stdout"]
+
+
+def test_shard_tokens_decode_to_corpus_text(built):
+    sp = spm.SentencePieceProcessor(model_file=str(built["tok"]))
+    corpus = "\n".join(built["docs"])
+    d, m = built["dir"], built["manifest"]
+    samples = tar_samples(os.path.join(d, m["splits"]["train"]["shards"][3]["name"]))
+    pieces = 0
+    for _, tokens in samples:
+        ids = tokens.tolist()
+        cut = [-1] + [i for i, t in enumerate(ids) if t == sp.eos_id()] + [len(ids)]
+        for a, b in zip(cut, cut[1:]):  # eos separates documents: each run of ids lies inside one document
+            text = sp.decode(ids[a + 1 : b])
+            if len(text) > 3:
+                assert text in corpus, text
+                pieces += 1
+    assert pieces >= len(samples)
+    # windows are taken with stride seq_len, so neighbours in the stream share their boundary token; neighbours in a
+    # shard are stream neighbours unless a val sample fell between them (5%)
+    shared = sum(int(a[-1]) == int(b[0]) for (_, a), (_, b) in zip(samples, samples[1:]))
+    assert shared >= 0.8 * (len(samples) - 1)
+
+
+def test_tokenizer_is_deterministic_and_lossless(built, tmp_path):
+    out = tmp_path / "again.model"
+    r = run_tool("train_tokenizer.py", "--input", built["text"], "--vocab-size", VOCAB, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == built["tok"].read_bytes()
+    sp = spm.SentencePieceProcessor(model_file=str(out))
+    assert (sp.vocab_size(), sp.bos_id(), sp.eos_id()) == (VOCAB, 1, 2)
+    odd = "Tschüß  —  日本語 \t 42"
+    assert sp.decode(sp.encode(odd)) == odd and sp.unk_id() not in sp.encode(odd)  # byte fallback: no <unk>
+
+
+@pytest.mark.parametrize("tool", ["train_tokenizer.py", "make_shards.py"])
+def test_tools_missing_input_is_one_line(tool, built, tmp_path):
+    missing = tmp_path / "no_such.txt.gz"
+    extra = (["--vocab-size", VOCAB] if tool == "train_tokenizer.py"
+             else ["--tokenizer", built["tok"], "--seq-len", SEQ])
+    r = run_tool(tool, "--input", missing, "--out", tmp_path / "out", *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: input file not found: {missing}"
+    assert run_tool(tool, "--help").returncode == 0
+
+
+# ---- loader ----
+
+def epoch_ids(built, rank, world, workers, epoch_count=1):
+    """Each logical worker's first `epoch_count` epochs of sample ids, cut from the rank's batch stream (j -> j % W)."""
+    s = stream(built, dp_rank=rank, dp_world=world, num_workers=workers)
+    W = max(1, workers)
+    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    need = [sum(counts[n] for e in range(epoch_count) for n in s.worker_shards(e, w)) for w in range(W)]
+    n_batches = max((-(-need[w] // B) - 1) * W + w + 1 for w in range(W))
+    per_worker = [[] for _ in range(W)]
+    for j, batch in enumerate(take(s, n_batches)):
+        per_worker[j % W] += batch["ids"]
+    return [ids[: need[w]] for w, ids in enumerate(per_worker)], s
+
+
+def test_one_epoch_two_ranks_two_workers_sees_every_sample_once(built):
+    train = built["manifest"]["splits"]["train"]
+    seen = collections.Counter()
+    for rank in range(2):
+        streams, s = epoch_ids(built, rank, 2, 2)
+        for w, ids in enumerate(streams):
+            shards = {n[: -len(".tar")] for n in s.worker_shards(0, w)}
+            assert {i.rsplit("-", 1)[0] for i in ids} == shards  # the worker read exactly its shards
+            seen.update(ids)
+    assert len(seen) == train["samples"] and set(seen.values()) == {1}
+    assert all(name.startswith("train-") for name in seen)
+
+
+def test_resume_is_exact_on_two_ranks_with_workers(built):
+    seen = []
+    for rank in range(2):
+        kw = dict(dp_rank=rank, dp_world=2, num_workers=2)
+        straight = take(stream(built, **kw), 12)
+        seen.append({i for b in straight for i in b["ids"]})
+        first = stream(built, **kw)
+        head = take(first, 5)
+        state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps must survive serialization
+        assert state["consumed_batches"] == 5  # counted at hand-over, not what the workers prefetched
+        again = stream(built, **kw)
+        again.load_state_dict(state)
+        got = head + take(again, 7)
+        assert [b["ids"] for b in got] == [b["ids"] for b in straight]
+        assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight))
+        assert got[0]["tokens"].shape == (B, SEQ + 1) and str(got[0]["tokens"].dtype) == "torch.int64"
+    assert len(seen[0]) == len(seen[1]) == 12 * B and not seen[0] & seen[1]  # the ranks read different samples
+
+
+def test_resume_across_an_epoch_boundary(built):
+    kw = dict(dp_rank=1, dp_world=2, num_workers=2)
+    s = stream(built, **kw)
+    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    # rank batch index at which the first worker runs into its epoch 1
+    boundary = min((sum(counts[n] for n in s.worker_shards(0, w)) // B) * 2 + w for w in range(2))
+    straight = take(s, boundary + 6)
+    assert any(p["epoch"] == 1 for p in s.state_dict()["position"])
+    first = stream(built, **kw)
+    take(first, boundary - 5)
+    again = stream(built, **kw)
+    again.load_state_dict(first.state_dict())
+    got = take(again, 11)
+    assert [b["ids"] for b in got] == [b["ids"] for b in straight[boundary - 5 :]]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight[boundary - 5 :]))
+
+
+def test_resume_without_workers_and_a_second_iterator_continues(built):
+    straight = take(stream(built), 9)
+    s = stream(built)
+    got = take(s, 4) + take(s, 5)  # a fresh iter() on the same stream continues where the last one stopped
+    assert [b["ids"] for b in got] == [b["ids"] for b in straight]
+    old = iter(s)
+    next(old)
+    iter(s)  # a newer iterator makes the old one stale rather than letting both advance the position
+    with pytest.raises(RuntimeError):
+        next(old)
+
+
+def test_shuffling_is_seeded_per_epoch(built):
+    one = [b["ids"] for b in take(stream(built, seed=0), 10)]
+    assert one == [b["ids"] for b in take(stream(built, seed=0), 10)]
+    assert one != [b["ids"] for b in take(stream(built, seed=1), 10)]
+    (ids,), s = epoch_ids(built, 0, 1, 0, epoch_count=2)
+    n = built["manifest"]["splits"]["train"]["samples"]
+    e0, e1 = ids[:n], ids[n:]
+    assert len(e0) == len(e1) == n and sorted(e0) == sorted(e1) and e0 != e1
+    assert s.worker_shards(0, 0) != s.worker_shards(1, 0)
+    # samples are shuffled, not just shards: few neighbours in the stream are neighbours in a shard
+    pos = [tuple(map(int, i.split("-")[1:])) for i in e0]
+    adjacent = sum(a[0] == b[0] and b[1] == a[1] + 1 for a, b in zip(pos, pos[1:]))
+    assert adjacent < n // 20
+
+
+def test_validation_batches_are_fixed_and_equal_per_rank(built):
+    val = built["manifest"]["splits"]["val"]
+    runs = [list(stream(built, dp_rank=r, dp_world=2).val_batches()) for r in range(2)]
+    assert len(runs[0]) == len(runs[1]) > 0
+    assert [b["ids"] for b in runs[0]] == [b["ids"] for b in stream(built, dp_rank=0, dp_world=2).val_batches()]
+    # rank 0 then rank 1 read the split in manifest order, once, and the last rank wraps round to fill its share
+    ids = [i for run in runs for b in run for i in b["ids"]]
+    ordered = [f"{s['name'][:-4]}-{k:06d}" for s in val["shards"] for k in range(s["samples"])]
+    assert len(ids) >= len(ordered) and ids == (ordered * 2)[: len(ids)]
+    capped = list(stream(built, dp_rank=1, dp_world=2).val_batches(max_batches=3))
+    assert [b["ids"] for b in capped] == [b["ids"] for b in runs[1][:3]]
+
+
+# ---- errors: DataError, one line, naming the path or value ----
+
+def test_missing_and_empty_shard_dirs(tmp_path):
+    with pytest.raises(DataError) as e:
+        TokenStream(str(tmp_path / "nope"), B, SEQ)
+    one_line(e, tmp_path / "nope", "does not exist")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError) as e:
+        TokenStream(str(tmp_path / "empty"), B, SEQ)
+    one_line(e, tmp_path / "empty", "empty")
+
+
+def test_malformed_manifests(built, tmp_path):
+    good = built["manifest"]
+    cases = {"notjson": "{not json", "noseq": {k: v for k, v in good.items() if k not in ("seq_len", "shard_dir")},
+             "badcount": dict({k: v for k, v in good.items() if k != "shard_dir"},
+                              splits={"train": dict(good["splits"]["train"], samples=1)})}
+    for name, content in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "manifest.json").write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(DataError) as e:
+            read_manifest(str(d))
+        one_line(e, d / "manifest.json", "malformed")
+    d = tmp_path / "nomanifest"
+    shutil.copytree(built["dir"], d)
+    os.remove(d / "manifest.json")
+    with pytest.raises(DataError) as e:
+        TokenStream(str(d), B, SEQ)
+    one_line(e, d, "no manifest.json")
+
+
+def test_seq_len_vocab_and_shard_count_errors(built):
+    with pytest.raises(DataError) as e:
+        TokenStream(built["dir"], B, 64)
+    one_line(e, built["dir"], f"seq_len={SEQ}", "seq_len=64")
+    check_vocab(built["manifest"], VOCAB)
+    with pytest.raises(DataError) as e:
+        check_vocab(built["manifest"], 1000)
+    one_line(e, f"vocab_size={VOCAB}", "model.vocab_size=1000", "tokenizer.model", "rebuild the shards")
+    n = len(built["manifest"]["splits"]["train"]["shards"])
+    with pytest.raises(DataError) as e:
+        TokenStream(built["dir"], B, SEQ, dp_rank=0, dp_world=n, num_workers=2)
+    one_line(e, built["dir"], f"{n} train shards", f"dp_world={n}", "num_workers=2", f"{2 * n}")
+
+
+def test_no_val_shards(built, tmp_path):
+    d = tmp_path / "noval"
+    shutil.copytree(built["dir"], d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["splits"]["val"] = {"samples": 0, "tokens": 0, "shards": []}
+    (d / "manifest.json").write_text(json.dumps(m))
+    s = TokenStream(str(d), B, SEQ)
+    with pytest.raises(DataError) as e:
+        s.val_batches()
+    one_line(e, d, "split 'val'")
+
+
+def test_resume_refuses_a_different_layout(built):
+    saved = stream(built, dp_rank=0, dp_world=2, num_workers=2)
+    take(saved, 3)
+    state = saved.state_dict()
+    for change, value in (("dp_world", 4), ("num_workers", 1), ("micro_batch_size", 8)):
+        kw = dict(dict(dp_rank=0, dp_world=2, num_workers=2), **{change: value})
+        with pytest.raises(DataError) as e:
+            stream(built, **kw).load_state_dict(state)
+        one_line(e, f"{change}={state[change]}", f"{change}={value}", "remap")
+
+
+# ---- memory on a large input ----
+
+@pytest.mark.slow
+def test_make_shards_streams_a_50mb_file_in_bounded_memory(built, tmp_path):
+    big = tmp_path / "big.txt"
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        lines = [l for l in f if l.strip()]
+    rng = random.Random(0)
+    with open(big, "w", encoding="utf-8") as f:
+        while f.tell() < 50_000_000:
+            rng.shuffle(lines)
+            f.writelines(lines)
+    size = os.path.getsize(big)
+    # a wrapper process runs the tool and reports its children's peak RSS, so nothing else pytest started counts
+    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+    cmd = [sys.executable, "-c", probe, sys.executable, os.path.join(ROOT, "tools", "make_shards.py"), "--input", big,
+           "--tokenizer", built["tok"], "--out", tmp_path / "shards", "--seq-len", 1024, "--quiet"]
+    r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    *report, peak_kb = r.stdout.strip().splitlines()
+    print(f"\n{size / 1e6:.0f} MB input, peak RSS {int(peak_kb) / 1024:.0f} MB\n" + "\n".join(report))
+    # ru_maxrss is in KiB on Linux. The bound is 1 GB; 768 MB leaves room over the ~330 MB measured (torch is imported
+    # by webdataset), while reading the file whole and encoding it in one call peaked at 1.65 GB when measured.
+    assert int(peak_kb) < 768 * 1024
+    m = read_manifest(str(tmp_path / "shards"))
+    assert m["splits"]["train"]["tokens"] > size / 10  # the whole file went through (about 3 bytes per token)
+    assert "MB/s" in report[-1] and "tokens/s" in report[-1]

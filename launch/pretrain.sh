@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Pretrain with the DeepSpeed launcher:   launch/pretrain.sh CONFIG [section.key=value ...]
+#
+# Single machine: one process per GPU, or NPROC CPU processes when there is no GPU (default 2).
+# Multi-node, ssh:   HOSTFILE=hostfile launch/pretrain.sh CONFIG        (hostfile lines: "node1 slots=8")
+# Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node
+#   NNODES=2 NODE_RANK=<i> MASTER_ADDR=<node 0> MASTER_PORT=29500 launch/pretrain.sh CONFIG
+# As the per-rank command of a launcher that already started the ranks (RANK/LOCAL_RANK set):
+#   deepspeed --no_python launch/pretrain.sh CONFIG ...
+#
+# Environment (defaults): NPROC (GPUs on this node, else 2), HOSTFILE, NNODES (1), NODE_RANK (0),
+# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), PYTHON (.venv/bin/python if present, else python3).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  exit $([ $# -lt 1 ] && echo 2 || echo 0)
+fi
+if [ ! -f "$1" ]; then
+  echo "error: config file '$1' not found; pass a YAML from configs/, e.g. configs/demo-cpu.yaml" >&2
+  exit 2
+fi
+
+# Already one rank of a launched job: run the trainer in this process.
+if [ -n "${RANK:-}" ] && [ -n "${LOCAL_RANK:-}" ]; then
+  exec "$PYTHON" -m pretrain.train "$@"
+fi
+
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+NPROC="${NPROC:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
+DS=("$PYTHON" -m deepspeed.launcher.runner --master_addr "${MASTER_ADDR:-127.0.0.1}"
+    --master_port "${MASTER_PORT:-29500}")
+if [ -n "${HOSTFILE:-}" ]; then
+  DS+=(--hostfile "$HOSTFILE")
+elif [ "${NNODES:-1}" -gt 1 ]; then
+  # One launcher per node, started by the scheduler: no ssh between nodes.
+  DS+=(--no_ssh --num_nodes "$NNODES" --node_rank "${NODE_RANK:-0}" --num_gpus "$NPROC")
+else
+  DS+=(--num_gpus "$NPROC")
+fi
+exec "${DS[@]}" --module pretrain.train "$@"

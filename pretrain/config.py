@@ -1,0 +1,493 @@
+"""TrainConfig: the whole run in typed, nested sections, each field with its docstring and its checks.
+
+One loader, in one fixed order (later wins):
+    dataclass defaults  <  YAML file (after its `base:` chain)  <  command-line overrides `section.key=value`.
+`base: other.yaml` (relative to the file) is merged recursively under the file, so a variant is a few lines.
+Every user mistake is a `ConfigError` with one line naming the dotted key, the value and what is allowed.
+Checks that need only the config run when a section is built (`__post_init__`, per section); checks that need
+the launch (world size, CUDA, existing paths) run in `TrainConfig.check_runtime`, still before any process group.
+Paths inside a config (shard_dir, run_dir, ...) are relative to the working directory, i.e. the repo root.
+
+    python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--deepspeed --world-size 2]
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import re
+import sys
+import types
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, NamedTuple, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from model.config import ConfigError, ModelConfig
+
+
+def _f(help: str, default: Any = MISSING) -> Any:
+    """A field with its docstring; no default means the config must set it."""
+    return field(default=default, metadata={"help": help})
+
+
+def _check_types(section: Any, prefix: str) -> None:
+    """Check each field against its annotation, naming the key; ints are widened to floats where a float is declared
+    (YAML `lr: 1` is an int), tuples accept YAML lists. Range checks stay with each section."""
+    hints = get_type_hints(type(section))
+    for f in fields(section):
+        key, value, want = f"{prefix}.{f.name}", getattr(section, f.name), hints[f.name]
+        if want is Any:
+            continue
+        options = get_args(want) if get_origin(want) in (Union, types.UnionType) else (want,)
+        if value is None:
+            if type(None) in options:
+                continue
+            raise ConfigError(f"{key} must be set: {f.metadata.get('help', '')}")
+        want = next(t for t in options if t is not type(None))
+        if get_origin(want) is tuple:
+            n = len(get_args(want))
+            if not isinstance(value, (list, tuple)) or len(value) != n or not all(_is_number(v) for v in value):
+                raise ConfigError(f"{key}={value!r} must be a list of {n} numbers")
+            setattr(section, f.name, tuple(float(v) for v in value))
+        elif want is float and _is_number(value):
+            setattr(section, f.name, float(value))
+        elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}={value!r} must be of type {want.__name__}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is out of range; allowed: {allowed}")
+
+
+# ---- sections ------------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class DataSection:
+    """Where the token shards are and how they are read."""
+    shard_dir: str = _f("directory of the shards written by tools/make_shards.py (holds manifest.json)")
+    tokenizer: str | None = _f("path of the sentencepiece tokenizer.model; default <shard_dir>/tokenizer.model", None)
+    num_workers: int = _f("DataLoader worker processes per rank (0 = read in the training process)", 2)
+    seed: int = _f("seed of the shard/sample order", 1234)
+    val_batches: int = _f("validation micro-batches per evaluation (the same batches every time)", 20)
+
+    def __post_init__(self):
+        _check_types(self, "data")
+        _need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
+        if self.tokenizer is None:
+            self.tokenizer = os.path.join(self.shard_dir, "tokenizer.model")
+        _need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
+        _need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    """How ranks are split: world = tp × pp × dp, dp derived from the world size at launch (`dp()`)."""
+    tp: int = _f("tensor-parallel size: heads (and every per-head synthesizer weight) are split over tp ranks", 1)
+    pp: int = _f("pipeline stages (DeepSpeed PipelineModule); layers are split over them", 1)
+    zero_stage: int = _f("DeepSpeed ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer states), "
+                         "2 (+ gradients), 3 (+ parameters)", 1)
+
+    def __post_init__(self):
+        _check_types(self, "parallel")
+        _need(self.tp >= 1, "parallel.tp", self.tp, "≥ 1")
+        _need(self.pp >= 1, "parallel.pp", self.pp, "≥ 1")
+        _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        # Within one section, so checked here rather than at launch: DeepSpeed's PipelineEngine refuses ZeRO-2/3.
+        if self.pp > 1 and self.zero_stage > 1:
+            raise ConfigError(f"parallel.pp > 1 needs parallel.zero_stage ≤ 1 (got pp={self.pp}, "
+                              f"zero_stage={self.zero_stage}); DeepSpeed pipelines support ZeRO-0/1 only")
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size: the ranks left after tensor and pipeline parallelism."""
+        if world_size < 1 or world_size % (self.tp * self.pp):
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp × parallel.pp = "
+                              f"{self.tp} × {self.pp} = {self.tp * self.pp}")
+        return world_size // (self.tp * self.pp)
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """Optimizer (AdamW), schedule (warmup + decay, see `lr_lambda`), batch sizes, length and numerics of the run."""
+    lr: float = _f("peak learning rate, reached at the end of warmup", 3e-4)
+    min_lr: float = _f("learning rate at train.max_steps and after (GPT-3: lr/10)", 3e-5)
+    warmup_steps: int = _f("linear warmup from 0 to lr over this many optimizer steps", 100)
+    decay: str = _f("after warmup: 'cosine' (to min_lr at max_steps), 'linear', or 'constant' (stay at lr)", "cosine")
+    weight_decay: float = _f("AdamW decoupled weight decay", 0.1)
+    betas: tuple[float, float] = _f("AdamW (beta1, beta2)", (0.9, 0.95))
+    eps: float = _f("AdamW epsilon", 1e-8)
+    grad_clip: float = _f("clip the global gradient norm to this (0 = no clipping)", 1.0)
+    global_batch_size: int = _f("sequences per optimizer step summed over all data-parallel ranks")
+    micro_batch_size: int = _f("sequences per rank per forward/backward pass")
+    max_steps: int = _f("optimizer steps of the run (the cosine reaches min_lr here)")
+    max_tokens: int | None = _f("optional token budget (global_batch_size × max_seq_len per step); the run stops "
+                                "at whichever of max_steps / max_tokens comes first", None)
+    precision: str = _f("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
+                        "fp32")
+    seed: int = _f("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
+    run_dir: str = _f("output directory of the run; checkpoints and TensorBoard go under it by default")
+
+    def __post_init__(self):
+        _check_types(self, "train")
+        _need(self.lr > 0, "train.lr", self.lr, "> 0")
+        _need(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"0 ≤ min_lr ≤ train.lr={self.lr}")
+        _need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
+        _need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
+              f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
+        _need(self.decay in ("cosine", "linear", "constant"), "train.decay", self.decay, "cosine, linear, constant")
+        _need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
+        _need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
+        _need(self.eps > 0, "train.eps", self.eps, "> 0")
+        _need(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "≥ 0 (0 = off)")
+        _need(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "≥ 1")
+        _need(1 <= self.micro_batch_size <= self.global_batch_size, "train.micro_batch_size",
+              self.micro_batch_size, f"1 … train.global_batch_size={self.global_batch_size}")
+        _need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
+        _need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
+        _need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
+
+    def grad_accum(self, dp: int) -> int:
+        """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} is not divisible by "
+                              f"train.micro_batch_size × data-parallel size = {self.micro_batch_size} × {dp} = "
+                              f"{per_step}")
+        return self.global_batch_size // per_step
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    """DeepSpeed checkpoints (model, optimizer, scheduler, data position, this config)."""
+    every: int = _f("save every this many optimizer steps (and at the end of the run)", 1000)
+    keep: int = _f("keep the last this many checkpoints, delete older ones", 3)
+    dir: str | None = _f("checkpoint directory; default <train.run_dir>/checkpoints", None)
+    resume: str = _f("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
+
+    def __post_init__(self):
+        _check_types(self, "checkpoint")
+        _need(self.every >= 1, "checkpoint.every", self.every, "≥ 1")
+        _need(self.keep >= 1, "checkpoint.keep", self.keep, "≥ 1")
+        _need(bool(self.resume), "checkpoint.resume", self.resume, "auto, none, or a path")
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    """What goes to the console and TensorBoard, and how often."""
+    every: int = _f("log loss, lr, grad norm, tokens/s and MFU every this many steps", 10)
+    val_every: int = _f("validate every this many steps (0 = only at the end)", 500)
+    image_every: int = _f("attention-map images and a text sample every this many steps (0 = never)", 1000)
+    tensorboard_dir: str | None = _f("TensorBoard event directory; default <train.run_dir>/tensorboard", None)
+    peak_tflops_per_device: float = _f("peak dense TFLOP/s of one device at train.precision, the denominator of MFU; "
+                                       "989 = H100 SXM bf16 dense (312 for A100 bf16)", 989.0)
+    sample_prompt: str = _f("prompt of the text sample", "It is a truth universally acknowledged")
+    sample_tokens: int = _f("tokens generated for the text sample", 64)
+    sample_ids: bool = _f("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
+
+    def __post_init__(self):
+        _check_types(self, "logging")
+        for name in ("every", "val_every", "image_every", "sample_tokens"):
+            low = 1 if name == "every" else 0
+            _need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
+        _need(self.peak_tflops_per_device > 0, "logging.peak_tflops_per_device", self.peak_tflops_per_device, "> 0")
+
+
+class Runtime(NamedTuple):
+    """What a launch of `world_size` ranks derives from the config."""
+    world_size: int
+    dp: int
+    grad_accum: int
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole run; YAML top-level keys are these section names."""
+    model: ModelConfig = _f("the Synthesizer LM (model/config.py)")
+    data: DataSection = _f("token shards and their reading")
+    parallel: ParallelSection = field(default_factory=ParallelSection, metadata={"help": "TP × PP × DP layout"})
+    train: TrainSection = _f("optimizer, schedule, batch, length, precision")
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"help": "saving and resuming"})
+    logging: LoggingSection = field(default_factory=LoggingSection, metadata={"help": "console and TensorBoard"})
+
+    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging")
+
+    def __post_init__(self):
+        _check_types(self.model, "model")  # ModelConfig checks ranges; the types (bool, float, ...) are checked here
+        # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = os.path.join(self.train.run_dir, "checkpoints")
+        if self.logging.tensorboard_dir is None:
+            self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step (sequences are packed to max_seq_len)."""
+        return self.train.global_batch_size * self.model.max_seq_len
+
+    def total_steps(self) -> int:
+        """Optimizer steps of the run: train.max_steps, or fewer when train.max_tokens is reached first."""
+        if self.train.max_tokens is None:
+            return self.train.max_steps
+        return min(self.train.max_steps, math.ceil(self.train.max_tokens / self.tokens_per_step))
+
+    def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:
+        """Checks across sections and against the launch; call on every rank before any process group starts.
+        `cuda` defaults to what this machine has (see `cuda_available`)."""
+        m, p = self.model, self.parallel
+        dp = p.dp(world_size)
+        if m.n_heads % p.tp:
+            raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        if m.vocab_size % p.tp:  # VocabParallelEmbedding splits the vocabulary evenly
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              "pad the vocabulary")
+        if m.n_layers < p.pp:
+            raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
+        grad_accum = self.train.grad_accum(dp)
+        if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):
+            raise ConfigError("train.precision='fp16' needs CUDA (DeepSpeed refuses fp16 on CPU); use bf16 or fp32")
+        if self.checkpoint.resume not in ("auto", "none") and not Path(self.checkpoint.resume).exists():
+            raise ConfigError(f"checkpoint.resume={self.checkpoint.resume!r} does not exist; "
+                              "use auto, none, or an existing checkpoint path")
+        return Runtime(world_size, dp, grad_accum)
+
+    @classmethod
+    def from_dict(cls, tree: dict, source: str = "the config") -> "TrainConfig":
+        """Build from a nested dict (a merged YAML tree, or `to_dict()` saved in a checkpoint)."""
+        _check_keys(tree, source)
+        types = get_type_hints(cls)
+        built = {}
+        for name in cls.SECTIONS:
+            sub = tree.get(name) or {}
+            for f in fields(types[name]):  # name a missing required key before the dataclass's TypeError would
+                if f.name not in sub and f.default is MISSING and f.default_factory is MISSING:
+                    raise ConfigError(f"missing required config key '{name}.{f.name}' "
+                                      f"({f.metadata.get('help', '')}) in {source}")
+            built[name] = ModelConfig.from_dict(sub) if name == "model" else types[name](**sub)
+        return cls(**built)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (lists, no tuples): YAML-dumpable and `from_dict`-loadable."""
+        out = {}
+        for name in self.SECTIONS:
+            section = getattr(self, name)
+            out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+        return out
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `3e-4` as a float: YAML 1.1 insists on `3.0e-4`, and LRs are written the short way."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"), list("-+.0123456789"))
+
+
+def _valid_keys() -> dict[str, list[str]]:
+    types = get_type_hints(TrainConfig)
+    return {s: [f.name for f in fields(types[s])] for s in TrainConfig.SECTIONS}
+
+
+def _suggest(key: str, valid: list[str]) -> str | None:
+    """The nearest valid dotted key: the same field in another section (train.tp → parallel.tp), an acronym
+    (learning_rate → lr), else by spelling (difflib)."""
+    section, _, leaf = key.rpartition(".")
+
+    def acronym(s: str) -> str:
+        return "".join(w[0] for w in s.split("_") if w)
+
+    def score(cand: str) -> float:
+        c_section, _, c_leaf = cand.rpartition(".")
+        s = difflib.SequenceMatcher(None, key, cand).ratio()
+        s += c_leaf == leaf and c_section != section
+        s += c_section == section and len(leaf) > 1 and (acronym(leaf) == c_leaf or acronym(c_leaf) == leaf)
+        return s
+
+    best = max(valid, key=score)
+    return best if score(best) >= 0.6 else None
+
+
+def _unknown(key: str, source: str) -> ConfigError:
+    valid = [s for s in TrainConfig.SECTIONS] + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks]
+    guess = _suggest(key, valid)
+    hint = f"did you mean '{guess}'?" if guess else "valid sections: " + ", ".join(TrainConfig.SECTIONS)
+    return ConfigError(f"unknown config key '{key}' in {source}; {hint}")
+
+
+def _check_keys(tree: Any, source: str) -> None:
+    """Every key must be `section` or `section.field`: typos fail loudly instead of being silently ignored."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source} must be a mapping of sections ({', '.join(TrainConfig.SECTIONS)})")
+    valid = _valid_keys()
+    for name, sub in tree.items():
+        if name not in valid:
+            raise _unknown(str(name), source)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise ConfigError(f"config section '{name}' in {source} must be a mapping, got {sub!r}")
+        for k in sub:
+            if k not in valid[name]:
+                raise _unknown(f"{name}.{k}", source)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge recursively, anything else (lists, null) replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):  # an empty `train:` changes nothing
+            out[k] = _merge(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
+def _read(path: str, chain: tuple[str, ...] = ()) -> dict:
+    """One YAML file with its `base:` chain merged underneath; keys are checked per file so errors name the file."""
+    path = os.path.normpath(path)
+    if path in chain:
+        raise ConfigError(f"config 'base' cycle: {' -> '.join(chain + (path,))}")
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        tree = yaml.load(text, Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    base = tree.pop("base", None) if isinstance(tree, dict) else None
+    _check_keys(tree, path)
+    if base is None:
+        return tree
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base={base!r} must be the path of one YAML file")
+    return _merge(_read(os.path.join(os.path.dirname(path), base), chain + (path,)), tree)
+
+
+def _override(tree: dict, item: str) -> dict:
+    """Apply one `section.key=value`; the value is parsed as YAML (3e-4, true, null, [random, dot])."""
+    key, eq, text = item.partition("=")
+    source = f"override '{item}'"
+    section, _, name = key.partition(".")
+    if not eq or (section in TrainConfig.SECTIONS and not name):
+        raise ConfigError(f"{source} must look like section.key=value (e.g. train.lr=3e-4)")
+    if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
+        raise _unknown(key, source)
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        raise ConfigError(f"{source}: the value is not a YAML scalar or list") from None
+    return _merge(tree, {section: {name: value}})
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Defaults, then the YAML file (with its `base:` chain), then `section.key=value` overrides; validated."""
+    tree = _read(str(path))
+    for item in overrides:
+        tree = _override(tree, item)
+    return TrainConfig.from_dict(tree, source=str(path))
+
+
+# ---- what the trainer derives --------------------------------------------------------------------------------------
+def cuda_available() -> bool:
+    """Whether ranks will run on CUDA. torch is asked rather than DeepSpeed's accelerator so that this module stays
+    cheap to import (and DeepSpeed's import-time log does not go to stdout); DS_ACCELERATOR=cpu is respected."""
+    if os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def deepspeed_config(cfg: TrainConfig, dp_world: int, cuda: bool | None = None) -> dict:
+    """The DeepSpeed config of a run with `dp_world` data-parallel ranks, generated, never hand-kept.
+
+    No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
+    `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
+    defines it on every backend and its step count lives in the engine's checkpoint. The trainer may pass parameter
+    groups (no decay on norms/biases); each group's own weight_decay then overrides the one below."""
+    t = cfg.train
+    cuda = cuda_available() if cuda is None else cuda
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum(dp_world),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
+            # FusedAdam is a CUDA kernel; elsewhere DeepSpeed would JIT-build a CPU op for ~78 s (DESIGN.md §3).
+            "torch_adam": not cuda}},
+        "steps_per_print": 10**9,  # the trainer logs itself
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
+    """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps and
+    T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first):
+        s < W:      s / W                                   linear warmup from 0
+        W ≤ s < T:  f + (1 - f)·½(1 + cos(π (s - W)/(T - W)))  cosine from 1 to f = min_lr/lr ('linear': straight)
+        s ≥ T:      f                                       constant min_lr ('constant' decay: 1 throughout)"""
+    T = train.max_steps if total_steps is None else total_steps
+    W, floor, decay = min(train.warmup_steps, T), train.min_lr / train.lr, train.decay
+
+    def factor(step: int) -> float:
+        if step < W:
+            return step / W
+        if decay == "constant":
+            return 1.0
+        if step >= T:
+            return floor
+        progress = (step - W) / (T - W)
+        if decay == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pretrain.config",
+                                description="Load, validate and print a training config.")
+    p.add_argument("config", help="YAML file, e.g. configs/demo-cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML (train.lr=3e-4 "
+                                                "model.mixer=[random,dot])")
+    p.add_argument("--print", action="store_true", help="print the resolved config as YAML (the default output)")
+    p.add_argument("--deepspeed", action="store_true", help="print the generated DeepSpeed config (JSON)")
+    p.add_argument("--world-size", type=int, default=None, help="check the config for this many ranks "
+                                                                "(default 1 with --deepspeed)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.world_size is not None or args.deepspeed:
+            rt = cfg.check_runtime(args.world_size or 1)
+        if args.print or not args.deepspeed:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
+        if args.deepspeed:
+            print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

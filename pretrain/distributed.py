@@ -1,0 +1,118 @@
+"""Process groups for a run: torch.distributed through DeepSpeed, TP groups through megatron-core, and the MPU
+adapter that tells DeepSpeed which ranks form the model-parallel and data-parallel groups.
+
+The backend follows DeepSpeed's accelerator (NCCL on GPUs, gloo on CPU); no device is hard-coded.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import TrainConfig
+
+
+@dataclass
+class Layout:
+    """Where this process sits: global rank, data-parallel rank, tensor-parallel rank, and its device."""
+    rank: int
+    world: int
+    local_rank: int
+    dp_rank: int
+    dp: int
+    tp_rank: int
+    tp: int
+    grad_accum: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class MegatronMPU:
+    """DeepSpeed's `mpu` interface over megatron-core's parallel_state (the Megatron-DeepSpeed pattern).
+
+    "Model parallel" here is tensor parallel: DeepSpeed reduces gradients over the data-parallel group, counts
+    replicated parameters once in the gradient norm, and names checkpoint files by the model-parallel rank.
+    """
+
+    def __init__(self):
+        from megatron.core import parallel_state
+
+        self.ps = parallel_state
+
+    def get_model_parallel_rank(self):
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self):
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return self.ps.get_tensor_model_parallel_group()
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.ps.get_tensor_model_parallel_src_rank()
+
+    def get_data_parallel_rank(self):
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self):
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return self.ps.get_data_parallel_group()
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.ps.get_pipeline_model_parallel_world_size()
+
+
+def _single_process_env() -> None:
+    """A bare `python -m pretrain.train` (no launcher) runs as a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+
+
+def init(cfg: TrainConfig) -> Layout:
+    """Check the config against the launch, then start torch.distributed and megatron-core's TP groups."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from megatron.core import parallel_state
+
+    _single_process_env()
+    world = int(os.environ["WORLD_SIZE"])
+    runtime = cfg.check_runtime(world)          # one-line errors before any process group exists
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(local_rank)
+    else:   # ranks on one host share its cores
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp)
+    device = torch.device(accel.current_device_name())
+    return Layout(rank=dist.get_rank(), world=world, local_rank=local_rank,
+                  dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
+                  tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp=cfg.parallel.tp,
+                  grad_accum=runtime.grad_accum, device=device)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

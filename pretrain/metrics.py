@@ -1,0 +1,77 @@
+"""What the run reports: console lines, TensorBoard (scalars, attention-map images, text) and metrics.jsonl.
+
+Only global rank 0 writes; every other rank gets a Logger whose methods do nothing, so the training loop
+calls it unconditionally.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: allocator peak on an accelerator, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def attention_grid(maps: list[torch.Tensor], max_heads: int = 4) -> list[torch.Tensor]:
+    """Per layer, the first heads' maps (n, n) side by side as one image (1, n, heads·n) in [0, 1].
+
+    Each row is scaled by its maximum so that a flat distribution is still visible; the upper triangle stays 0.
+    """
+    images = []
+    for A in maps:                                          # (B, Hl, n, n)
+        heads = A[0, :max_heads].float()
+        heads = heads / heads.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        images.append(torch.cat(list(heads), dim=-1).unsqueeze(0).cpu())
+    return images
+
+
+class Logger:
+    def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str):
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(run_dir, exist_ok=True)
+            self.writer = SummaryWriter(tensorboard_dir)
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.t0 = time.time()
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True, file=sys.stdout)
+
+    def scalars(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        for tag, v in values.items():
+            self.writer.add_scalar(tag, v, step)
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        self.writer.flush()
+
+    def images(self, step: int, tag: str, images: list[torch.Tensor]) -> None:
+        if self.enabled:
+            for i, img in enumerate(images):
+                self.writer.add_image(f"{tag}/layer_{i:02d}", img, step, dataformats="CHW")
+            self.writer.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.enabled:
+            self.writer.add_text(tag, text, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.writer.close()
+            self.jsonl.close()

@@ -1,0 +1,199 @@
+"""Pretrain a Synthesizer LM: `deepspeed --module pretrain.train CONFIG [section.key=value ...]` (or
+launch/pretrain.sh). The constructor builds everything; `train()` is the loop.
+
+Order of construction: process groups (TP through megatron-core) → data → model (full init from one seed,
+each rank keeps its TP slice) → DeepSpeed engine (ZeRO over the data-parallel group, AdamW, LR schedule) →
+checkpointer (resumes automatically from the newest checkpoint in the run) → logger.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import ConfigError, build_model
+from model.accounting import model_stats
+from model.generate import sample
+from pretrain import distributed
+from pretrain.checkpoint import Checkpointer
+from pretrain.config import TrainConfig, deepspeed_config, load_config, lr_lambda
+from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
+from pretrain.metrics import Logger, attention_grid, memory_mb
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; not biases, norms or mixture logits θ. Frozen parameters (random_fixed's R) stay out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = p.dim() < 2 or name.endswith("bias") or ".ln_" in name or name.startswith("ln_") \
+            or name.endswith("theta") or "norm_" in name
+        (no_decay if plain else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        import deepspeed
+
+        self.cfg = cfg
+        self.layout = lay = distributed.init(cfg)
+        torch.manual_seed(cfg.train.seed)
+        manifest = read_manifest(cfg.data.shard_dir)
+        check_vocab(manifest, cfg.model.vocab_size)
+        self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
+                                  dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
+                                  seed=cfg.data.seed)
+        model = build_model(cfg.model)
+        self.flops_per_token = model_stats(model)["total"]["train_flops_per_token"]
+        schedule = lr_lambda(cfg.train, cfg.total_steps())
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+            config=deepspeed_config(cfg, lay.dp), mpu=distributed.MegatronMPU(),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self.step = 0
+        self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
+                                         {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
+        self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
+        self.step = self.checkpointer.load(cfg.checkpoint.resume)
+        self.ids_file = None
+        if cfg.logging.sample_ids:
+            os.makedirs(os.path.join(cfg.train.run_dir, "sample_ids"), exist_ok=True)
+            self.ids_file = open(os.path.join(cfg.train.run_dir, "sample_ids", f"rank{lay.rank}.jsonl"), "a")
+        n_params = sum(p.numel() for p in model.parameters())
+        self.log.info(f"{lay.world} ranks (dp={lay.dp}, tp={lay.tp}) on {lay.device}, ZeRO-{cfg.parallel.zero_stage}, "
+                      f"{cfg.train.precision}; model {cfg.model.mixer} with {n_params / 1e6:.2f}M parameters per "
+                      f"TP rank; {'resumed at step ' + str(self.step) if self.step else 'starting fresh'}")
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, total = self.cfg, self.cfg.total_steps()
+        if self.step == 0:
+            self.validate()
+        batches = iter(self.stream)
+        window_t, window_tokens = time.time(), 0
+        while self.step < total:
+            loss = self.train_step(batches)
+            self.step += 1
+            window_tokens += cfg.tokens_per_step
+            if self.step % cfg.logging.every == 0 or self.step == total:
+                self.log_step(loss, window_tokens / (time.time() - window_t))
+                window_t, window_tokens = time.time(), 0
+            if cfg.logging.val_every and self.step % cfg.logging.val_every == 0 and self.step != total:
+                self.validate()
+            if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
+                self.log_samples()
+            if self.step % cfg.checkpoint.every == 0 or self.step == total:
+                path = self.checkpointer.save(self.step)
+                self.log.info(f"saved checkpoint {path}")
+        result = self.validate()
+        self.log.info(f"done: validation perplexity {result['val/ppl']:.2f} at step {self.step} "
+                      f"(step 0: {getattr(self, 'first_ppl', float('nan')):.2f}); "
+                      f"TensorBoard logs: {cfg.logging.tensorboard_dir}")
+        return result
+
+    def train_step(self, batches) -> float:
+        """One optimizer step: grad_accum micro-batches; returns the loss averaged over them and the DP ranks."""
+        self.engine.train()
+        losses = []
+        for _ in range(self.layout.grad_accum):
+            batch = next(batches)
+            if self.ids_file:
+                self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
+            tokens = batch["tokens"].to(self.layout.device)
+            loss = self.engine(tokens[:, :-1], tokens[:, 1:])
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach())
+        if self.ids_file:
+            self.ids_file.flush()
+        return self.dp_mean(torch.stack(losses).mean())
+
+    def dp_mean(self, x: torch.Tensor) -> float:
+        from megatron.core import parallel_state
+
+        x = x.detach().float().clone()
+        dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
+        return x.item() / self.layout.dp
+
+    # ---- reporting -----------------------------------------------------------------------------------------
+    def log_step(self, loss: float, tokens_per_s: float) -> None:
+        cfg, lay = self.cfg, self.layout
+        lr = self.engine.get_lr()[0]
+        grad_norm = self.engine.get_global_grad_norm()
+        tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
+        values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
+                  "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                  "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
+                  "perf/mfu": tflops / cfg.logging.peak_tflops_per_device,
+                  "progress/samples_seen": self.step * cfg.train.global_batch_size,
+                  "progress/tokens_seen": self.step * cfg.tokens_per_step,
+                  "memory/peak_mb": memory_mb(lay.device)}
+        self.log.scalars(self.step, values)
+        self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
+                      f"grad norm {values['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
+                      f"MFU {100 * values['perf/mfu']:.1f}%")
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        self.engine.eval()
+        losses = [self.engine(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))
+                  for b in self.stream.val_batches(self.cfg.data.val_batches)]
+        loss = self.dp_mean(torch.stack(losses).mean())
+        result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
+        if self.step == 0:
+            self.first_ppl = result["val/ppl"]
+        self.log.scalars(self.step, result)
+        self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}")
+        return result
+
+    @torch.no_grad()
+    def log_samples(self) -> None:
+        """Attention-map images of the first validation sequence and a text sample (all ranks compute: TP/ZeRO-3)."""
+        import sentencepiece as spm
+
+        model, cfg = self.engine.module, self.cfg
+        model.eval()
+        first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1].to(self.layout.device)
+        self.log.images(self.step, "attention", attention_grid(model.attention_maps(first)))
+        sp = spm.SentencePieceProcessor(model_file=cfg.data.tokenizer)
+        prompt = torch.tensor([sp.encode(cfg.logging.sample_prompt)], device=self.layout.device)
+        out = sample(model, prompt, cfg.logging.sample_tokens, temperature=0.8, top_k=50, seed=self.step)
+        text = sp.decode(out[0].tolist())
+        self.log.text(self.step, "sample", text)
+        self.log.info(f"sample: {text!r}")
+
+    def close(self) -> None:
+        self.log.close()
+        if self.ids_file:
+            self.ids_file.close()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    argv = [a for a in argv if not a.startswith("--local_rank")]   # the DeepSpeed launcher may add it
+    try:
+        cfg = load_config(argv[0], argv[1:])
+        trainer = Trainer(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,5 +21,22 @@ test: setup
 test-quick: setup
 	$(VPY) -m pytest -q -m "not slow"
 
-clean:
+clean:  ## remove build outputs and runs (not the venv)
 	rm -rf runs build
+
+# ---- the demo: tokenizer + shards from the embedded corpus, then pretraining on 2 CPU processes (ZeRO-2) ----
+DEMO       := build/demo
+CORPUS     := data/austen.txt.gz
+DEMO_VOCAB := 4096
+DEMO_SEQ   := 128
+
+$(DEMO)/tokenizer.model: $(CORPUS) | setup
+	$(VPY) tools/train_tokenizer.py --input $(CORPUS) --vocab-size $(DEMO_VOCAB) --out $@
+
+$(DEMO)/shards/manifest.json: $(DEMO)/tokenizer.model
+	$(VPY) tools/make_shards.py --input $(CORPUS) --tokenizer $< --out $(DEMO)/shards --seq-len $(DEMO_SEQ) \
+	    --samples-per-shard 200 --val-fraction 0.02 --force
+
+demo: setup $(DEMO)/shards/manifest.json
+	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
+	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"

@@ -82,9 +82,11 @@ class Checkpointer:
             directory, tag = os.path.dirname(os.path.abspath(resume)), os.path.basename(os.path.abspath(resume))
         elif self.latest_tag() is None:
             return 0
+        tag = tag or self.latest_tag()
         load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
-            raise RuntimeError(f"no checkpoint could be loaded from {directory} (tag {tag or 'latest'})")
+            raise RuntimeError(f"no checkpoint could be loaded from {directory} (tag {tag})")
+        load_path = os.path.join(directory, tag)
         own_file = os.path.join(load_path, f"trainer_rank{self.rank}.pt")
         state = torch.load(own_file, weights_only=False)
         if state["world"] != self.world:

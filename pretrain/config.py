@@ -132,6 +132,9 @@ class TrainSection:
     precision: str = _f("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
                         "fp32")
     seed: int = _f("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
+    stop_after_steps: int | None = _f("end this invocation after this many more optimizer steps, with a checkpoint; "
+                                      "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
+                                      None)
     run_dir: str = _f("output directory of the run; checkpoints and TensorBoard go under it by default")
 
     def __post_init__(self):
@@ -149,6 +152,8 @@ class TrainSection:
         _need(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "≥ 1")
         _need(1 <= self.micro_batch_size <= self.global_batch_size, "train.micro_batch_size",
               self.micro_batch_size, f"1 … train.global_batch_size={self.global_batch_size}")
+        _need(self.stop_after_steps is None or self.stop_after_steps >= 1, "train.stop_after_steps",
+              self.stop_after_steps, "null or ≥ 1")
         _need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
         _need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
         _need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")

@@ -43,10 +43,9 @@ class Trainer:
         import deepspeed
 
         self.cfg = cfg
+        check_vocab(read_manifest(cfg.data.shard_dir), cfg.model.vocab_size)   # before any process group
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
-        manifest = read_manifest(cfg.data.shard_dir)
-        check_vocab(manifest, cfg.model.vocab_size)
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed)
@@ -76,9 +75,10 @@ class Trainer:
         cfg, total = self.cfg, self.cfg.total_steps()
         if self.step == 0:
             self.validate()
+        stop = total if cfg.train.stop_after_steps is None else min(total, self.step + cfg.train.stop_after_steps)
         batches = iter(self.stream)
         window_t, window_tokens = time.time(), 0
-        while self.step < total:
+        while self.step < stop:
             loss = self.train_step(batches)
             self.step += 1
             window_tokens += cfg.tokens_per_step
@@ -89,7 +89,7 @@ class Trainer:
                 self.validate()
             if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
                 self.log_samples()
-            if self.step % cfg.checkpoint.every == 0 or self.step == total:
+            if self.step % cfg.checkpoint.every == 0 or self.step == stop:
                 path = self.checkpointer.save(self.step)
                 self.log.info(f"saved checkpoint {path}")
         result = self.validate()

@@ -1,0 +1,171 @@
+"""The training system end to end, through launch/pretrain.sh and the real DeepSpeed launcher (gloo on CPU)."""
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name, *args):
+    r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """~60 KB of Austen, a 512-piece tokenizer, seq_len 32, ONE sample per shard: a global batch is then the same
+    set of samples whether 1 or 2 data-parallel ranks read it (rank r takes shards r, r+2, …)."""
+    tmp = tmp_path_factory.mktemp("train-data")
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        text = f.read(120_000)
+    (tmp / "corpus.txt").write_text(text, encoding="utf-8")
+    tool("train_tokenizer.py", "--input", tmp / "corpus.txt", "--vocab-size", 512, "--out", tmp / "tokenizer.model",
+         "--quiet")
+    tool("make_shards.py", "--input", tmp / "corpus.txt", "--tokenizer", tmp / "tokenizer.model", "--out",
+         tmp / "shards", "--seq-len", 32, "--samples-per-shard", 1, "--val-fraction", 0.05, "--quiet")
+    return str(tmp / "shards")
+
+
+def write_config(path, shards, run_dir, **sections):
+    cfg = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
+                     "mixer": "random+dot"},
+           "data": {"shard_dir": shards, "num_workers": 0, "val_batches": 2},
+           "parallel": {"zero_stage": 0},
+           "train": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3, "global_batch_size": 8, "micro_batch_size": 4,
+                     "max_steps": 20, "run_dir": str(run_dir), "grad_clip": 1.0},
+           "checkpoint": {"every": 100},
+           "logging": {"every": 1, "val_every": 0, "image_every": 0}}
+    for section, values in sections.items():
+        cfg[section].update(values)
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def launch(config, nproc, *overrides, check=True):
+    env = {**os.environ, "NPROC": str(nproc), "MASTER_PORT": str(free_port()), "PYTHON": PY}
+    r = subprocess.run([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def losses(run_dir):
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def ids_per_step(run_dir, rank):
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "sample_ids", f"rank{rank}.jsonl"))]
+    out = {}
+    for r in rows:
+        out.setdefault(r["step"], []).extend(r["ids"])
+    return out
+
+
+@pytest.mark.slow
+def test_data_parallel_matches_one_process_for_every_zero_stage(shards, tmp_path):
+    one = tmp_path / "one"
+    launch(write_config(tmp_path / "one.yaml", shards, one), 1)
+    ref = losses(one)
+    assert sorted(ref) == list(range(1, 21))
+    for stage in (0, 1, 2, 3):
+        run = tmp_path / f"dp2-zero{stage}"
+        launch(write_config(tmp_path / f"z{stage}.yaml", shards, run, parallel={"zero_stage": stage}), 2)
+        got = losses(run)
+        assert sorted(got) == sorted(ref)
+        for step in ref:
+            assert abs(got[step] - ref[step]) <= 1e-4 * abs(ref[step]), (stage, step, got[step], ref[step])
+    assert ref[20] < ref[1] - 0.5   # and it learns
+
+
+@pytest.mark.slow
+def test_exact_resume_with_workers(shards, tmp_path):
+    common = dict(data={"num_workers": 2}, logging={"every": 1, "val_every": 0, "image_every": 10,
+                                                   "sample_ids": True, "sample_tokens": 4},
+                  train={"max_steps": 40}, checkpoint={"every": 20})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(write_config(tmp_path / "a.yaml", shards, straight, **common), 2)
+    cfg_b = write_config(tmp_path / "b.yaml", shards, resumed, **common)
+    first = launch(cfg_b, 2, "train.stop_after_steps=20")
+    assert "saved checkpoint" in first.stdout and sorted(losses(resumed)) == list(range(1, 21))
+    second = launch(cfg_b, 2)                      # a new launcher invocation: resumes from step 20
+    assert "resumed at step 20" in second.stdout
+    a, b = losses(straight), losses(resumed)
+    assert [b[s] for s in range(21, 41)] == [a[s] for s in range(21, 41)]   # bit for bit
+    for rank in (0, 1):
+        ia, ib = ids_per_step(straight, rank), ids_per_step(resumed, rank)
+        assert all(ia[s] == ib[s] for s in range(1, 41))
+    tensorboard_serves_the_run(straight)
+
+
+def tensorboard_serves_the_run(run_dir):
+    """A real TensorBoard server over the run: one loss point per logged step, and the attention images."""
+    port = free_port()
+    proc = subprocess.Popen([PY, "-m", "tensorboard.main", "--logdir", str(run_dir / "tensorboard"),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, tags = time.time() + 90, {}
+        while time.time() < deadline:
+            try:
+                tags = json.load(urllib.request.urlopen(f"{base}/data/plugin/scalars/tags", timeout=5))
+                if any("train/loss" in t for t in tags.values()):
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        run = next(r for r, t in tags.items() if "train/loss" in t)
+        q = f"{base}/data/plugin/scalars/scalars?tag=train/loss&run={urllib.request.quote(run)}"
+        points = json.load(urllib.request.urlopen(q, timeout=10))
+        assert [p[1] for p in points] == list(range(1, 41))
+        assert {"val/ppl", "train/lr", "perf/tokens_per_s", "perf/mfu", "train/grad_norm"} <= set(tags[run])
+        images = json.load(urllib.request.urlopen(f"{base}/data/plugin/images/tags", timeout=10))
+        assert any("attention/layer_00" in t for t in images[run]), images
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    err = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(err) == 1, r.stderr
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+def run_train(config, *overrides):
+    return subprocess.run([PY, "-m", "pretrain.train", config, *overrides], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_errors_are_one_line(shards, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run")
+    one_line_error(run_train(cfg, f"data.shard_dir={tmp_path}/nope"), f"{tmp_path}/nope")
+    (tmp_path / "empty").mkdir()
+    one_line_error(run_train(cfg, f"data.shard_dir={tmp_path}/empty"), f"{tmp_path}/empty")
+    one_line_error(run_train(cfg, "model.vocab_size=1024"), "vocab_size=512", "model.vocab_size=1024")
+    one_line_error(run_train(cfg, "train.learning_rate=1e-3"), "train.learning_rate", "train.lr")
+    one_line_error(run_train(cfg, "train.lr=-1"), "train.lr", "-1")
+    one_line_error(run_train(str(tmp_path / "missing.yaml")), "missing.yaml")

@@ -42,4 +42,6 @@ elif [ "${NNODES:-1}" -gt 1 ]; then
 else
   DS+=(--num_gpus "$NPROC")
 fi
+# Check the config for this world size once, before any process starts (one-line errors, exit 2).
+"$PYTHON" -m pretrain.config "$@" --world-size $(( ${NNODES:-1} * NPROC )) > /dev/null || exit 2
 exec "${DS[@]}" --module pretrain.train "$@"

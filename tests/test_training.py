@@ -81,15 +81,19 @@ def ids_per_step(run_dir, rank):
 
 
 @pytest.mark.slow
-def test_data_parallel_matches_one_process_for_every_zero_stage(shards, tmp_path):
+def test_parallel_layouts_match_one_process(shards, tmp_path):
+    """Same global batch, same samples: DP=2 under ZeRO 0-3, TP=2, and TP=2 × DP=2 give the 1-process losses."""
     one = tmp_path / "one"
     launch(write_config(tmp_path / "one.yaml", shards, one), 1)
     ref = losses(one)
     assert sorted(ref) == list(range(1, 21))
-    for stage in (0, 1, 2, 3):
-        run = tmp_path / f"dp2-zero{stage}"
-        launch(write_config(tmp_path / f"z{stage}.yaml", shards, run, parallel={"zero_stage": stage}), 2)
+    layouts = [(2, {"zero_stage": s}) for s in (0, 1, 2, 3)] + [(2, {"tp": 2, "zero_stage": 1}),
+                                                               (4, {"tp": 2, "zero_stage": 2})]
+    for i, (nproc, parallel) in enumerate(layouts):
+        run = tmp_path / f"layout{i}"
+        launch(write_config(tmp_path / f"l{i}.yaml", shards, run, parallel=parallel), nproc)
         got = losses(run)
+        stage = (nproc, parallel)
         assert sorted(got) == sorted(ref)
         for step in ref:
             assert abs(got[step] - ref[step]) <= 1e-4 * abs(ref[step]), (stage, step, got[step], ref[step])

@@ -9,7 +9,7 @@ Three ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A (Hl, n, n) is
   computed once and applied with the batch folded into the columns of V — one matmul, no B·Hl·n² buffer.
 - `BiasedQKAttention`: S = q·kᵀ + bias with a learnable bias (random+dot, random+dense): flash forward with the bias
-  detached, a backward that walks the batch in chunks so only chunk·Hl·n² is live while d(bias) is summed.
+  detached, a backward that walks blocks of query rows over the causal keys only, so B·Hl·block·n is live.
 """
 from __future__ import annotations
 
@@ -56,44 +56,49 @@ class BiasedQKAttention(torch.autograd.Function):
     """out = softmax(q kᵀ + bias + M) v with scale 1 and a learnable, batch-shared bias (Hl, n, n).
 
     q, k, v: (B, Hl, n, f), same width (pad before). Forward: SDPA flash kernel with the bias as a detached
-    float mask. Backward, per chunk of samples (standard softmax-attention gradients):
+    float mask. Backward, per block of `block` query rows i and only the keys j ≤ i they can see (causality
+    halves the work), with the standard softmax-attention gradients:
         P = softmax(S),  dP = dO vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),
         dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  d(bias) = Σ_batch dS.
+    Live memory per block is B·Hl·block·n, linear in n (besides d(bias) itself, Hl·n²).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, chunk: int):
+    def forward(ctx, q, k, v, bias, block: int):
         mask = (bias + causal_mask(bias.shape[-1], bias.device, bias.dtype)).unsqueeze(0)  # (1, Hl, n, n)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         ctx.save_for_backward(q, k, v, mask, out)
-        ctx.chunk = chunk
+        ctx.block = block
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, mask, out = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # q, k may be expanded
+        n = q.shape[-2]
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)        # q, k may be expanded: own buffers
+        dk, dv = torch.zeros(k.shape, dtype=k.dtype, device=k.device), torch.zeros_like(v)
         d_bias = torch.zeros_like(mask[0])
-        for s in range(0, q.shape[0], ctx.chunk):
-            b = slice(s, s + ctx.chunk)
-            P = torch.softmax(q[b] @ k[b].transpose(-1, -2) + mask, dim=-1)   # (c, Hl, n, n)
-            dP = d_out[b] @ v[b].transpose(-1, -2)                            # (c, Hl, n, n)
-            D = (d_out[b] * out[b]).sum(-1, keepdim=True)                     # (c, Hl, n, 1)
-            dS = P * (dP - D)
-            dq[b] = dS @ k[b]
-            dk[b] = dS.transpose(-1, -2) @ q[b]
-            dv[b] = P.transpose(-1, -2) @ d_out[b]
-            d_bias += dS.sum(0)
+        D = (d_out * out).sum(-1, keepdim=True)                          # (B, Hl, n, 1)
+        for i0 in range(0, n, ctx.block):
+            i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))   # rows i, keys j ≤ i
+            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(mask[:, :, i, j])      # (B, Hl, blk, j)
+            P = torch.softmax(S, dim=-1)
+            del S
+            dS = (d_out[:, :, i] @ v[:, :, j].transpose(-1, -2)).sub_(D[:, :, i]).mul_(P)
+            dq[:, :, i] = dS @ k[:, :, j]
+            dk[:, :, j] += dS.transpose(-1, -2) @ q[:, :, i]
+            dv[:, :, j] += P.transpose(-1, -2) @ d_out[:, :, i]
+            d_bias[:, i, j] += dS.sum(0)
         return dq, dk, dv, d_bias, None
 
 
-def biased_qk_attention(q, k, bias, v, chunk: int = 1) -> torch.Tensor:
+def biased_qk_attention(q, k, bias, v, block: int = 64) -> torch.Tensor:
     """softmax(q kᵀ + bias + M) v; q, k: (B or 1, Hl, n, f), bias (Hl, n, n), v (B, Hl, n, d_h) -> (B, Hl, n, d_h)."""
     B, d_h = v.shape[0], v.shape[-1]
     width = max(q.shape[-1], d_h)
     q = _pad_last(q, width).expand(B, -1, -1, -1)
     k = _pad_last(k, width).expand(B, -1, -1, -1)
-    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), bias, chunk)
+    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), bias, block)
     return out[..., :d_h]
 
 

@@ -32,7 +32,7 @@ def rss_mb() -> float:
 def kernel_name(events) -> str:
     names = {e.name for e in events}
     if any("flash" in n or "efficient_attention" in n or "cudnn_attention" in n for n in names):
-        return "sdpa-flash" + ("+chunked-bwd" if any("BiasedQKAttention" in n for n in names) else "")
+        return "sdpa-flash" + ("+tiled-bwd" if any("BiasedQKAttention" in n for n in names) else "")
     if any("_scaled_dot_product_attention_math" in n for n in names):
         return "sdpa-math"
     return "matmul"

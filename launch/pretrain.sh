@@ -37,11 +37,15 @@ DS=("$PYTHON" -m deepspeed.launcher.runner --master_addr "${MASTER_ADDR:-127.0.0
 if [ -n "${HOSTFILE:-}" ]; then
   DS+=(--hostfile "$HOSTFILE")
 elif [ "${NNODES:-1}" -gt 1 ]; then
-  # One launcher per node, started by the scheduler: no ssh between nodes.
-  DS+=(--no_ssh --num_nodes "$NNODES" --node_rank "${NODE_RANK:-0}" --num_gpus "$NPROC")
+  # One launcher per node, started by the scheduler: no ssh between nodes. The launcher wants a hostfile for the
+  # world's shape; with --no_ssh its host names are never contacted.
+  HOSTS="$(mktemp)"
+  trap 'rm -f "$HOSTS"' EXIT
+  for i in $(seq 0 $((NNODES - 1))); do echo "node$i slots=$NPROC"; done > "$HOSTS"
+  DS+=(--hostfile "$HOSTS" --no_ssh --node_rank "${NODE_RANK:-0}")
 else
   DS+=(--num_gpus "$NPROC")
 fi
 # Check the config for this world size once, before any process starts (one-line errors, exit 2).
 "$PYTHON" -m pretrain.config "$@" --world-size $(( ${NNODES:-1} * NPROC )) > /dev/null || exit 2
-exec "${DS[@]}" --module pretrain.train "$@"
+"${DS[@]}" --module pretrain.train "$@"

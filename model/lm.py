@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from model import parallel as tp
 from model.config import ConfigError, ModelConfig
@@ -35,8 +36,9 @@ class Block(nn.Module):
     """Pre-norm block: x + Mixer(LN(x)), then x + MLP(LN(x)) — or, with `block: gmlp`, the gMLP block
     x + SGU-Mixer(LN(x)) with the d → d_ffn → d_ffn/2 → d projections inside the mixer and no MLP."""
 
-    def __init__(self, cfg: ModelConfig, mixer: str):
+    def __init__(self, cfg: ModelConfig, mixer: str, checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint   # activation checkpointing: keep only the input, recompute in backward
         scale = 1 / math.sqrt(2 * cfg.n_layers)   # GPT-2: residual projections shrink with depth
         self.ln_1 = tp.layer_norm(cfg.d_model, cfg.norm_eps)
         if cfg.block == "gmlp":
@@ -49,6 +51,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         x = x + self.drop(self.mixer(self.ln_1(x)))
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))

@@ -95,14 +95,15 @@ def full_shape(param: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def init_from_seed(model: nn.Module, seed: int) -> None:
+def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = lambda name: name) -> None:
     """Draw every parameter's full tensor from (seed, its name) and keep this rank's slice.
 
     The generator depends on the name only, so the result is the same whatever the TP layout or the order
-    in which modules were built.
+    in which modules were built; `rename` maps a wrapper's names (pipeline stages) to the canonical ones.
     """
     tp, rank = tp_world(), tp_rank()
-    for name, p in model.named_parameters():
+    for local_name, p in model.named_parameters():
+        name = rename(local_name)
         init = getattr(p, "init", None)
         if init is None:
             raise RuntimeError(f"parameter {name} has no init rule (annotate it in its module)")

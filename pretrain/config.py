@@ -94,12 +94,20 @@ class ParallelSection:
     pp: int = _f("pipeline stages (DeepSpeed PipelineModule); layers are split over them", 1)
     zero_stage: int = _f("DeepSpeed ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer states), "
                          "2 (+ gradients), 3 (+ parameters)", 1)
+    partition: str = _f("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
+                        "'uniform' (balance layer counts)", "parameters")
+    activation_checkpointing: int = _f("recompute activations in backward: 0 = off, 1 = every layer, "
+                                       "k = every k-th layer (layers 0, k, 2k, …)", 0)
 
     def __post_init__(self):
         _check_types(self, "parallel")
         _need(self.tp >= 1, "parallel.tp", self.tp, "≥ 1")
         _need(self.pp >= 1, "parallel.pp", self.pp, "≥ 1")
         _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _need(self.partition in ("parameters", "uniform"), "parallel.partition", self.partition,
+              "parameters, uniform")
+        _need(self.activation_checkpointing >= 0, "parallel.activation_checkpointing",
+              self.activation_checkpointing, "0 (off) or k ≥ 1 (every k-th layer)")
         # Within one section, so checked here rather than at launch: DeepSpeed's PipelineEngine refuses ZeRO-2/3.
         if self.pp > 1 and self.zero_stage > 1:
             raise ConfigError(f"parallel.pp > 1 needs parallel.zero_stage ≤ 1 (got pp={self.pp}, "

@@ -25,6 +25,8 @@ class Layout:
     dp: int
     tp_rank: int
     tp: int
+    pp_rank: int
+    pp: int
     grad_accum: int
     device: torch.device
 
@@ -101,11 +103,14 @@ def init(cfg: TrainConfig) -> Layout:
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp)
+    # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
+                                             pipeline_model_parallel_size=cfg.parallel.pp)
     device = torch.device(accel.current_device_name())
     return Layout(rank=dist.get_rank(), world=world, local_rank=local_rank,
                   dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
                   tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp=cfg.parallel.tp,
+                  pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp=cfg.parallel.pp,
                   grad_accum=runtime.grad_accum, device=device)
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import ConfigError, build_model
+from model import ConfigError, SynthesizerLM, build_model
 from model.accounting import model_stats
 from model.generate import sample
 from pretrain import distributed
@@ -24,6 +24,7 @@ from pretrain.checkpoint import Checkpointer
 from pretrain.config import TrainConfig, deepspeed_config, load_config, lr_lambda
 from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
 from pretrain.metrics import Logger, attention_grid, memory_mb
+from pretrain.pipeline import build_pipeline
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -38,10 +39,34 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def build_engine(cfg: TrainConfig, lay: distributed.Layout):
+    """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
+    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
+    import deepspeed
+
+    every = cfg.parallel.activation_checkpointing
+    if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
+        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, every), None
+    else:
+        model, mpu = build_model(cfg.model), distributed.MegatronMPU()
+        for i, block in enumerate(model.blocks):
+            block.checkpoint = every > 0 and i % every == 0
+    schedule = lr_lambda(cfg.train, cfg.total_steps())
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+        config=deepspeed_config(cfg, lay.dp), mpu=mpu,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine
+
+
+def train_flops_per_token(cfg: TrainConfig) -> int:
+    """From the accounting of a shape-only (meta) copy of the whole model: no memory, no init."""
+    with torch.device("meta"):
+        return model_stats(SynthesizerLM(cfg.model))["total"]["train_flops_per_token"]
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        import deepspeed
-
         self.cfg = cfg
         check_vocab(read_manifest(cfg.data.shard_dir), cfg.model.vocab_size)   # before any process group
         self.layout = lay = distributed.init(cfg)
@@ -49,13 +74,9 @@ class Trainer:
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed)
-        model = build_model(cfg.model)
-        self.flops_per_token = model_stats(model)["total"]["train_flops_per_token"]
-        schedule = lr_lambda(cfg.train, cfg.total_steps())
-        self.engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-            config=deepspeed_config(cfg, lay.dp), mpu=distributed.MegatronMPU(),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self.flops_per_token = train_flops_per_token(cfg)
+        self.engine = build_engine(cfg, lay)
+        self.pipeline = cfg.parallel.pp > 1
         self.step = 0
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
@@ -65,10 +86,11 @@ class Trainer:
         if cfg.logging.sample_ids:
             os.makedirs(os.path.join(cfg.train.run_dir, "sample_ids"), exist_ok=True)
             self.ids_file = open(os.path.join(cfg.train.run_dir, "sample_ids", f"rank{lay.rank}.jsonl"), "a")
-        n_params = sum(p.numel() for p in model.parameters())
-        self.log.info(f"{lay.world} ranks (dp={lay.dp}, tp={lay.tp}) on {lay.device}, ZeRO-{cfg.parallel.zero_stage}, "
-                      f"{cfg.train.precision}; model {cfg.model.mixer} with {n_params / 1e6:.2f}M parameters per "
-                      f"TP rank; {'resumed at step ' + str(self.step) if self.step else 'starting fresh'}")
+        n_params = sum(p.numel() for p in self.engine.module.parameters())
+        self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
+                      f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; model {cfg.model.mixer}, "
+                      f"{n_params / 1e6:.2f}M parameters on rank 0; "
+                      f"{'resumed at step ' + str(self.step) if self.step else 'starting fresh'}")
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -76,7 +98,7 @@ class Trainer:
         if self.step == 0:
             self.validate()
         stop = total if cfg.train.stop_after_steps is None else min(total, self.step + cfg.train.stop_after_steps)
-        batches = iter(self.stream)
+        batches = self.micro_batches(iter(self.stream))
         window_t, window_tokens = time.time(), 0
         while self.step < stop:
             loss = self.train_step(batches)
@@ -98,22 +120,32 @@ class Trainer:
                       f"TensorBoard logs: {cfg.logging.tensorboard_dir}")
         return result
 
-    def train_step(self, batches) -> float:
-        """One optimizer step: grad_accum micro-batches; returns the loss averaged over them and the DP ranks."""
-        self.engine.train()
-        losses = []
-        for _ in range(self.layout.grad_accum):
-            batch = next(batches)
+    def micro_batches(self, batches):
+        """(inputs, targets) on this rank's device, recording the sample ids when asked."""
+        for batch in batches:
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
+                self.ids_file.flush()
             tokens = batch["tokens"].to(self.layout.device)
-            loss = self.engine(tokens[:, :-1], tokens[:, 1:])
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    def train_step(self, micro_batches) -> float:
+        """One optimizer step over grad_accum micro-batches; the loss averaged over them and the DP ranks."""
+        self.engine.train()
+        if self.pipeline:   # the PipelineEngine schedules all micro-batches and reduces the loss itself
+            return self.engine.train_batch(micro_batches).item()
+        losses = []
+        for _ in range(self.layout.grad_accum):
+            inputs, targets = next(micro_batches)
+            loss = self.engine(inputs, targets)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach())
-        if self.ids_file:
-            self.ids_file.flush()
         return self.dp_mean(torch.stack(losses).mean())
+
+    def micro_batches_plain(self, batches) -> list:
+        return [(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))
+                for b in batches]
 
     def dp_mean(self, x: torch.Tensor) -> float:
         from megatron.core import parallel_state
@@ -143,9 +175,11 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict:
         self.engine.eval()
-        losses = [self.engine(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))
-                  for b in self.stream.val_batches(self.cfg.data.val_batches)]
-        loss = self.dp_mean(torch.stack(losses).mean())
+        val = self.micro_batches_plain(self.stream.val_batches(self.cfg.data.val_batches))
+        if self.pipeline:
+            loss = self.engine.eval_batch(iter(val), num_micro_batches=len(val)).item()
+        else:
+            loss = self.dp_mean(torch.stack([self.engine(x, y) for x, y in val]).mean())
         result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
         if self.step == 0:
             self.first_ppl = result["val/ppl"]
@@ -158,6 +192,8 @@ class Trainer:
         """Attention-map images of the first validation sequence and a text sample (all ranks compute: TP/ZeRO-3)."""
         import sentencepiece as spm
 
+        if self.pipeline:   # maps and sampling need the whole model in one process group step
+            return
         model, cfg = self.engine.module, self.cfg
         model.eval()
         first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1].to(self.layout.device)

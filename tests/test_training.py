@@ -1,83 +1,13 @@
 """The training system end to end, through launch/pretrain.sh and the real DeepSpeed launcher (gloo on CPU)."""
-import gzip
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
-import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
-PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tool(name, *args):
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return r
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """~60 KB of Austen, a 512-piece tokenizer, seq_len 32, ONE sample per shard: a global batch is then the same
-    set of samples whether 1 or 2 data-parallel ranks read it (rank r takes shards r, r+2, …)."""
-    tmp = tmp_path_factory.mktemp("train-data")
-    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
-        text = f.read(120_000)
-    (tmp / "corpus.txt").write_text(text, encoding="utf-8")
-    tool("train_tokenizer.py", "--input", tmp / "corpus.txt", "--vocab-size", 512, "--out", tmp / "tokenizer.model",
-         "--quiet")
-    tool("make_shards.py", "--input", tmp / "corpus.txt", "--tokenizer", tmp / "tokenizer.model", "--out",
-         tmp / "shards", "--seq-len", 32, "--samples-per-shard", 1, "--val-fraction", 0.05, "--quiet")
-    return str(tmp / "shards")
-
-
-def write_config(path, shards, run_dir, **sections):
-    cfg = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
-                     "mixer": "random+dot"},
-           "data": {"shard_dir": shards, "num_workers": 0, "val_batches": 2},
-           "parallel": {"zero_stage": 0},
-           "train": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3, "global_batch_size": 8, "micro_batch_size": 4,
-                     "max_steps": 20, "run_dir": str(run_dir), "grad_clip": 1.0},
-           "checkpoint": {"every": 100},
-           "logging": {"every": 1, "val_every": 0, "image_every": 0}}
-    for section, values in sections.items():
-        cfg[section].update(values)
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
-def launch(config, nproc, *overrides, check=True):
-    env = {**os.environ, "NPROC": str(nproc), "MASTER_PORT": str(free_port()), "PYTHON": PY}
-    r = subprocess.run([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    if check:
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-
-def losses(run_dir):
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
-def ids_per_step(run_dir, rank):
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "sample_ids", f"rank{rank}.jsonl"))]
-    out = {}
-    for r in rows:
-        out.setdefault(r["step"], []).extend(r["ids"])
-    return out
+from tests.runs import PY, ROOT, free_port, ids_per_step, launch, losses, write_config
 
 
 @pytest.mark.slow

@@ -1,0 +1,125 @@
+"""Tensor × pipeline × data parallelism (3D) and multi-node launch, against the one-process run."""
+import os
+import subprocess
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.runs import PY, ROOT, free_port, launch, losses, write_config
+
+MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot"]   # one layer each: every stage sees several
+
+
+def config(tmp_path, shards, name, mixers=MIXERS, **parallel):
+    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name,
+                        model={"n_layers": len(mixers), "mixer": mixers},
+                        parallel={"zero_stage": 1, "partition": "uniform", **parallel},
+                        train={"max_steps": 10, "micro_batch_size": 2})
+
+
+def assert_close(got, ref, rel=1e-4):
+    assert sorted(got) == sorted(ref) and len(ref) > 0
+    for step in ref:
+        assert abs(got[step] - ref[step]) <= rel * abs(ref[step]), (step, got[step], ref[step])
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """(TP, PP, DP) = (1, 1, 1) losses for both layer orders."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = {}
+    for order, mixers in (("fwd", MIXERS), ("rev", MIXERS[::-1])):
+        launch(config(tmp, shards, f"ref-{order}", mixers), 1)
+        out[order] = losses(tmp / f"ref-{order}")
+    return out
+
+
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=lambda x: str(x))
+def test_layout_matches_one_process(tp, pp, dp, shards, tmp_path, reference):
+    orders = ("fwd", "rev") if pp > 1 else ("fwd",)   # with stages, each mixer also runs in the other stage
+    for order in orders:
+        mixers = MIXERS if order == "fwd" else MIXERS[::-1]
+        name = f"{tp}{pp}{dp}-{order}"
+        launch(config(tmp_path, shards, name, mixers, tp=tp, pp=pp), tp * pp * dp)
+        assert_close(losses(tmp_path / name), reference[order])
+
+
+@pytest.mark.slow
+def test_222_on_eight_processes(shards, tmp_path, reference):
+    launch(config(tmp_path, shards, "222", tp=2, pp=2), 8)
+    assert_close(losses(tmp_path / "222"), reference["fwd"])
+
+
+@pytest.mark.slow
+def test_resume_and_activation_checkpointing_in_221(shards, tmp_path):
+    launch(config(tmp_path, shards, "straight", tp=2, pp=2), 4)
+    straight = losses(tmp_path / "straight")
+    resumed_cfg = config(tmp_path, shards, "resumed", tp=2, pp=2)
+    launch(resumed_cfg, 4, "train.stop_after_steps=5", "checkpoint.every=5")
+    r = launch(resumed_cfg, 4, "checkpoint.every=5")
+    assert "resumed at step 5" in r.stdout
+    assert losses(tmp_path / "resumed") == straight              # identical, steps 1-10
+    launch(config(tmp_path, shards, "recompute", tp=2, pp=2, activation_checkpointing=1), 4)
+    assert losses(tmp_path / "recompute") == straight
+    launch(config(tmp_path, shards, "recompute-k2", tp=2, pp=1, activation_checkpointing=2), 2)
+    assert_close(losses(tmp_path / "recompute-k2"), straight)
+
+
+@pytest.mark.slow
+def test_two_nodes_match_one_node(shards, tmp_path):
+    cfg = config(tmp_path, shards, "one-node", tp=2)
+    launch(cfg, 4)
+    two = config(tmp_path, shards, "two-nodes", tp=2)
+    port = free_port()
+    procs = [subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), two], cwd=ROOT,
+                              env={**os.environ, "NNODES": "2", "NODE_RANK": str(r), "NPROC": "2",
+                                   "MASTER_PORT": str(port), "PYTHON": PY},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+    assert_close(losses(tmp_path / "two-nodes"), losses(tmp_path / "one-node"), rel=1e-6)
+
+
+def topology_worker(rank, world, layouts):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for tp, pp in layouts:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ours = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                ps.get_data_parallel_rank())
+        c = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp)).get_coord(rank)
+        out.append((ours, (c.model, c.pipe, c.data)))
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_and_deepspeed_agree_on_every_rank():
+    layouts = [(2, 2), (1, 2), (2, 1), (4, 1), (1, 4), (4, 2), (2, 4), (1, 1)]
+    for per_rank in run_distributed(topology_worker, 8, layouts):
+        for (tp, pp), (ours, deepspeed) in zip(layouts, per_rank):
+            assert ours == deepspeed, (tp, pp, ours, deepspeed)
+
+
+@pytest.mark.parametrize("overrides,world,needles", [
+    (["parallel.tp=2", "parallel.pp=2"], 6, ["world size 6", "parallel.tp × parallel.pp"]),
+    (["parallel.tp=3"], 3, ["model.n_heads=4", "parallel.tp=3"]),
+    (["parallel.pp=4", "model.n_layers=2", "model.mixer=dot"], 4, ["model.n_layers", "parallel.pp"]),
+    (["parallel.pp=2", "parallel.zero_stage=2"], 2, ["parallel.pp", "parallel.zero_stage"]),
+])
+def test_layout_errors_are_one_line(overrides, world, needles, shards, tmp_path):
+    cfg = config(tmp_path, shards, "bad")
+    r = subprocess.run([PY, "-m", "pretrain.config", cfg, *overrides, "--world-size", str(world)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("error: ")
+    for n in needles:
+        assert n in line, line

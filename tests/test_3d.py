@@ -7,7 +7,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.runs import PY, ROOT, free_port, launch, losses, write_config
 
-MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot"]   # one layer each: every stage sees several
+MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot", "random_fixed", "factorized_dense", "sgu",
+          "dense+dot"]   # one layer of each: every stage holds several variants
 
 
 def config(tmp_path, shards, name, mixers=MIXERS, **parallel):

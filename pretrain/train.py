@@ -116,7 +116,7 @@ class Trainer:
                 self.log.info(f"saved checkpoint {path}")
         result = self.validate()
         self.log.info(f"done: validation perplexity {result['val/ppl']:.2f} at step {self.step} "
-                      f"(step 0: {getattr(self, 'first_ppl', float('nan')):.2f}); "
+                      f"(step 0: {self.first_val_ppl():.2f}); "
                       f"TensorBoard logs: {cfg.logging.tensorboard_dir}")
         return result
 
@@ -142,6 +142,16 @@ class Trainer:
             self.engine.step()
             losses.append(loss.detach())
         return self.dp_mean(torch.stack(losses).mean())
+
+    def first_val_ppl(self) -> float:
+        """The step-0 validation perplexity of this run (also after a resume), from metrics.jsonl."""
+        path = os.path.join(self.cfg.train.run_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            for line in open(path):
+                row = json.loads(line)
+                if row["step"] == 0 and "val/ppl" in row:
+                    return row["val/ppl"]
+        return float("nan")
 
     def micro_batches_plain(self, batches) -> list:
         return [(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))
@@ -181,8 +191,6 @@ class Trainer:
         else:
             loss = self.dp_mean(torch.stack([self.engine(x, y) for x, y in val]).mean())
         result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
-        if self.step == 0:
-            self.first_ppl = result["val/ppl"]
         self.log.scalars(self.step, result)
         self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}")
         return result

@@ -210,3 +210,50 @@ def test_biased_kernel_multi_block_matches_materialized():
     assert (fused - ref).abs().max() <= 1e-5
     for a, b in zip(grads, ref_grads):
         assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+def test_rope_model_is_causal_and_position_aware():
+    model = build_model(config("dot", position="rope")).eval()
+    assert model.wpe is None
+    x = tokens(1, L)
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % 64
+    assert (model(x)[:, :-1] - model(y)[:, :-1]).abs().max() <= 1e-6
+    # one layer of attention alone is blind to the order of the prefix; rotary positions are not
+    model = build_model(config("dot", position="rope", n_layers=1)).eval()
+    swapped = x.clone()
+    swapped[:, [0, 1]] = x[:, [1, 0]]
+    assert (model(x)[:, 2] - model(swapped)[:, 2]).abs().max() > 1e-4
+    no_pos = build_model(config("dot", position="none", n_layers=1)).eval()
+    assert (no_pos(x)[:, 2] - no_pos(swapped)[:, 2]).abs().max() <= 1e-5
+
+
+def test_rng_tracker_stream_is_separate_and_resumable():
+    from model.parallel import RNGTracker
+
+    tracker = RNGTracker()
+    tracker.set_seed(5)
+    torch.manual_seed(0)
+    plain = [torch.rand(3) for _ in range(2)]
+    torch.manual_seed(0)
+    first = torch.rand(3)
+    with tracker.fork(torch.device("cpu")):
+        forked = torch.rand(3)
+    second = torch.rand(3)
+    assert torch.equal(first, plain[0]) and torch.equal(second, plain[1])   # default stream untouched
+    assert not torch.equal(forked, plain[1])
+    saved = tracker.state_dict()
+    with tracker.fork(torch.device("cpu")):
+        nxt = torch.rand(3)
+    tracker.load_state_dict(saved)
+    with tracker.fork(torch.device("cpu")):
+        assert torch.equal(torch.rand(3), nxt)
+
+
+def test_mixer_dropout_only_in_training():
+    model = build_model(config("random+dot", mixer_dropout=0.5))
+    x = tokens(2, L)
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    model.train()
+    assert not torch.equal(model(x), model(x))

@@ -6,8 +6,9 @@ Three ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense, factorized_random and their mixtures) through torch
   SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
   keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.
-- `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A (Hl, n, n) is
-  computed once and applied with the batch folded into the columns of V — one matmul, no B·Hl·n² buffer.
+- `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A is the same for
+  every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
+  keys only; no n² buffer is kept for backward.
 - `BiasedQKAttention`: S = q·kᵀ + bias with a learnable bias (random+dot, random+dense): flash forward with the bias
   detached, a backward that walks blocks of query rows over the causal keys only, so B·Hl·block·n is live.
 """
@@ -42,13 +43,47 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out[..., :d_h]
 
 
-def shared_map_attention(logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+class SharedMapAttention(torch.autograd.Function):
+    """Y = softmax(S + M) V for one map S (Hl, n, n) shared by the batch; V (Hl, n, B·d_h) with the batch folded
+    into the columns. Blocks of `block` query rows i see only keys j ≤ i (causality halves the work); neither
+    A nor any n² buffer is kept for backward — the rows of A are recomputed there:
+        dV = Aᵀ dY,  dS = A ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i  (= rowsum(A ⊙ dY Vᵀ), the flash identity).
+    Live memory besides dS itself (the gradient of S, Hl·n²): Hl·block·n.
+    """
+
+    @staticmethod
+    def forward(ctx, S, v, block: int):
+        n = S.shape[-1]
+        mask = causal_mask(n, S.device, S.dtype)
+        y = torch.empty_like(v)
+        for i0 in range(0, n, block):
+            i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
+            y[:, i] = torch.softmax(S[:, i, j] + mask[i, j], dim=-1) @ v[:, j]
+        ctx.save_for_backward(S, v, y)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        S, v, y = ctx.saved_tensors
+        n = S.shape[-1]
+        mask = causal_mask(n, S.device, S.dtype)
+        dS, dv = torch.zeros_like(S), torch.zeros_like(v)
+        D = (dy * y).sum(-1, keepdim=True)                                # (Hl, n, 1)
+        for i0 in range(0, n, ctx.block):
+            i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))
+            A = torch.softmax(S[:, i, j] + mask[i, j], dim=-1)             # (Hl, blk, j)
+            dv[:, j] += A.transpose(-1, -2) @ dy[:, i]
+            dS[:, i, j] = (dy[:, i] @ v[:, j].transpose(-1, -2)).sub_(D[:, i]).mul_(A)
+        return dS, dv, None
+
+
+def shared_map_attention(logits: torch.Tensor, v: torch.Tensor, block: int = 128) -> torch.Tensor:
     """softmax(S + M) v for input-independent logits S (Hl, n, n); v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
     Hl, n, _ = logits.shape
     B, _, _, d_h = v.shape
-    A = torch.softmax(logits + causal_mask(n, logits.device, logits.dtype), dim=-1)  # (Hl, n, n), once per step
     v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
-    y = torch.matmul(A, v_cols)                                                      # (Hl, n, B·d_h)
+    y = SharedMapAttention.apply(logits, v_cols, block)                              # (Hl, n, B·d_h)
     return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
 
 

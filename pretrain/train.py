@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from model import ConfigError, SynthesizerLM, build_model
 from model.accounting import model_stats
+from model import parallel as tp
 from model.generate import sample
 from pretrain import distributed
 from pretrain.checkpoint import Checkpointer
@@ -71,13 +72,13 @@ class Trainer:
         check_vocab(read_manifest(cfg.data.shard_dir), cfg.model.vocab_size)   # before any process group
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
+        tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed)
         self.flops_per_token = train_flops_per_token(cfg)
         self.engine = build_engine(cfg, lay)
         self.pipeline = cfg.parallel.pp > 1
-        self.step = 0
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)

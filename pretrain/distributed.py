@@ -86,6 +86,22 @@ def _single_process_env() -> None:
                           MASTER_PORT=str(port))
 
 
+def _release_shm_segment_name() -> None:
+    """Unlink the name of DeepSpeed's CPU shared-memory all-reduce segment once every rank has mapped it.
+
+    On CPU, DeepSpeed creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (69 MB per rank) and
+    never unlinks it, so every run leaks RAM until the machine runs out. Once all ranks have opened each other's
+    segments (done inside init_distributed, hence the barrier), the names can go: the mappings stay valid, and the
+    memory is freed when the processes exit, even on kill -9.
+    """
+    name = "/dev/shm/deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank())
+    if os.environ.get("LOCAL_SIZE") == os.environ.get("WORLD_SIZE"):    # DeepSpeed's own condition for using shm
+        dist.barrier()
+        if os.path.exists(name):
+            os.unlink(name)
+
+
 def init(cfg: TrainConfig) -> Layout:
     """Check the config against the launch, then start torch.distributed and megatron-core's TP groups."""
     import deepspeed
@@ -103,6 +119,8 @@ def init(cfg: TrainConfig) -> Layout:
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    if accel.device_name() == "cpu":
+        _release_shm_segment_name()
     # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
                                              pipeline_model_parallel_size=cfg.parallel.pp)

@@ -2,6 +2,7 @@
 import gzip
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,10 +55,27 @@ def write_config(path, shards, run_dir, **sections):
     return str(path)
 
 
+def start(config, *overrides, env):
+    """Start launch/pretrain.sh in its own session, so that a timeout can kill its trainers too."""
+    return subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT,
+                            env={**os.environ, "PYTHON": PY, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(proc, timeout=600):
+    """Wait for a started launch; on timeout kill the whole process group so no trainer starves later tests."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def launch(config, nproc, *overrides, check=True, env=None):
-    env = {**os.environ, "NPROC": str(nproc), "MASTER_PORT": str(free_port()), "PYTHON": PY, **(env or {})}
-    r = subprocess.run([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    env = {"NPROC": str(nproc), "MASTER_PORT": str(free_port()), **(env or {})}
+    r = finish(start(config, *overrides, env=env))
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r

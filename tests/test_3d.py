@@ -1,11 +1,12 @@
 """Tensor × pipeline × data parallelism (3D) and multi-node launch, against the one-process run."""
 import os
+import signal
 import subprocess
 
 import pytest
 
 from tests.distributed import run_distributed
-from tests.runs import PY, ROOT, free_port, launch, losses, write_config
+from tests.runs import PY, ROOT, finish, free_port, launch, losses, start, write_config
 
 MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot", "random_fixed", "factorized_dense", "sgu",
           "dense+dot"]   # one layer of each: every stage holds several variants
@@ -76,13 +77,16 @@ def test_two_nodes_match_one_node(shards, tmp_path):
     launch(cfg, 4)
     two = config(tmp_path, shards, "two-nodes", tp=2)
     port = free_port()
-    procs = [subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), two], cwd=ROOT,
-                              env={**os.environ, "NNODES": "2", "NODE_RANK": str(r), "NPROC": "2",
-                                   "MASTER_PORT": str(port), "PYTHON": PY},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, out[-3000:]
+    procs = [start(two, env={"NNODES": "2", "NODE_RANK": str(r), "NPROC": "2", "MASTER_PORT": str(port)})
+             for r in (0, 1)]
+    try:
+        results = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for r in results:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert_close(losses(tmp_path / "two-nodes"), losses(tmp_path / "one-node"), rel=1e-6)
 
 

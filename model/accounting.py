@@ -12,8 +12,8 @@ import math
 
 import torch.nn as nn
 
-from model import parallel as tp
-from model.lm import SynthesizerLM
+from . import parallel as tp
+from .lm import SynthesizerLM
 
 def full_numel(p) -> int:
     return math.prod(tp.full_shape(p))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model import parallel as tp
+from . import parallel as tp
 
 
 @torch.no_grad()

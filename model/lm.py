@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from model import parallel as tp
-from model.config import ConfigError, ModelConfig
-from model.mixers import SpatialGatingMixer, SynthesizedAttention
-from model.synthesizers import linear_flops
+from . import parallel as tp
+from .config import ConfigError, ModelConfig
+from .mixers import SpatialGatingMixer, SynthesizedAttention
+from .synthesizers import linear_flops
 
 
 class MLP(nn.Module):

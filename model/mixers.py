@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import kernels, parallel as tp
-from model.config import ModelConfig, parse_mixer
-from model.synthesizers import build_synthesizer, heads, linear_flops, per_head
+from . import kernels, parallel as tp
+from .config import ModelConfig, parse_mixer
+from .synthesizers import build_synthesizer, heads, linear_flops, per_head
 
 
 class SynthesizedAttention(nn.Module):

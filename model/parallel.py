@@ -22,16 +22,26 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import ConfigError
+from .config import ConfigError
 
 
 # ---- where am I -------------------------------------------------------------------------------------
+def _mcore():
+    """megatron.core, imported on first use (only under a process group). The import sits in a try block because
+    transformers' remote-code loader skips those when it checks that every imported package is installed: a Hugging
+    Face export (model/hf.py) ships this file and must load without megatron-core."""
+    try:
+        import megatron.core
+    except ImportError as e:
+        raise ImportError(f"tensor parallelism needs megatron-core (pip install -r requirements.txt): {e}") from e
+    return megatron.core
+
+
 def _parallel_state():
     """megatron-core's parallel_state if it has been initialised, else None (plain TP=1)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from megatron.core import parallel_state
-
+    parallel_state = _mcore().parallel_state
     return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 
@@ -115,11 +125,9 @@ def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = l
 
 # ---- layers ------------------------------------------------------------------------------------------
 def _megatron_config():
-    from megatron.core import ModelParallelConfig
-
     # Weights are filled by init_from_seed; megatron's own init would draw per-rank random numbers.
-    return ModelParallelConfig(tensor_model_parallel_size=tp_world(), use_cpu_initialization=True,
-                               perform_initialization=False, params_dtype=torch.float32)
+    return _mcore().ModelParallelConfig(tensor_model_parallel_size=tp_world(), use_cpu_initialization=True,
+                                        perform_initialization=False, params_dtype=torch.float32)
 
 
 def _no_init(_):
@@ -157,9 +165,8 @@ def vocab_embedding(vocab: int, d: int, std: float) -> nn.Module:
     if tp_world() == 1 and _parallel_state() is None:
         layer = nn.Embedding(vocab, d)
     else:
-        from megatron.core.tensor_parallel import VocabParallelEmbedding
-
-        layer = VocabParallelEmbedding(vocab, d, init_method=_no_init, config=_megatron_config())
+        layer = _mcore().tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=_no_init,
+                                                                config=_megatron_config())
     annotate(layer.weight, normal(std), partition_dim=0)
     return layer
 
@@ -174,9 +181,8 @@ def layer_norm(d: int, eps: float) -> nn.LayerNorm:
 @functools.cache
 def _megatron_linear(kind: str):
     """megatron's parallel linears return (output, bias); ours return the output with the bias added."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    base = {"column": ColumnParallelLinear, "row": RowParallelLinear}[kind]
+    tensor_parallel = _mcore().tensor_parallel
+    base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear}[kind]
     return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0]})
 
 
@@ -185,9 +191,7 @@ def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (input of a column-parallel matmul)."""
     if tp_world() == 1:
         return x
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-    return copy_to_tensor_model_parallel_region(x)
+    return _mcore().tensor_parallel.copy_to_tensor_model_parallel_region(x)
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -215,9 +219,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token loss (B, n) from vocab-sharded logits (B, n, V/TP)."""
     if tp_world() == 1 and _parallel_state() is None:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    return vocab_parallel_cross_entropy(logits.float(), targets)
+    return _mcore().tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
 
 
 # ---- RNG for dropout on TP-sharded activations -------------------------------------------------------

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from model import parallel as tp
-from model.config import ModelConfig
-from model.kernels import inv_sqrt
+from . import parallel as tp
+from .config import ModelConfig
+from .kernels import inv_sqrt
 
 
 def heads(x: torch.Tensor, d_h: int) -> torch.Tensor:

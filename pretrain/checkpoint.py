@@ -43,6 +43,7 @@ class Checkpointer:
                  world: int):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
+        self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
 
     def save(self, step: int) -> str:
         tag = f"step_{step:08d}"
@@ -92,7 +93,9 @@ class Checkpointer:
         if state["world"] != self.world:
             raise RuntimeError(f"checkpoint {load_path} was written by {state['world']} ranks, this run has "
                                f"{self.world}; convert it with tools/convert.py to change the layout")
-        for name, obj in self.stateful.items():
-            obj.load_state_dict(state["stateful"][name])
+        for name, obj in self.stateful.items():   # a checkpoint made by tools/convert.py has no data position
+            if name in state["stateful"]:
+                obj.load_state_dict(state["stateful"][name])
         set_rng_state(state["rng"])
+        self.restored = {"engine", *state["stateful"]}
         return state["step"]

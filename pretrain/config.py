@@ -144,6 +144,9 @@ class TrainSection:
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
                                       None)
     run_dir: str = _f("output directory of the run; checkpoints and TensorBoard go under it by default")
+    init_from: str | None = _f("release directory (tools/convert.py) whose weights start a fresh run, in any layout; "
+                               "its training step carries on (LR schedule, data position). A checkpoint of this run "
+                               "takes precedence when resuming", None)
 
     def __post_init__(self):
         _check_types(self, "train")
@@ -268,6 +271,8 @@ class TrainConfig:
         if self.checkpoint.resume not in ("auto", "none") and not Path(self.checkpoint.resume).exists():
             raise ConfigError(f"checkpoint.resume={self.checkpoint.resume!r} does not exist; "
                               "use auto, none, or an existing checkpoint path")
+        if self.train.init_from is not None:
+            check_release(self.train.init_from, m)
         return Runtime(world_size, dp, grad_accum)
 
     @classmethod
@@ -292,6 +297,26 @@ class TrainConfig:
             section = getattr(self, name)
             out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
         return out
+
+
+# Fields that may differ between a release and the run it starts: they change no tensor's meaning or shape.
+FREE_MODEL_FIELDS = {"impl", "dropout", "mixer_dropout", "seed", "init_std", "random_init_std", "sgu_init_eps"}
+
+
+def check_release(path: str, model: ModelConfig) -> None:
+    """ConfigError unless `path` is a release directory of the same architecture as `model`."""
+    from model.release import FORMAT, is_release
+
+    if not is_release(path):
+        raise ConfigError(f"train.init_from={path!r} is not a release directory (config.json with format '{FORMAT}'); "
+                          f"make one with tools/convert.py to-release")
+    with open(os.path.join(path, "config.json")) as f:
+        theirs = json.load(f)["model"]
+    ours = model.to_dict()
+    for key in ours:
+        if key not in FREE_MODEL_FIELDS and _plain(theirs.get(key)) != _plain(ours[key]):
+            raise ConfigError(f"train.init_from={path!r} holds a model with model.{key}={theirs.get(key)!r} but this "
+                              f"config has {ours[key]!r}; set model.{key}={theirs.get(key)!r}")
 
 
 def _plain(v: Any) -> Any:

@@ -118,5 +118,6 @@ def build_pipeline(cfg: ModelConfig, tp_size: int, pp_size: int, dp_size: int, p
     # partition "parameters" balances parameter counts over stages; "uniform" balances layer counts.
     module = PipelineModule(layers=specs, topology=topology, loss_fn=lm_loss, partition_method=partition,
                             activation_checkpoint_interval=0)
-    tp.init_from_seed(module, cfg.seed, rename=partial(canonical_name, prefixes=prefixes))
+    module.canonical_name = partial(canonical_name, prefixes=prefixes)   # stage names → SynthesizerLM names
+    tp.init_from_seed(module, cfg.seed, rename=module.canonical_name)
     return module

@@ -12,13 +12,14 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from model import ConfigError, SynthesizerLM, build_model
 from model.accounting import model_stats
-from model import parallel as tp
+from model import parallel as tp, release
 from model.generate import sample
 from pretrain import distributed
 from pretrain.checkpoint import Checkpointer
@@ -52,6 +53,9 @@ def build_engine(cfg: TrainConfig, lay: distributed.Layout):
         model, mpu = build_model(cfg.model), distributed.MegatronMPU()
         for i, block in enumerate(model.blocks):
             block.checkpoint = every > 0 and i % every == 0
+    if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
+        release.load_into(model, release.read_release(cfg.train.init_from)[1],
+                          rename=getattr(model, "canonical_name", lambda name: name))
     schedule = lr_lambda(cfg.train, cfg.total_steps())
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
@@ -83,6 +87,10 @@ class Trainer:
                                          {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
         self.step = self.checkpointer.load(cfg.checkpoint.resume)
+        if self.step == 0 and cfg.train.init_from:
+            self.step = self.continue_release(cfg.train.init_from)
+        elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
+            self.skip_data(self.step)
         self.ids_file = None
         if cfg.logging.sample_ids:
             os.makedirs(os.path.join(cfg.train.run_dir, "sample_ids"), exist_ok=True)
@@ -93,10 +101,27 @@ class Trainer:
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{'resumed at step ' + str(self.step) if self.step else 'starting fresh'}")
 
+    def continue_release(self, path: str) -> int:
+        """Carry on from a release's training step: its LR schedule position and its data position."""
+        step = release.read_meta(path).get("training", {}).get("step", 0)
+        if step:
+            self.skip_data(step)
+            scheduler = self.engine.lr_scheduler
+            with warnings.catch_warnings():   # stepping the schedule without an optimizer step is the point here
+                warnings.simplefilter("ignore")
+                scheduler.last_epoch = step - 1
+                scheduler.step()
+        self.log.info(f"initialised from release {path} (trained {step} steps)")
+        return step
+
+    def skip_data(self, step: int) -> None:
+        """Position the data stream after `step` optimizer steps of this layout (same settings: same samples)."""
+        self.stream.load_state_dict({**self.stream.state_dict(), "consumed_batches": step * self.layout.grad_accum})
+
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, total = self.cfg, self.cfg.total_steps()
-        if self.step == 0:
+        if self.step == 0 or "engine" not in self.checkpointer.restored:
             self.validate()
         stop = total if cfg.train.stop_after_steps is None else min(total, self.step + cfg.train.stop_after_steps)
         batches = self.micro_batches(iter(self.stream))

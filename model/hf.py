@@ -1,0 +1,148 @@
+"""Hugging Face export and import of a release directory (model/release.py).
+
+    <hf dir>/config.json               SynthformerConfig: the release's `model` fields, model_type "synthformer",
+                                       architectures, auto_map (remote code), dtype, and `synthformer_training`
+    <hf dir>/model.safetensors         the release's tensors, byte for byte, each renamed `model.<canonical name>`
+    <hf dir>/generation_config.json    no cache; bos/eos/pad ids from the tokenizer when there is one
+    <hf dir>/*.py                      configuration_synthformer.py, modeling_synthformer.py and the model files they
+                                       import (config, lm, mixers, synthesizers, kernels, parallel)
+    <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
+    <hf dir>/train_config.yaml         (when the release has one)
+
+The directory loads on its own, offline, from any working directory:
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)    (and AutoConfig, AutoTokenizer)
+
+Both directions only move tensors and JSON: no model is built and transformers is not imported, so they are fast
+and need only safetensors. `hf_to_release(release_to_hf(r))` reproduces the release's tensors bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from .config import ConfigError, ModelConfig
+from .release import read_release, save_release
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_TYPE = "synthformer"
+# The remote code of an export. `from . import x` is invisible to transformers' import scanner, so every file is
+# listed here rather than discovered; modeling_synthformer.py names each one in a `from .x import` for the loader.
+CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "lm.py", "mixers.py",
+              "synthesizers.py", "kernels.py", "parallel.py")
+TOKENIZER_FILE = "tokenization_synthformer.py"
+AUTO_MAP = {"AutoConfig": "configuration_synthformer.SynthformerConfig",
+            "AutoModelForCausalLM": "modeling_synthformer.SynthformerForCausalLM"}
+PREFIX = "model."
+
+
+def _transformers_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _special_ids(tokenizer: str) -> dict:
+    """bos/eos/pad ids of a sentencepiece model (sentencepiece reports an absent one as -1)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
+    return {k: v for k, v in ids.items() if v >= 0}
+
+
+def hf_config(cfg: ModelConfig, dtype: str, training: dict | None = None, special_ids: dict | None = None) -> dict:
+    """The config.json of an export (the fields SynthformerConfig reads, plus what transformers looks for)."""
+    return {"model_type": MODEL_TYPE, "architectures": ["SynthformerForCausalLM"], "auto_map": dict(AUTO_MAP),
+            **cfg.to_dict(), "dtype": dtype, "tie_word_embeddings": False, "use_cache": False,
+            **(special_ids or {}), "synthformer_training": training or {},
+            "transformers_version": _transformers_version()}
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def release_to_hf(release_dir: str, out_dir: str) -> None:
+    """Write the Hugging Face export of a release (under a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    cfg, tensors, meta = read_release(release_dir)
+    tokenizer = os.path.join(release_dir, "tokenizer.model")
+    has_tokenizer = os.path.isfile(tokenizer)
+    special = _special_ids(tokenizer) if has_tokenizer else {}
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    # Same tensors, same dtype: only the names change (safetensors stores each tensor's bytes as they are).
+    save_file({PREFIX + name: t.contiguous() for name, t in tensors.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, meta["dtype"], meta.get("training"), special))
+    generation = {"use_cache": False, **special, "transformers_version": _transformers_version()}
+    _write_json(os.path.join(tmp, "generation_config.json"), generation)
+    for name in CODE_FILES:
+        shutil.copy(os.path.join(HERE, name), os.path.join(tmp, name))
+    if has_tokenizer:
+        shutil.copy(tokenizer, os.path.join(tmp, "tokenizer.model"))
+        shutil.copy(os.path.join(HERE, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
+        _write_json(os.path.join(tmp, "tokenizer_config.json"),
+                    {"tokenizer_class": "SynthformerTokenizer", "model_max_length": cfg.max_seq_len,
+                     "auto_map": {"AutoTokenizer": ["tokenization_synthformer.SynthformerTokenizer", None]}})
+    train_config = os.path.join(release_dir, "train_config.yaml")
+    if os.path.isfile(train_config):
+        shutil.copy(train_config, os.path.join(tmp, "train_config.yaml"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a Synthformer export; ConfigError (one line, naming the path) for anything else."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{hf_dir} is not a Synthformer Hugging Face export: {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(config, dict) or config.get("model_type") != MODEL_TYPE:
+        found = config.get("model_type") if isinstance(config, dict) else None
+        raise ConfigError(f"{hf_dir} is not a Synthformer Hugging Face export: {path} has model_type={found!r}, "
+                          f"expected '{MODEL_TYPE}' (make one with release_to_hf)")
+    return config
+
+
+def hf_to_release(hf_dir: str, out_dir: str) -> None:
+    """Write the release directory of a Hugging Face export, keeping its dtype and tensors unchanged."""
+    from safetensors.torch import load_file
+
+    from .release import DTYPES
+
+    config = read_hf_config(hf_dir)
+    names = [f for f in ModelConfig.__dataclass_fields__]
+    cfg = ModelConfig.from_dict({k: config[k] for k in names if k in config}, key=f"{hf_dir}/config.json")
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ConfigError(f"{hf_dir}/config.json: dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    weights = os.path.join(hf_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ConfigError(f"{weights} is missing (sharded or .bin exports are not supported); "
+                          f"save the model with save_pretrained(..., safe_serialization=True) as one file")
+    tensors = load_file(weights)
+    stray = sorted(name for name in tensors if not name.startswith(PREFIX))
+    if stray:
+        raise ConfigError(f"{weights}: tensor '{stray[0]}' does not start with '{PREFIX}'; "
+                          "not the weights of a SynthformerForCausalLM")
+    tensors = {name[len(PREFIX):]: t for name, t in tensors.items()}
+    if any(t.dtype != DTYPES[dtype] for t in tensors.values()):
+        # save_release would cast; say so rather than silently change the bits of a re-saved model.
+        found = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        raise ConfigError(f"{weights} holds {', '.join(found)} tensors but config.json says dtype={dtype}")
+    optional = {name: os.path.join(hf_dir, name) for name in ("tokenizer.model", "train_config.yaml")}
+    save_release(out_dir, cfg, tensors, dtype=dtype, tokenizer=optional["tokenizer.model"],
+                 train_config=optional["train_config.yaml"], training=config.get("synthformer_training") or {})

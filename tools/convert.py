@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Convert Synthformer checkpoints between layouts: DeepSpeed training checkpoints ↔ release directories ↔ Hugging Face.
+
+    python tools/convert.py to-release   CHECKPOINT OUT [--dtype fp32|bf16]
+        a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO stage) → a release directory (full tensors, canonical names,
+        model.safetensors + config.json + tokenizer.model + train_config.yaml). CHECKPOINT: a run directory, its
+        checkpoints/ directory (the newest, from `latest`) or one step_* directory.
+    python tools/convert.py to-deepspeed RELEASE OUT --tp T --pp P [--config YAML] [section.key=value ...]
+        a release → a DeepSpeed checkpoint in layout (T, P, DP=1) under OUT, resumable by a run with
+        `checkpoint.dir=OUT` and the same layout (fresh optimizer state; the LR schedule and data position follow the
+        release's step). To start a run in *any* layout (also DP > 1) from a release, use `train.init_from=RELEASE`.
+    python tools/convert.py to-hf        RELEASE OUT      a release → a Hugging Face directory (trust_remote_code)
+    python tools/convert.py from-hf      HF_DIR OUT       a Hugging Face export → a release
+
+Errors are one line (exit 2): a path that is not a checkpoint, a layout that does not divide the model, weights that do
+not match their config.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tqdm import tqdm  # noqa: E402
+
+from model import ConfigError  # noqa: E402
+from model import release  # noqa: E402
+
+
+def to_release(args) -> str:
+    from pretrain import ds_checkpoint
+
+    tag_dir = ds_checkpoint.resolve(args.checkpoint)
+    print(f"reading {tag_dir}")
+    cfg, tensors = ds_checkpoint.read_weights(tag_dir, progress=lambda r: tqdm(r, desc="model-parallel ranks",
+                                                                                 disable=args.quiet))
+    step = int(os.path.basename(tag_dir).split("_")[-1]) if os.path.basename(tag_dir).startswith("step_") else 0
+    training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir),
+                "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "zero_stage": cfg.parallel.zero_stage}}
+    release.save_release(args.out, cfg.model, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+                         tokenizer=os.path.join(tag_dir, "tokenizer.model"),
+                         train_config=os.path.join(tag_dir, "config.yaml"), training=training)
+    n = sum(t.numel() for t in tensors.values())
+    return f"wrote release {args.out}: {len(tensors)} tensors, {n / 1e6:.2f}M parameters, step {step}, {args.dtype}"
+
+
+def training_config(args):
+    """The training config of the target layout: the release's own (or --config), with the layout and init_from."""
+    from pretrain.config import load_config
+
+    path = args.config or os.path.join(args.release, "train_config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{args.release} has no train_config.yaml (a Hugging Face import?): pass --config YAML "
+                          f"with the training settings to use")
+    overrides = [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", f"train.init_from={args.release}",
+                 f"checkpoint.dir={args.out}", "checkpoint.resume=none", *args.overrides]
+    return load_config(path, overrides)
+
+
+def to_deepspeed(args) -> str:
+    args.release, args.out = os.path.abspath(args.release), os.path.abspath(args.out)   # workers run in ROOT
+    args.config = args.config and os.path.abspath(args.config)
+    release.read_release(args.release)                      # one-line errors before any process starts
+    cfg = training_config(args)
+    world = args.tp * args.pp
+    cfg.check_runtime(world, cuda=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    worker_args = [args.release, args.out, f"--tp={args.tp}", f"--pp={args.pp}",
+                   *([f"--config={args.config}"] if args.config else []), *args.overrides]
+    procs = []
+    for rank in range(world):                               # conversion needs no GPU: gloo processes on this host
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "_rank", *worker_args],
+                                      cwd=ROOT, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise ConfigError(f"writing the DeepSpeed checkpoint failed (exit codes {codes}); see the messages above")
+    return f"wrote DeepSpeed checkpoint (tp={args.tp}, pp={args.pp}) under {args.out}; continue training with " \
+           f"checkpoint.dir={args.out} parallel.tp={args.tp} parallel.pp={args.pp}"
+
+
+def rank_main(args) -> None:  # noqa: D401
+    """One process of to-deepspeed: build the engine in the target layout from the release, save it."""
+    from pretrain import distributed
+    from pretrain.checkpoint import Checkpointer
+    from pretrain.train import build_engine
+
+    cfg = training_config(args)
+    lay = distributed.init(cfg)
+    try:
+        engine = build_engine(cfg, lay)
+        step = release.read_meta(args.release).get("training", {}).get("step", 0)
+        tokenizer = os.path.join(args.release, "tokenizer.model")
+        Checkpointer(engine, args.out, 10**9, {}, cfg.to_dict(), tokenizer, lay.rank, lay.world).save(step)
+    finally:
+        distributed.shutdown()
+
+
+def to_hf(args) -> str:
+    from model.hf import release_to_hf
+
+    release_to_hf(args.release, args.out)
+    return f"wrote Hugging Face directory {args.out} (load with trust_remote_code=True)"
+
+
+def from_hf(args) -> str:
+    from model.hf import hf_to_release
+
+    hf_to_release(args.hf_dir, args.out)
+    return f"wrote release {args.out}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("to-release", help="DeepSpeed checkpoint (any TP/PP/DP/ZeRO) → release directory")
+    r.add_argument("checkpoint", help="run directory, its checkpoints/ directory, or a step_* directory")
+    r.add_argument("out", help="release directory to write")
+    r.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the saved tensors")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name in ("to-deepspeed", "_rank"):
+        d = sub.add_parser(name, help="release → DeepSpeed checkpoint at (TP, PP)" if name[0] != "_" else
+                           argparse.SUPPRESS)
+        d.add_argument("release", help="release directory")
+        d.add_argument("out", help="checkpoint directory to write (use it as checkpoint.dir)")
+        d.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target layout")
+        d.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the target layout")
+        d.add_argument("--config", help="training config YAML (default: the release's train_config.yaml)")
+        d.add_argument("overrides", nargs="*", help="config overrides section.key=value")
+    h = sub.add_parser("to-hf", help="release → Hugging Face directory (AutoModelForCausalLM, trust_remote_code)")
+    h.add_argument("release", help="release directory")
+    h.add_argument("out", help="Hugging Face directory to write")
+    f = sub.add_parser("from-hf", help="Hugging Face export → release directory")
+    f.add_argument("hf_dir", help="Hugging Face directory written by to-hf")
+    f.add_argument("out", help="release directory to write")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    run = {"to-release": to_release, "to-deepspeed": to_deepspeed, "to-hf": to_hf, "from-hf": from_hf,
+           "_rank": rank_main}[args.command]
+    try:
+        message = run(args)
+        if message:
+            print(message)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import fields
 
 from .config import ConfigError, ModelConfig
-from .release import read_release, save_release
+from .release import DTYPES, read_release, save_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_TYPE = "synthformer"
-# The remote code of an export. `from . import x` is invisible to transformers' import scanner, so every file is
-# listed here rather than discovered; modeling_synthformer.py names each one in a `from .x import` for the loader.
+# The remote code of an export: modeling_synthformer.py and every model file it reaches (transformers' loader copies
+# them from the export into its module cache, so the list must be complete; tests/test_hf.py loads it in isolation).
 CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "lm.py", "mixers.py",
               "synthesizers.py", "kernels.py", "parallel.py")
 TOKENIZER_FILE = "tokenization_synthformer.py"
@@ -121,10 +122,8 @@ def hf_to_release(hf_dir: str, out_dir: str) -> None:
     """Write the release directory of a Hugging Face export, keeping its dtype and tensors unchanged."""
     from safetensors.torch import load_file
 
-    from .release import DTYPES
-
     config = read_hf_config(hf_dir)
-    names = [f for f in ModelConfig.__dataclass_fields__]
+    names = [f.name for f in fields(ModelConfig)]   # the HF-only keys (auto_map, dtype, …) are left out
     cfg = ModelConfig.from_dict({k: config[k] for k in names if k in config}, key=f"{hf_dir}/config.json")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     if dtype not in DTYPES:

@@ -8,8 +8,9 @@ weights of a release load unchanged. It adds nothing to the math:
 
 Generation has no KV cache: a synthesized map (dense, random, factorized, SGU) is indexed by absolute position and
 has no keys to cache, so every step recomputes the last ≤ max_seq_len tokens — the same window as model/generate.py.
-This file ships inside every export (model/hf.py) and transformers' loader copies the model files it reaches
-through `from .x import` statements; it recognises only that spelling, hence the imports below name each file.
+This file ships inside every export (model/hf.py). transformers' loader copies the model files it reaches through
+`from .x import` statements and does not see `from . import x`: parallel.py, which the model files import only that
+way, is therefore imported here by name.
 """
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_synthformer import SynthformerConfig
-from .kernels import inv_sqrt  # noqa: F401  (named so the loader copies kernels.py, which mixers.py needs)
 from .lm import SynthesizerLM
 from .parallel import init_from_seed
 from .synthesizers import Rotary
 
 
 class SynthformerForCausalLM(PreTrainedModel, GenerationMixin):
+    """input_ids (B, n) → logits (B, n, V) of the wrapped SynthesizerLM (TP=1); loss when labels are given."""
+
     config_class = SynthformerConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

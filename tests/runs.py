@@ -73,6 +73,23 @@ def finish(proc, timeout=600):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def spawn(script, args, nproc, timeout=300):
+    """Run `python script args` as nproc ranks of one torch.distributed job on this host (the launcher's env)."""
+    env = {**os.environ, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([PY, script, *map(str, args)], cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(nproc)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+
+
 def launch(config, nproc, *overrides, check=True, env=None):
     env = {"NPROC": str(nproc), "MASTER_PORT": str(free_port()), **(env or {})}
     r = finish(start(config, *overrides, env=env))

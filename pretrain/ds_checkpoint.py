@@ -124,3 +124,23 @@ def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where
             raise ConfigError(f"{where}: '{name}' has shape {list(out[name].shape)} after merging but the config "
                               f"needs {shape}; the checkpoint does not match its config.yaml")
     return out
+
+
+def load_any(path: str):
+    """(SynthesizerLM in fp32 at TP=1, tokenizer.model path or None, info dict) from a release directory or any
+    DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
+    from model import SynthesizerLM
+    from model.release import is_release, load_into, read_release
+
+    if is_release(path):
+        cfg, tensors, meta = read_release(path)
+        source, step = path, meta.get("training", {}).get("step", 0)
+    else:
+        source = resolve(path)
+        train_cfg, tensors = read_weights(source)
+        cfg, base = train_cfg.model, os.path.basename(source)
+        step = int(base.split("_")[-1]) if base.startswith("step_") else 0
+    model = SynthesizerLM(cfg)
+    load_into(model, tensors)
+    tokenizer = os.path.join(source, "tokenizer.model")
+    return model.eval(), (tokenizer if os.path.isfile(tokenizer) else None), {"source": source, "step": step}

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import yaml
 
@@ -77,17 +78,20 @@ def spawn(script, args, nproc, timeout=300):
     """Run `python script args` as nproc ranks of one torch.distributed job on this host (the launcher's env)."""
     env = {**os.environ, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([PY, script, *map(str, args)], cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(nproc)]
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]   # files, not pipes: no rank blocks on a full pipe
+    procs = [subprocess.Popen([PY, script, *map(str, args)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)
+             for r, log in enumerate(logs)]
     try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        assert p.returncode == 0, log.read()[-3000:]
 
 
 def launch(config, nproc, *overrides, check=True, env=None):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert Synthformer checkpoints between layouts: DeepSpeed training checkpoints ↔ release directories ↔ Hugging Face.
+"""Convert Synthformer checkpoints: DeepSpeed training checkpoints ↔ release directories ↔ Hugging Face.
 
     python tools/convert.py to-release   CHECKPOINT OUT [--dtype fp32|bf16]
         a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO stage) → a release directory (full tensors, canonical names,
@@ -87,7 +87,7 @@ def to_deepspeed(args) -> str:
            f"checkpoint.dir={args.out} parallel.tp={args.tp} parallel.pp={args.pp}"
 
 
-def rank_main(args) -> None:  # noqa: D401
+def rank_main(args) -> None:
     """One process of to-deepspeed: build the engine in the target layout from the release, save it."""
     from pretrain import distributed
     from pretrain.checkpoint import Checkpointer

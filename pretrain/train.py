@@ -99,7 +99,7 @@ class Trainer:
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; model {cfg.model.mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
-                      f"{'resumed at step ' + str(self.step) if self.step else 'starting fresh'}")
+                      f"{self.start_words()}")
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""
@@ -113,6 +113,11 @@ class Trainer:
                 scheduler.step()
         self.log.info(f"initialised from release {path} (trained {step} steps)")
         return step
+
+    def start_words(self) -> str:
+        if "engine" in self.checkpointer.restored:
+            return f"resumed at step {self.step}"
+        return f"starting from a release at step {self.step}" if self.step else "starting fresh"
 
     def skip_data(self, step: int) -> None:
         """Position the data stream after `step` optimizer steps of this layout (same settings: same samples)."""
@@ -141,8 +146,9 @@ class Trainer:
                 path = self.checkpointer.save(self.step)
                 self.log.info(f"saved checkpoint {path}")
         result = self.validate()
+        first_step, first_ppl = self.first_val()
         self.log.info(f"done: validation perplexity {result['val/ppl']:.2f} at step {self.step} "
-                      f"(step 0: {self.first_val_ppl():.2f}); "
+                      f"(step {first_step}: {first_ppl:.2f}); "
                       f"TensorBoard logs: {cfg.logging.tensorboard_dir}")
         return result
 
@@ -169,15 +175,16 @@ class Trainer:
             losses.append(loss.detach())
         return self.dp_mean(torch.stack(losses).mean())
 
-    def first_val_ppl(self) -> float:
-        """The step-0 validation perplexity of this run (also after a resume), from metrics.jsonl."""
+    def first_val(self) -> tuple[int, float]:
+        """(step, validation perplexity) of this run's first evaluation (also after a resume), from metrics.jsonl:
+        step 0, or the step a release started it at."""
         path = os.path.join(self.cfg.train.run_dir, "metrics.jsonl")
         if os.path.exists(path):
             for line in open(path):
                 row = json.loads(line)
-                if row["step"] == 0 and "val/ppl" in row:
-                    return row["val/ppl"]
-        return float("nan")
+                if "val/ppl" in row:
+                    return row["step"], row["val/ppl"]
+        return 0, float("nan")
 
     def micro_batches_plain(self, batches) -> list:
         return [(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))

@@ -15,6 +15,7 @@ import torch
 from model import ModelConfig, build_model
 from model.decoding import CachedLM, IncrementalDecoder
 from model.generate import sample
+from model.hf import release_to_hf
 from model.release import save_release
 from tests.runs import CORPUS, PY, ROOT, write_config
 from tools import evaluate, generate, plot_attention
@@ -143,7 +144,7 @@ def test_shards_match_direct_reading(shards, sp):
     assert evaluate.evaluate_shards(model, shards, "val", max_samples=2)["tokens"] == 64
 
 
-def test_release_and_its_checkpoint_give_identical_results(shards, sp, text, tmp_path):
+def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text, tmp_path):
     model = tiny(max_seq_len=32, mixer="random+dot")
     cfg_path = write_config(tmp_path / "run.yaml", shards, tmp_path / "run", model=model.cfg.to_dict())
     tag = tmp_path / "run" / "checkpoints" / "step_00000007"   # the layout DeepSpeed writes at ZeRO-0, TP = PP = 1
@@ -155,12 +156,15 @@ def test_release_and_its_checkpoint_give_identical_results(shards, sp, text, tmp
     (tag / "tokenizer.model").write_bytes(open(tok, "rb").read())
     save_release(str(tmp_path / "release"), model.cfg, dict(model.named_parameters()), tokenizer=tok,
                  training={"step": 7})
+    release_to_hf(str(tmp_path / "release"), str(tmp_path / "hf"))
     results = []
-    for path in (tmp_path / "run", tmp_path / "release"):
+    for path in (tmp_path / "run", tmp_path / "release", tmp_path / "hf"):
         m, s, info = evaluate.load(str(path))
         assert info["step"] == 7
         results.append((evaluate.evaluate_shards(m, shards, max_samples=5), evaluate.evaluate_text(m, s, [text])))
     assert results[0] == results[1]
+    for native, hf in zip(results[0], results[2]):      # the HF export, run by transformers: the same perplexity
+        assert native["tokens"] == hf["tokens"] and abs(hf["ppl"] - native["ppl"]) <= 1e-4 * native["ppl"]
 
 
 DEMO = [os.path.join(ROOT, "runs", "demo"), os.path.join(ROOT, "runs", "demo-release")]

@@ -20,8 +20,12 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# tools/ is first on sys.path when run as a script, and tools/lm_eval.py would shadow the lm_eval package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # the tasks are local files: never reach for the Hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tqdm import tqdm  # noqa: E402
 
@@ -33,13 +37,14 @@ VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,ran
 TASKS = "austen_cloze,austen_mc4"
 
 
-def train(variant: str, args, run_dir: str) -> None:
+def train(variant: str, args, run_dir: str, warmup: int) -> None:
     """One launcher run of the variant; its console output goes to <run_dir>/train.log."""
     if os.path.exists(os.path.join(run_dir, "done.json")):
         return
     os.makedirs(run_dir, exist_ok=True)
     overrides = [f"model.mixer={variant}", f"train.run_dir={run_dir}", f"train.max_steps={args.steps}",
-                 f"checkpoint.every={args.steps}", "checkpoint.keep=1", "logging.image_every=0", *args.overrides]
+                 f"train.warmup_steps={min(warmup, args.steps // 10)}", f"checkpoint.every={args.steps}",
+                 "checkpoint.keep=1", "logging.image_every=0", *args.overrides]
     env = {**os.environ, "NPROC": str(args.nproc)}
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
@@ -49,13 +54,6 @@ def train(variant: str, args, run_dir: str) -> None:
         raise ConfigError(f"training {variant} failed (exit {r.returncode}); see {run_dir}/train.log")
     with open(os.path.join(run_dir, "done.json"), "w") as f:
         json.dump({"variant": variant, "seconds": time.time() - t0}, f)
-
-
-def run_json(cmd: list[str]) -> dict:
-    r = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        raise ConfigError(f"{' '.join(cmd[:2])} failed: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
-    return json.loads(r.stdout)
 
 
 def metrics(run_dir: str) -> tuple[dict, dict]:
@@ -71,22 +69,33 @@ def metrics(run_dir: str) -> tuple[dict, dict]:
 
 
 def evaluate(variant: str, args, run_dir: str, shard_dir: str) -> dict:
-    cfg = load_config(args.config, [f"model.mixer={variant}"]).model
+    """Parameters (Table 1 too), validation ppl and bits/byte of the final checkpoint, lm-eval task accuracies."""
+    from tools import evaluate as ev
+
+    cfg = load_config(args.config, [*args.overrides, f"model.mixer={variant}"]).model
     stats = model_stats(build_model(cfg))["total"]
-    ev = run_json(["tools/evaluate.py", run_dir, "--shards", shard_dir, "--split", "val", "--json"])
+    model, _, _ = ev.load(run_dir, need_tokenizer=False)
+    val = ev.evaluate_shards(model, shard_dir, "val", batch_size=16)
     row = {"variant": variant, "params": stats["trainable"] + stats["frozen"], "trainable": stats["trainable"],
-           "synth_params": stats["table1"], "val_ppl": ev["ppl"], "bits_per_byte": ev["bits_per_byte"]}
+           "synth_params": stats["table1"], "val_ppl": val["ppl"], "bits_per_byte": val["bits_per_byte"]}
     if args.tasks:
-        tasks = run_json(["tools/lm_eval.py", "--model", "synthformer", "--model_args", f"path={run_dir}",
-                          "--tasks", args.tasks, "--json"])
-        row.update({f"{t}/acc": tasks[t]["acc"] for t in args.tasks.split(",")})
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        import evaluation.lm_eval_adapter  # noqa: F401 -- registers the "synthformer" model
+
+        tasks = args.tasks.split(",")
+        out = lm_eval.simple_evaluate(model="synthformer", model_args=f"path={run_dir},batch_size=32",
+                                      tasks=tasks, device="cpu", verbosity="ERROR",
+                                      task_manager=TaskManager(include_path=os.path.join(ROOT, "tasks")))
+        row.update({f"{t} acc": out["results"][t]["acc,none"] for t in tasks})
     return row
 
 
 def write_results(rows: list[dict], curves: dict, out: str, args) -> None:
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"config": args.config, "steps": args.steps, "rows": rows}, f, indent=2)
-    task_cols = [k for k in rows[0] if k.endswith("/acc")]
+    task_cols = [k for k in rows[0] if k.endswith(" acc")]
     head = ["variant", "params", "synth params (Table 1)", "tokens/s", "val ppl", "bits/byte", *task_cols]
     lines = [f"# Variant study: {args.config}, {args.steps} steps each, {args.nproc} processes", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -136,7 +145,7 @@ def main(argv=None) -> int:
         rows, curves = [], {}
         for v in tqdm(variants, desc="variants"):
             run_dir = os.path.join(os.path.abspath(args.out), v.replace("+", "_"))
-            train(v, args, run_dir)
+            train(v, args, run_dir, cfg.train.warmup_steps)
             curves[v], speed = metrics(run_dir)
             rows.append({**evaluate(v, args, run_dir, cfg.data.shard_dir), **speed})
             tqdm.write(f"{v}: val ppl {rows[-1]['val_ppl']:.2f}, {rows[-1]['tokens_per_s']:,.0f} tokens/s")

@@ -4,7 +4,8 @@
     python tools/evaluate.py runs/demo --shards build/demo/shards --split val
     python tools/evaluate.py runs/demo-release --text heldout.txt [more.txt.gz ...] --stride 64 --json
 
-CHECKPOINT: a release directory or any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir).
+CHECKPOINT: a release directory, any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir), or a
+Hugging Face export (tools/convert.py to-hf; loaded through transformers, to check the export).
 Reported: tokens scored, bytes they stand for, loss (mean NLL in nats per token), ppl = e^loss, bits_per_token =
 loss / ln 2, and bits_per_byte = total NLL / ln 2 / bytes — comparable between tokenizers.
 
@@ -44,6 +45,35 @@ class UsageError(Exception):
 
 
 # ---- loading (shared by tools/generate.py and tools/plot_attention.py) ---------------------------------------------
+def is_hf_export(path: str) -> bool:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "synthformer"
+
+
+class HFLogits(torch.nn.Module):
+    """A Hugging Face export (tools/convert.py to-hf) seen as the native model: tokens → logits, with `.cfg`."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf, self.cfg = hf, hf.model.cfg
+
+    def forward(self, tokens):
+        return self.hf(tokens).logits
+
+
+def load_hf(path: str):
+    """(model, tokenizer path, info) of a Hugging Face export, loaded by transformers itself (remote code)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    tokenizer = os.path.join(path, "tokenizer.model")
+    step = (getattr(hf.config, "synthformer_training", None) or {}).get("step", 0)
+    return HFLogits(hf), tokenizer if os.path.isfile(tokenizer) else None, {"source": path, "step": step}
+
+
 def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
     """(model in eval mode at TP=1, SentencePieceProcessor or None, info {"source", "step"}); UsageError otherwise."""
     import sentencepiece as spm
@@ -54,7 +84,7 @@ def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
         raise UsageError(f"checkpoint {path} does not exist: pass a release directory or a DeepSpeed run/checkpoint")
     try:
         with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's import banner must not corrupt --json output
-            model, found, info = load_any(path)
+            model, found, info = load_hf(path) if is_hf_export(path) else load_any(path)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     except (OSError, RuntimeError, ValueError, KeyError) as e:   # a truncated or foreign file

@@ -75,6 +75,7 @@ def test_release_and_hf_logits_equal_training(runs, name, tmp_path):
     with torch.no_grad():
         ours = load_model(r["release"])(x)
     assert (ours - r["logits"]).abs().max() <= 1e-5
+    print(f"\n{name}: max |release − training| logits = {(ours - r['logits']).abs().max():.3g}")
 
     convert("to-hf", r["release"], tmp_path / "hf")
     torch.save(x, tmp_path / "x.pt")
@@ -86,6 +87,8 @@ def test_release_and_hf_logits_equal_training(runs, name, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     hf = torch.load(tmp_path / "out.pt")
     assert (hf["logits"] - r["logits"]).abs().max() <= 1e-5
+    print(f"{name}: max |HF − training| logits = {(hf['logits'] - r['logits']).abs().max():.3g}, "
+          f"generated {hf['generated'][0, 8:].tolist()}")
     assert hf["layers"] == len(MIXERS)
     assert hf["generated"].shape == (1, 13) and torch.equal(hf["generated"][0, :8], x[0, :8])
 
@@ -116,6 +119,7 @@ def test_continue_training_in_another_layout(runs, shards, tmp_path):
     got = losses(tmp_path / "cont")
     assert sorted(got) == [11]
     assert abs(got[11] - original[11]) <= 1e-4 * abs(original[11]), (got[11], original[11])
+    print(f"\nstep-11 loss: original (2,2,1) {original[11]:.7f}, from release in (1,2,1) {got[11]:.7f}")
 
 
 def test_one_line_errors(runs, tmp_path):

@@ -3,10 +3,17 @@ restart needs to continue exactly: the data position, the RNG states and the ste
 the run's config and tokenizer beside it.
 
 Layout of `<checkpoint.dir>/<tag>/` (tag = `step_00000100`): DeepSpeed's files, `trainer_rank<R>.pt` for every
-global rank, `config.yaml`, `tokenizer.model`; `<checkpoint.dir>/latest` names the newest tag (DeepSpeed's own file).
+global rank, `config.yaml`, `tokenizer.model`, `complete.json`; `<checkpoint.dir>/latest` names the newest tag.
+
+A save is atomic: every rank writes into `<tag>.partial/`; after a barrier rank 0 fsyncs every file, records each
+file's size in `complete.json`, renames the directory to `<tag>` and only then replaces `latest` (write + rename).
+A crash at any moment leaves the previous checkpoint complete and named by `latest`; a leftover `.partial`
+directory is removed by the next save. Loading checks `complete.json` (every file present, same size) and falls
+back to the newest complete checkpoint when `latest` names a damaged one.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -16,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from model import ConfigError
 from model import parallel as tp
 
 
@@ -47,51 +55,115 @@ class Checkpointer:
 
     def save(self, step: int) -> str:
         tag = f"step_{step:08d}"
-        self.engine.save_checkpoint(self.dir, tag=tag)           # collective; writes `latest` last
-        path = os.path.join(self.dir, tag)
+        final, partial = os.path.join(self.dir, tag), os.path.join(self.dir, tag + ".partial")
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)           # a crashed earlier attempt at this step
+        dist.barrier()
+        os.makedirs(partial, exist_ok=True)                       # also for ranks DeepSpeed gives nothing to write
+        self.engine.save_checkpoint(self.dir, tag=tag + ".partial", save_latest=False)   # collective
         own = {name: obj.state_dict() for name, obj in self.stateful.items()}
         torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own},
-                   os.path.join(path, f"trainer_rank{self.rank}.pt"))
+                   os.path.join(partial, f"trainer_rank{self.rank}.pt"))
         if self.rank == 0:
-            with open(os.path.join(path, "config.yaml"), "w") as f:
+            with open(os.path.join(partial, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.config, f, sort_keys=False)
             if os.path.exists(self.tokenizer):
-                shutil.copy(self.tokenizer, os.path.join(path, "tokenizer.model"))
-        dist.barrier()
+                shutil.copy(self.tokenizer, os.path.join(partial, "tokenizer.model"))
+        dist.barrier()                                            # every rank's files are written
         if self.rank == 0:
+            self._commit(partial, final, tag, step)
             self._prune()
-        return path
+        dist.barrier()                                            # nobody runs on before the commit
+        return final
+
+    def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
+        """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""
+        sizes = {}
+        for name in sorted(os.listdir(partial)):
+            path = os.path.join(partial, name)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[name] = os.path.getsize(path)
+        _write_durably(os.path.join(partial, "complete.json"), json.dumps({"step": step, "files": sizes}, indent=1))
+        if os.path.exists(final):                                 # re-saving a step (e.g. after a resume)
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(self.dir)
+        _write_durably(os.path.join(self.dir, "latest"), tag)
 
     def _prune(self) -> None:
-        tags = sorted(t for t in os.listdir(self.dir) if t.startswith("step_"))
-        for old in tags[:-self.keep]:
+        complete = [t for t in self.complete_tags()]
+        for old in complete[:-self.keep]:
             shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
+        for name in os.listdir(self.dir):                         # leftovers of crashed saves
+            if name.endswith(".partial"):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+    def complete_tags(self) -> list[str]:
+        """Tags whose every recorded file is present with its recorded size, oldest first."""
+        if not os.path.isdir(self.dir):
+            return []
+        tags = sorted(t for t in os.listdir(self.dir) if t.startswith("step_") and not t.endswith(".partial"))
+        return [t for t in tags if verify(os.path.join(self.dir, t)) is None]
 
     def latest_tag(self) -> str | None:
+        """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""
         latest = os.path.join(self.dir, "latest")
-        if not os.path.exists(latest):
-            return None
-        with open(latest) as f:
-            return f.read().strip()
+        named = open(latest).read().strip() if os.path.exists(latest) else None
+        if named and verify(os.path.join(self.dir, named)) is None:
+            return named
+        complete = self.complete_tags()
+        if named and complete and self.rank == 0:
+            why = verify(os.path.join(self.dir, named))
+            print(f"checkpoint {os.path.join(self.dir, named)} is incomplete ({why}); "
+                  f"resuming from {complete[-1]}", flush=True)
+        return complete[-1] if complete else None
+
+    def check_compatible(self, path: str) -> None:
+        """One-line errors, before DeepSpeed reads a tensor, for a checkpoint of another model or parallel layout."""
+        from pretrain.config import FREE_MODEL_FIELDS
+
+        saved_file = os.path.join(path, "config.yaml")
+        if not os.path.exists(saved_file) or not self.config:
+            return
+        with open(saved_file) as f:
+            saved = yaml.safe_load(f)
+        for key, ours in self.config["model"].items():
+            theirs = saved.get("model", {}).get(key)
+            if key not in FREE_MODEL_FIELDS and theirs != ours:
+                raise ConfigError(f"checkpoint {path} holds a model with model.{key}={theirs!r}, this config has "
+                                  f"{ours!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
+        for key in ("tp", "pp"):
+            theirs, ours = saved.get("parallel", {}).get(key), self.config["parallel"][key]
+            if theirs != ours:
+                raise ConfigError(f"checkpoint {path} was written with parallel.{key}={theirs}, this run has "
+                                  f"parallel.{key}={ours}: convert it (tools/convert.py to-release, then "
+                                  f"train.init_from=RELEASE) or launch with parallel.{key}={theirs}")
 
     def load(self, resume: str) -> int:
-        """Restore the newest checkpoint (resume='auto'), a given one (a path), or nothing ('none'); returns the step."""
+        """Restore the newest complete checkpoint (resume='auto'), a given one (a path), or nothing ('none');
+        returns the step."""
         if resume == "none":
             return 0
         directory, tag = self.dir, None
         if resume != "auto":
             directory, tag = os.path.dirname(os.path.abspath(resume)), os.path.basename(os.path.abspath(resume))
-        elif self.latest_tag() is None:
-            return 0
-        tag = tag or self.latest_tag()
+            problem = verify(os.path.abspath(resume))
+            if problem:
+                raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
+        else:
+            tag = self.latest_tag()
+            if tag is None:
+                return 0
+        self.check_compatible(os.path.join(directory, tag))
         load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
-            raise RuntimeError(f"no checkpoint could be loaded from {directory} (tag {tag})")
+            raise ConfigError(f"no checkpoint could be loaded from {directory} (tag {tag})")
         load_path = os.path.join(directory, tag)
         own_file = os.path.join(load_path, f"trainer_rank{self.rank}.pt")
         state = torch.load(own_file, weights_only=False)
         if state["world"] != self.world:
-            raise RuntimeError(f"checkpoint {load_path} was written by {state['world']} ranks, this run has "
+            raise ConfigError(f"checkpoint {load_path} was written by {state['world']} ranks, this run has "
                                f"{self.world}; convert it with tools/convert.py to change the layout")
         for name, obj in self.stateful.items():   # a checkpoint made by tools/convert.py has no data position
             if name in state["stateful"]:
@@ -99,3 +171,43 @@ class Checkpointer:
         set_rng_state(state["rng"])
         self.restored = {"engine", *state["stateful"]}
         return state["step"]
+
+
+def verify(path: str) -> str | None:
+    """None if the checkpoint directory holds every file its complete.json records, at the recorded size; else why not.
+    A directory without complete.json (written before atomic saves, or by hand) is accepted as it is."""
+    if not os.path.isdir(path):
+        return "no such directory"
+    record = os.path.join(path, "complete.json")
+    if not os.path.exists(record):
+        return None if any(n.endswith("_model_states.pt") for n in os.listdir(path)) else "no model states"
+    try:
+        with open(record) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return "complete.json is unreadable"
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
+    return None
+
+
+def _write_durably(path: str, text: str) -> None:
+    """Replace `path` atomically: write a temporary file, fsync it, rename it over the old one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -48,7 +48,12 @@ def _check_types(section: Any, prefix: str) -> None:
                 continue
             raise ConfigError(f"{key} must be set: {f.metadata.get('help', '')}")
         want = next(t for t in options if t is not type(None))
-        if get_origin(want) is tuple:
+        if get_origin(want) is tuple and get_args(want)[-1] is Ellipsis:        # tuple[str, ...]: any length
+            kind = get_args(want)[0]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) for v in value):
+                raise ConfigError(f"{key}={value!r} must be a list of {kind.__name__}")
+            setattr(section, f.name, tuple(value))
+        elif get_origin(want) is tuple:
             n = len(get_args(want))
             if not isinstance(value, (list, tuple)) or len(value) != n or not all(_is_number(v) for v in value):
                 raise ConfigError(f"{key}={value!r} must be a list of {n} numbers")
@@ -144,6 +149,11 @@ class TrainSection:
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
                                       None)
     run_dir: str = _f("output directory of the run; checkpoints and TensorBoard go under it by default")
+    max_wall_minutes: float | None = _f("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
+                                        "time-limited jobs; relaunch to continue", None)
+    preempt_signals: tuple[str, ...] = _f("signals that stop the run cleanly after the current step with a "
+                                          "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
+                                          ("SIGTERM", "SIGUSR1"))
     init_from: str | None = _f("release directory (tools/convert.py) whose weights start a fresh run, in any layout; "
                                "its training step carries on (LR schedule, data position). A checkpoint of this run "
                                "takes precedence when resuming", None)
@@ -168,6 +178,10 @@ class TrainSection:
         _need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
         _need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
         _need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
+        _need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
+              self.max_wall_minutes, "null or > 0")
+        _need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
+              "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""

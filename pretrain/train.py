@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -86,6 +87,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
+        self.started, self.stop_reason = time.time(), None
+        for name in cfg.train.preempt_signals:   # SLURM and other schedulers warn before they kill
+            signal.signal(getattr(signal, name), self.on_signal)
         self.step = self.checkpointer.load(cfg.checkpoint.resume)
         if self.step == 0 and cfg.train.init_from:
             self.step = self.continue_release(cfg.train.init_from)
@@ -142,15 +146,32 @@ class Trainer:
                 self.validate()
             if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
                 self.log_samples()
-            if self.step % cfg.checkpoint.every == 0 or self.step == stop:
+            preempted = self.preempted()
+            if self.step % cfg.checkpoint.every == 0 or self.step == stop or preempted:
                 path = self.checkpointer.save(self.step)
                 self.log.info(f"saved checkpoint {path}")
+            if preempted:
+                self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
+                              f"command to continue")
+                return {}
         result = self.validate()
         first_step, first_ppl = self.first_val()
         self.log.info(f"done: validation perplexity {result['val/ppl']:.2f} at step {self.step} "
                       f"(step {first_step}: {first_ppl:.2f}); "
                       f"TensorBoard logs: {cfg.logging.tensorboard_dir}")
         return result
+
+    def on_signal(self, signum, frame) -> None:
+        self.stop_reason = signal.Signals(signum).name   # acted on after the current step, by every rank together
+
+    def preempted(self) -> str | None:
+        """Why every rank must stop now (a signal on any rank, or the wall-clock limit), else None. Collective."""
+        limit = self.cfg.train.max_wall_minutes
+        if self.stop_reason is None and limit is not None and time.time() - self.started > 60 * limit:
+            self.stop_reason = f"train.max_wall_minutes={limit} reached"
+        flag = torch.tensor([float(self.stop_reason is not None)], device=self.layout.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return (self.stop_reason or "a signal on another rank") if flag.item() else None
 
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""

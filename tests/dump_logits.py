@@ -27,7 +27,7 @@ def main(config, tag_dir, out):
     cfg = load_config(config, [])
     lay = distributed.init(cfg)
     engine = build_engine(cfg, lay)
-    Checkpointer(engine, cfg.checkpoint.dir, 1, {}, {}, "", lay.rank, lay.world).load(tag_dir)
+    Checkpointer(engine, cfg.checkpoint.dir, 1, {}, cfg.to_dict(), "", lay.rank, lay.world).load(tag_dir)
     engine.eval()
     x = fixed_tokens(cfg)
     with torch.no_grad():

@@ -217,10 +217,12 @@ KINDS = {   # what the header says, then the rest of the yaml
               "the last word of one of its sentences; the target is that word. acc: the model's greedy continuation "
               "is exactly ' <word>' (loglikelihood is_greedy); perplexity: exp(-mean log-likelihood of the word).",
               "output_type: loglikelihood\ndoc_to_text: \"{{context}}\"\ndoc_to_target: \"{{' ' + target}}\"\n"
-              "metric_list:\n" + METRIC.format("perplexity", "perplexity", "false") + METRIC.format("acc", "mean", "true")),
+              "metric_list:\n" + METRIC.format("perplexity", "perplexity", "false")
+              + METRIC.format("acc", "mean", "true")),
     "mc4": ("4-way multiple-choice continuation. Each item is a passage cut before one of its sentences; the choices "
             "are that sentence and three complete sentences from other passages, drawn from the 12 closest to it in "
-            "length (characters), in a seeded order. `sep` is what precedes the true sentence: ' ' inside a paragraph, '\\n' when it starts one "
+            "length (characters), in a seeded order. `sep` is what precedes the true sentence: ' ' inside a "
+            "paragraph, '\\n' when it starts one "
             "(lm-eval moves it from the context to the front of every choice, so all four are scored as the same "
             "kind of continuation). acc: the true sentence has the highest log-likelihood; acc_norm: the highest "
             "log-likelihood per byte.",

@@ -322,3 +322,18 @@ def test_deepspeed_initialize_accepts_the_generated_config(tmp_path):
     steps, accum, stage, optimizer, lr, expected = line[0].split()[1:]
     assert (int(steps), int(accum), int(stage), optimizer) == (3, 2, 2, "AdamW")  # torch's AdamW: torch_adam honoured
     assert float(lr) == pytest.approx(float(expected)) and float(lr) == pytest.approx(3e-3 * 3 / 4)
+
+
+def test_init_from_must_be_a_release_of_the_same_architecture(tmp_path):
+    from model import build_model
+    from model.release import save_release
+
+    assert "is not a release directory" in error_of(
+        load_config(DEMO, [f"train.init_from={tmp_path}"]).check_runtime, 2)
+    cfg = load_config(DEMO, ["model.n_layers=2"]).model
+    save_release(str(tmp_path / "rel"), cfg, dict(build_model(cfg).named_parameters()))
+    assert load_config(DEMO, ["model.n_layers=2", f"train.init_from={tmp_path}/rel",
+                              "model.dropout=0.1"]).check_runtime(2).dp == 2      # dropout may differ
+    assert error_of(load_config(DEMO, [f"train.init_from={tmp_path}/rel"]).check_runtime, 2) == (
+        f"train.init_from='{tmp_path}/rel' holds a model with model.n_layers=2 but this config has 4; "
+        f"set model.n_layers=2")

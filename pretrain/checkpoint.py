@@ -92,7 +92,7 @@ class Checkpointer:
         _write_durably(os.path.join(self.dir, "latest"), tag)
 
     def _prune(self) -> None:
-        complete = [t for t in self.complete_tags()]
+        complete = self.complete_tags()
         for old in complete[:-self.keep]:
             shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
         for name in os.listdir(self.dir):                         # leftovers of crashed saves
@@ -110,29 +110,29 @@ class Checkpointer:
         """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""
         latest = os.path.join(self.dir, "latest")
         named = open(latest).read().strip() if os.path.exists(latest) else None
-        if named and verify(os.path.join(self.dir, named)) is None:
+        why = verify(os.path.join(self.dir, named)) if named else None
+        if named and why is None:
             return named
         complete = self.complete_tags()
         if named and complete and self.rank == 0:
-            why = verify(os.path.join(self.dir, named))
             print(f"checkpoint {os.path.join(self.dir, named)} is incomplete ({why}); "
                   f"resuming from {complete[-1]}", flush=True)
         return complete[-1] if complete else None
 
     def check_compatible(self, path: str) -> None:
         """One-line errors, before DeepSpeed reads a tensor, for a checkpoint of another model or parallel layout."""
-        from pretrain.config import FREE_MODEL_FIELDS
+        from pretrain.config import architecture_difference
 
         saved_file = os.path.join(path, "config.yaml")
         if not os.path.exists(saved_file) or not self.config:
             return
         with open(saved_file) as f:
             saved = yaml.safe_load(f)
-        for key, ours in self.config["model"].items():
-            theirs = saved.get("model", {}).get(key)
-            if key not in FREE_MODEL_FIELDS and theirs != ours:
-                raise ConfigError(f"checkpoint {path} holds a model with model.{key}={theirs!r}, this config has "
-                                  f"{ours!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
+        key = architecture_difference(saved.get("model", {}), self.config["model"])
+        if key:
+            raise ConfigError(f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this "
+                              f"config has {self.config['model'][key]!r}: set it back, or start a new run "
+                              f"(train.run_dir / checkpoint.dir)")
         for key in ("tp", "pp"):
             theirs, ours = saved.get("parallel", {}).get(key), self.config["parallel"][key]
             if theirs != ours:

@@ -327,10 +327,15 @@ def check_release(path: str, model: ModelConfig) -> None:
     with open(os.path.join(path, "config.json")) as f:
         theirs = json.load(f)["model"]
     ours = model.to_dict()
-    for key in ours:
-        if key not in FREE_MODEL_FIELDS and _plain(theirs.get(key)) != _plain(ours[key]):
-            raise ConfigError(f"train.init_from={path!r} holds a model with model.{key}={theirs.get(key)!r} but this "
-                              f"config has {ours[key]!r}; set model.{key}={theirs.get(key)!r}")
+    key = architecture_difference(theirs, ours)
+    if key:
+        raise ConfigError(f"train.init_from={path!r} holds a model with model.{key}={theirs.get(key)!r} but this "
+                          f"config has {ours[key]!r}; set model.{key}={theirs.get(key)!r}")
+
+
+def architecture_difference(theirs: dict, ours: dict) -> str | None:
+    """The first model key (other than FREE_MODEL_FIELDS) whose value differs between two model-section dicts."""
+    return next((k for k in ours if k not in FREE_MODEL_FIELDS and _plain(theirs.get(k)) != _plain(ours[k])), None)
 
 
 def _plain(v: Any) -> Any:

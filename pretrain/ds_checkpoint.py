@@ -40,6 +40,12 @@ def resolve(path: str) -> str:
                       f"nor a 'latest' file naming one); pass a run directory, its checkpoints/ or a step_* directory")
 
 
+def step_of(tag_dir: str) -> int:
+    """The training step a checkpoint tag directory holds (`step_00000100` → 100; 0 for other names)."""
+    base = os.path.basename(os.path.normpath(tag_dir))
+    return int(base.split("_")[-1]) if base.startswith("step_") else 0
+
+
 def read_config(tag_dir: str) -> TrainConfig:
     with open(os.path.join(tag_dir, "config.yaml")) as f:
         return TrainConfig.from_dict(yaml.safe_load(f), source=f"{tag_dir}/config.yaml")
@@ -138,8 +144,7 @@ def load_any(path: str):
     else:
         source = resolve(path)
         train_cfg, tensors = read_weights(source)
-        cfg, base = train_cfg.model, os.path.basename(source)
-        step = int(base.split("_")[-1]) if base.startswith("step_") else 0
+        cfg, step = train_cfg.model, step_of(source)
     model = SynthesizerLM(cfg)
     load_into(model, tensors)
     tokenizer = os.path.join(source, "tokenizer.model")

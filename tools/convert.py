@@ -39,7 +39,7 @@ def to_release(args) -> str:
     print(f"reading {tag_dir}")
     cfg, tensors = ds_checkpoint.read_weights(tag_dir, progress=lambda r: tqdm(r, desc="model-parallel ranks",
                                                                                  disable=args.quiet))
-    step = int(os.path.basename(tag_dir).split("_")[-1]) if os.path.basename(tag_dir).startswith("step_") else 0
+    step = ds_checkpoint.step_of(tag_dir)
     training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir),
                 "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "zero_stage": cfg.parallel.zero_stage}}
     release.save_release(args.out, cfg.model, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],

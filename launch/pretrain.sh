@@ -30,8 +30,10 @@ if [ -n "${RANK:-}" ] && [ -n "${LOCAL_RANK:-}" ]; then
   exec "$PYTHON" -m pretrain.train "$@"
 fi
 
-GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-NPROC="${NPROC:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
+if [ -z "${NPROC:-}" ]; then   # one process per GPU, else 2 on the CPU (torch is imported only to count GPUs)
+  GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  NPROC=$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)
+fi
 DS=("$PYTHON" -m deepspeed.launcher.runner --master_addr "${MASTER_ADDR:-127.0.0.1}"
     --master_port "${MASTER_PORT:-29500}")
 if [ -n "${HOSTFILE:-}" ]; then

@@ -13,6 +13,7 @@ back to the newest complete checkpoint when `latest` names a damaged one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,6 +26,11 @@ import yaml
 
 from model import ConfigError
 from model import parallel as tp
+from pretrain.faults import maybe_kill_in_save
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message is one line that says what was kept and what to do."""
 
 
 def rng_state() -> dict:
@@ -54,13 +60,41 @@ class Checkpointer:
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
 
     def save(self, step: int) -> str:
+        """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
+        raises CheckpointError on the rank that saw it; the other ranks then wait in a collective until the launcher,
+        seeing a rank exit with an error, ends them: the previous checkpoint stays complete and `latest`."""
         tag = f"step_{step:08d}"
         final, partial = os.path.join(self.dir, tag), os.path.join(self.dir, tag + ".partial")
+        previous = self.latest_tag()
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)           # a crashed earlier attempt at this step
         dist.barrier()
+        try:
+            self._write(partial, tag, step)
+            dist.barrier()                                        # every rank's files are written
+            maybe_kill_in_save("written", step, self.rank)
+            if self.rank == 0:
+                self._commit(partial, final, tag, step)
+                self._prune()
+        except (OSError, RuntimeError) as e:                      # torch.save reports ENOSPC as a RuntimeError
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)        # give the space back
+            free = shutil.disk_usage(self.dir).free / 2**20 if os.path.isdir(self.dir) else float("nan")
+            cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
+            full = "the disk is full, " if free < 1 or getattr(e, "errno", None) == errno.ENOSPC else ""
+            kept = f"the previous checkpoint {previous} is kept as latest" if previous else "no earlier checkpoint"
+            raise CheckpointError(f"could not write checkpoint {tag} in {self.dir}: {full}{free:.1f} MiB free "
+                                  f"({type(e).__name__}: {cause}); {kept}: free space or set checkpoint.dir, then "
+                                  f"relaunch to resume") from None
+        dist.barrier()                                            # nobody runs on before the commit
+        return final
+
+    def _write(self, partial: str, tag: str, step: int) -> None:
+        """This rank's files: DeepSpeed's (collective), the trainer state, and on rank 0 the config and tokenizer."""
         os.makedirs(partial, exist_ok=True)                       # also for ranks DeepSpeed gives nothing to write
-        self.engine.save_checkpoint(self.dir, tag=tag + ".partial", save_latest=False)   # collective
+        maybe_kill_in_save("begin", step, self.rank)
+        self.engine.save_checkpoint(self.dir, tag=tag + ".partial", save_latest=False)
+        maybe_kill_in_save("engine", step, self.rank)
         own = {name: obj.state_dict() for name, obj in self.stateful.items()}
         torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own},
                    os.path.join(partial, f"trainer_rank{self.rank}.pt"))
@@ -69,12 +103,6 @@ class Checkpointer:
                 yaml.safe_dump(self.config, f, sort_keys=False)
             if os.path.exists(self.tokenizer):
                 shutil.copy(self.tokenizer, os.path.join(partial, "tokenizer.model"))
-        dist.barrier()                                            # every rank's files are written
-        if self.rank == 0:
-            self._commit(partial, final, tag, step)
-            self._prune()
-        dist.barrier()                                            # nobody runs on before the commit
-        return final
 
     def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
         """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""
@@ -89,6 +117,7 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_dir(self.dir)
+        maybe_kill_in_save("renamed", step, self.rank)
         _write_durably(os.path.join(self.dir, "latest"), tag)
 
     def _prune(self) -> None:

@@ -82,6 +82,8 @@ class DataSection:
     num_workers: int = _f("DataLoader worker processes per rank (0 = read in the training process)", 2)
     seed: int = _f("seed of the shard/sample order", 1234)
     val_batches: int = _f("validation micro-batches per evaluation (the same batches every time)", 20)
+    bad_shards: str = _f("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
+                         "(train without it; logged and counted)", "fail")
 
     def __post_init__(self):
         _check_types(self, "data")
@@ -90,6 +92,7 @@ class DataSection:
             self.tokenizer = os.path.join(self.shard_dir, "tokenizer.model")
         _need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
         _need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
+        _need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
 
 
 @dataclass(kw_only=True)
@@ -157,6 +160,11 @@ class TrainSection:
     init_from: str | None = _f("release directory (tools/convert.py) whose weights start a fresh run, in any layout; "
                                "its training step carries on (LR schedule, data position). A checkpoint of this run "
                                "takes precedence when resuming", None)
+    max_consecutive_skips: int = _f("stop with an error after this many optimizer steps in a row were skipped "
+                                    "(non-finite loss or gradient, loss spike); 0 = never stop", 8)
+    spike_z: float | None = _f("skip a step whose loss exceeds mean + spike_z × std of the last spike_window kept "
+                               "steps (null = no spike rule; not with parallel.pp > 1)", None)
+    spike_window: int = _f("steps in the window of the loss-spike rule", 100)
 
     def __post_init__(self):
         _check_types(self, "train")
@@ -182,6 +190,10 @@ class TrainSection:
               self.max_wall_minutes, "null or > 0")
         _need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
               "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
+        _need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,
+              "≥ 0 (0 = never stop)")
+        _need(self.spike_z is None or self.spike_z > 0, "train.spike_z", self.spike_z, "null or > 0")
+        _need(self.spike_window >= 2, "train.spike_window", self.spike_window, "≥ 2")
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""
@@ -279,6 +291,9 @@ class TrainConfig:
                               "pad the vocabulary")
         if m.n_layers < p.pp:
             raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
+        if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss
+            raise ConfigError(f"train.spike_z={self.train.spike_z} needs parallel.pp=1: the pipeline engine runs "
+                              "backward before the loss is known; set train.spike_z=null")
         grad_accum = self.train.grad_accum(dp)
         if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):
             raise ConfigError("train.precision='fp16' needs CUDA (DeepSpeed refuses fp16 on CPU); use bf16 or fp32")

@@ -5,8 +5,11 @@ Public API
     read_manifest(shard_dir) -> dict           the validated manifest.json, plus "shard_dir"
     check_vocab(manifest, model_vocab_size)    DataError unless the tokenizer and the model agree on the vocabulary size
     tokenizer_path(manifest) -> str            the tokenizer.model copy inside the shard directory
-    TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4)
-        iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings]}
+    TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
+                bad_shards="fail")
+        iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
+                            "skipped_shards": [paths of shards found bad while this batch was read; usually []]}
+        skipped_shards      [(path, reason)]: the train and val shards dropped at construction (bad_shards="skip")
         state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
                                                depend on; a new iterator continues exactly where the saved one was
         val_batches(max_batches=None)          finite, the same batches on every call, the same count on every rank
@@ -29,6 +32,19 @@ read as bytes but not decoded. Changing dp_world, num_workers, B, seq_len, seed 
 load_state_dict refuses it: resuming under a new layout needs an explicit remap of the position.
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
+
+Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), or is left out (bad_shards="skip").
+    At construction, without opening a shard: an empty file, or a size other than the manifest's "bytes" (when
+    recorded; older manifests lack it), makes a shard bad. With "skip" it is dropped from its split before any order
+    is computed and listed in stream.skipped_shards, so the same files give the same order and resume stays exact.
+    While reading, a shard that tarfile cannot parse, or whose sample count or sample sizes differ from the manifest,
+    is bad: with "skip" its samples are dropped, a warning naming it goes to stderr (from the DataLoader worker) and
+    the next batch lists its path in "skipped_shards" (workers are other processes: the batch is how the trainer
+    learns of it); each worker of an iterator reports a shard once and does not reopen it, so the trainer should
+    count distinct paths. Positions are still counted by the manifest, so a shard found bad only while reading shifts
+    that worker's later samples, and a resume is exact only for shards found bad at construction (the size check
+    catches truncated and empty files, the usual damage; tar has no checksum over the data, so garbage inside a
+    sample's tokens is not found at all).
 """
 
 import functools
@@ -38,6 +54,7 @@ import json
 import math
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -46,8 +63,10 @@ from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
 MANIFEST_FORMAT = 1
 DTYPES = {"uint16": ("<u2", "tokens.u16"), "int32": ("<i4", "tokens.i32")}  # manifest dtype -> (numpy, tar member)
+# Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".
 STATE_KEYS = ("dp_rank", "dp_world", "num_workers", "micro_batch_size", "seq_len", "seed", "mix_shards")
 MAKE = "tools/make_shards.py"
+BAD_SHARDS = ("fail", "skip")
 
 
 class DataError(ValueError):
@@ -85,8 +104,9 @@ def read_manifest(shard_dir):
     for name, split in m["splits"].items():
         ok = isinstance(split, dict) and isinstance(split.get("shards"), list) and all(
             isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("samples"), int)
-            and s["samples"] > 0 for s in split["shards"])
-        _need(ok, f"{bad} split \"{name}\" needs \"shards\": [{{\"name\": str, \"samples\": int > 0}}, ...]")
+            and s["samples"] > 0 and isinstance(s.get("bytes", 1), int) for s in split["shards"])
+        _need(ok, f"{bad} split \"{name}\" needs \"shards\": [{{\"name\": str, \"samples\": int > 0, "
+                  f"\"bytes\": int (optional)}}, ...]")
         total = sum(s["samples"] for s in split["shards"])
         _need(split.get("samples") == total,
               f"{bad} split \"{name}\" says {split.get('samples')} samples but its shards hold {total}")
@@ -121,12 +141,58 @@ def _worker():
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
-def _read_tar(path, count=None):
-    """The samples of one shard in file order, as raw bytes (webdataset's own tar reader)."""
-    samples = list(group_by_keys(tar_file_expander(url_opener([{"url": path}]))))
-    _need(count is None or len(samples) == count,
-          f"shard {path} holds {len(samples)} samples but manifest.json says {count}: rebuild the directory")
+def _fix(shard_dir):
+    return f"rebuild {shard_dir} with {MAKE}, or set data.bad_shards=skip to train without it"
+
+
+def _read_tar(path, count, member, nbytes):
+    """The samples of one shard in file order, as raw bytes (webdataset's own tar reader), each checked to hold
+    `member` of `nbytes` bytes; any fault in the file is a DataError naming it."""
+    fix = _fix(os.path.dirname(path))
+    try:
+        samples = list(group_by_keys(tar_file_expander(url_opener([{"url": path}]))))
+    except Exception as e:  # tarfile/OS/webdataset errors; webdataset appends its stream and url to e.args
+        cause = str(e.args[0]).split(" @ ")[0] if e.args else ""
+        raise DataError(f"shard {path} is unreadable ({type(e).__name__}: {cause}): {fix}") from None
+    # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
+    _need(len(samples) == count, f"shard {path} holds {len(samples)} samples but manifest.json says {count}: {fix}")
+    for s in samples:
+        size = len(s.get(member, b""))
+        _need(size == nbytes, f"shard {path}: sample {s.get('__key__')} has {size} bytes of {member}, not "
+                              f"{nbytes} (seq_len+1 tokens): {fix}")
     return samples
+
+
+class ShardReader:
+    """Reads the shards of one iterator. Under bad_shards="skip" a bad shard gives no samples, is warned about on
+    stderr once and not reopened, and its path rides on the next sample out (`tag`), so the batch that takes that
+    sample reports it: the only way out of a DataLoader worker that keeps the batch order."""
+
+    def __init__(self, fmt, bad_shards, split, n_shards):
+        self.fmt, self.bad_shards, self.split, self.n_shards = fmt, bad_shards, split, n_shards
+        self.bad, self.skipped = set(), []  # paths found bad; those not yet handed to a batch
+
+    def read(self, path, count):
+        if path in self.bad:
+            return []
+        try:
+            return _read_tar(path, count, *self.fmt)
+        except DataError as e:
+            if self.bad_shards != "skip":
+                raise
+            what = str(e).removesuffix(f": {_fix(os.path.dirname(path))}")
+            print(f"warning: {what}; skipping it (data.bad_shards=skip)", file=sys.stderr, flush=True)
+        self.bad.add(path)
+        self.skipped.append(path)
+        _need(len(self.bad) < self.n_shards,  # else the reader would go round for ever without a sample
+              f"every {self.split} shard in {os.path.dirname(path)} is bad (see the warnings above): rebuild it "
+              f"with {MAKE}")
+        return []
+
+    def tag(self, sample):
+        if self.skipped:
+            sample, self.skipped = dict(sample, __skipped__=self.skipped), []
+        return sample
 
 
 class EpochShards(torch.utils.data.IterableDataset):
@@ -179,29 +245,35 @@ class EpochShards(torch.utils.data.IterableDataset):
             epoch, first = epoch + 1, 0
 
 
-def shuffled_samples(src, counts):
-    """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded)."""
+def shuffled_samples(src, counts, fmt, bad_shards):
+    """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded).
+    A bad shard (bad_shards="skip") adds no samples: the group is smaller, its order still a function of the seed."""
+    reader = ShardReader(fmt, bad_shards, "train", len(counts))
     for group in src:
-        samples = [s for url, name in zip(group["urls"], group["names"]) for s in _read_tar(url, counts[name])]
+        samples = [s for url, name in zip(group["urls"], group["names"]) for s in reader.read(url, counts[name])]
         order = list(range(len(samples)))
         random.Random(group["order_seed"]).shuffle(order)
         for j in order[group["skip"]:]:
-            yield samples[j]
+            yield reader.tag(samples[j])
 
 
-def collate(samples, dtype, member, seq_len):
+def collate(samples, dtype, member):
     rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
-    for s, row in zip(samples, rows):
-        _need(len(row) == seq_len + 1,
-              f"sample {s['__key__']} in {s['__url__']} has {len(row)} tokens, not seq_len+1={seq_len + 1}")
-    return {"tokens": torch.from_numpy(np.stack(rows).astype(np.int64)), "ids": [s["__key__"] for s in samples]}
+    return {"tokens": torch.from_numpy(np.stack(rows).astype(np.int64)), "ids": [s["__key__"] for s in samples],
+            "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())]}
+
+
+def _one_line(e):
+    """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line."""
+    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{__name__}.DataError: "
+    return DataError(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
 class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4):
+                 mix_shards=4, bad_shards="fail"):
         _need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         _need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         _need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -213,23 +285,52 @@ class TokenStream:
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         _need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
         self.mix_shards = mix_shards
+        _need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
+        self.bad_shards = bad_shards
         self.dtype, self.member = DTYPES[m["dtype"]]
+        self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
+        self.skipped_shards = []  # (path, reason) of the shards the size check dropped
+        self.shards = {split: self._checked(split) for split in m["splits"]}
         self.train = self._split("train")
         need = dp_world * max(1, num_workers)
+        dropped = len(m["splits"]["train"]["shards"]) - len(self.train)
         _need(len(self.train) >= need,
-              f"{shard_dir} has {len(self.train)} train shards but dp_world={dp_world} x num_workers={num_workers} "
+              f"{shard_dir} has {len(self.train)} train shards" + (f" ({dropped} skipped as bad)" if dropped else "")
+              + f" but dp_world={dp_world} x num_workers={num_workers} "
               f"needs at least {need}: rebuild with a smaller --samples-per-shard or use fewer data workers")
         self._consumed = 0  # batches handed to the trainer: the whole resumable position
         self._live = 0  # id of the one live iterator
 
+    def _checked(self, split):
+        """The split's [(name, samples)] sorted by name, less the shards whose file size shows damage: "fail" refuses
+        them, "skip" drops them here, before any order is computed. Only sizes are read: no shard is opened."""
+        good = []
+        for s in self.manifest["splits"][split]["shards"]:
+            path = os.path.join(self.shard_dir, s["name"])
+            size = os.path.getsize(path) if os.path.isfile(path) else None  # a missing shard is named by _split
+            if size == 0:
+                reason = "is empty (0 bytes)"
+            elif size is not None and s.get("bytes", size) != size:
+                reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
+                    " (truncated?)" if size < s["bytes"] else " (overwritten?)")
+            else:
+                good.append((s["name"], s["samples"]))
+                continue
+            _need(self.bad_shards == "skip", f"shard {path} {reason}: {_fix(self.shard_dir)}")
+            self.skipped_shards.append((path, reason))
+        return sorted(good)
+
     def _split(self, split):
-        shards = self.manifest["splits"].get(split, {}).get("shards", [])
+        shards = self.shards.get(split, [])
+        if not shards and self.manifest["splits"].get(split, {}).get("shards"):
+            raise DataError(f"every {split} shard in {self.shard_dir} is bad (skipped: data.bad_shards=skip): "
+                            f"rebuild it with {MAKE}")
         _need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
                       f"{MAKE}" + (" --val-fraction > 0" if split == "val" else ""))
-        for s in shards:
-            path = os.path.join(self.shard_dir, s["name"])
+        for name, _ in shards:
+            path = os.path.join(self.shard_dir, name)
             _need(os.path.isfile(path), f"shard {path} listed in manifest.json is missing: rebuild {self.shard_dir}")
-        return sorted((s["name"], s["samples"]) for s in shards)
+        return shards
 
     # ---- train stream ----
 
@@ -241,7 +342,7 @@ class TokenStream:
     def _loader(self, skip_batches):
         pipeline = wds.DataPipeline(
             self._source(skip_batches),
-            wds.pipelinefilter(shuffled_samples)(dict(self.train)),
+            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.fmt, self.bad_shards),
             wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
         )
         return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=self.num_workers,
@@ -252,14 +353,17 @@ class TokenStream:
         return self._batches(self._live)
 
     def _batches(self, me):
-        for batch in self._loader(skip_batches=self._consumed):
-            if me != self._live:
-                raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
-            self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
-            yield batch
+        try:
+            for batch in self._loader(skip_batches=self._consumed):
+                if me != self._live:
+                    raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
+                self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
+                yield batch
+        except DataError as e:
+            raise _one_line(e) from None
 
     def _collate(self, samples):
-        return collate(samples, self.dtype, self.member, self.seq_len)
+        return collate(samples, self.dtype, self.member)
 
     def worker_shards(self, epoch, worker):
         return [name for name, _ in self._source(0).shards_for(epoch, worker, max(1, self.num_workers))]
@@ -296,16 +400,19 @@ class TokenStream:
         total = sum(c for _, c in shards)
         full = math.ceil(math.ceil(total / self.dp_world) / self.micro_batch_size)
         n_batches = full if max_batches is None else min(full, max_batches)
-        samples = self._samples_from(shards, self.dp_rank * full * self.micro_batch_size % total)
+        samples = self._samples_from(split, shards, self.dp_rank * full * self.micro_batch_size % total)
         return (self._collate(list(itertools.islice(samples, self.micro_batch_size))) for _ in range(n_batches))
 
-    def _samples_from(self, shards, start):
-        """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened."""
+    def _samples_from(self, split, shards, start):
+        """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened. A
+        shard found bad here (bad_shards="skip") is passed over, so the rest of the split moves up."""
+        reader = ShardReader(self.fmt, self.bad_shards, split, len(shards))
         i = 0
         while start >= shards[i][1]:
             start -= shards[i][1]
             i += 1
         while True:
             name, count = shards[i]
-            yield from _read_tar(os.path.join(self.shard_dir, name), count)[start:]
+            for sample in reader.read(os.path.join(self.shard_dir, name), count)[start:]:
+                yield reader.tag(sample)
             i, start = (i + 1) % len(shards), 0

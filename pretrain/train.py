@@ -22,10 +22,11 @@ from model import ConfigError, SynthesizerLM, build_model
 from model.accounting import model_stats
 from model import parallel as tp, release
 from model.generate import sample
-from pretrain import distributed
-from pretrain.checkpoint import Checkpointer
+from pretrain import distributed, faults
+from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, deepspeed_config, load_config, lr_lambda
 from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
+from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, attention_grid, memory_mb
 from pretrain.pipeline import build_pipeline
 
@@ -58,9 +59,13 @@ def build_engine(cfg: TrainConfig, lay: distributed.Layout):
         release.load_into(model, release.read_release(cfg.train.init_from)[1],
                           rename=getattr(model, "canonical_name", lambda name: name))
     schedule = lr_lambda(cfg.train, cfg.total_steps())
+    groups, ds_config, optimizer = param_groups(model, cfg.train.weight_decay), deepspeed_config(cfg, lay.dp), None
+    if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":   # no DeepSpeed step guard there: ours
+        t = cfg.train
+        optimizer = GuardedAdamW(groups, lay.device, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+        del ds_config["optimizer"]
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-        config=deepspeed_config(cfg, lay.dp), mpu=mpu,
+        model=model, model_parameters=groups, optimizer=optimizer, config=ds_config, mpu=mpu,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine
 
@@ -80,13 +85,19 @@ class Trainer:
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
-                                  seed=cfg.data.seed)
+                                  seed=cfg.data.seed, bad_shards=cfg.data.bad_shards)
+        self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.flops_per_token = train_flops_per_token(cfg)
         self.engine = build_engine(cfg, lay)
         self.pipeline = cfg.parallel.pp > 1
+        self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
-                                         {"data": self.stream}, cfg.to_dict(), cfg.data.tokenizer, lay.rank, lay.world)
+                                         {"data": self.stream, "guard": self.guard}, cfg.to_dict(), cfg.data.tokenizer,
+                                         lay.rank, lay.world)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
+        if self.stream.skipped_shards:
+            self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
+                          "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
         self.started, self.stop_reason = time.time(), None
         for name in cfg.train.preempt_signals:   # SLURM and other schedulers warn before they kill
             signal.signal(getattr(signal, name), self.on_signal)
@@ -136,8 +147,12 @@ class Trainer:
         batches = self.micro_batches(iter(self.stream))
         window_t, window_tokens = time.time(), 0
         while self.step < stop:
-            loss = self.train_step(batches)
+            loss, skipped = self.train_step(batches)
             self.step += 1
+            note = self.guard.record(self.step, loss, skipped is not None, skipped or "")   # raises after K in a row
+            if note:
+                self.log.scalars(self.step, {"train/skipped_steps": self.guard.total})
+                self.log.info(note)
             window_tokens += cfg.tokens_per_step
             if self.step % cfg.logging.every == 0 or self.step == total:
                 self.log_step(loss, window_tokens / (time.time() - window_t))
@@ -176,25 +191,40 @@ class Trainer:
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""
         for batch in batches:
+            self.bad_shards_read.update(batch["skipped_shards"])
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
                 self.ids_file.flush()
             tokens = batch["tokens"].to(self.layout.device)
             yield tokens[:, :-1], tokens[:, 1:]
 
-    def train_step(self, micro_batches) -> float:
-        """One optimizer step over grad_accum micro-batches; the loss averaged over them and the DP ranks."""
-        self.engine.train()
+    def train_step(self, micro_batches) -> tuple[float, str | None]:
+        """One optimizer step over grad_accum micro-batches: (the loss averaged over them and the DP ranks, why the
+        update was skipped or None). How a step is skipped: pretrain/health.py."""
+        engine, lay = self.engine, self.layout
+        engine.train()
+        skipped_before = self.skipped_so_far()
+        nonfinite = "non-finite loss or gradient"
         if self.pipeline:   # the PipelineEngine schedules all micro-batches and reduces the loss itself
-            return self.engine.train_batch(micro_batches).item()
-        losses = []
-        for _ in range(self.layout.grad_accum):
+            loss = engine.train_batch(micro_batches).item()
+            return loss, nonfinite if self.skipped_so_far() > skipped_before else None
+        losses, spike = [], False
+        for _ in range(lay.grad_accum):
             inputs, targets = next(micro_batches)
-            loss = self.engine(inputs, targets)
-            self.engine.backward(loss)
-            self.engine.step()
+            loss = faults.poison_loss(engine(inputs, targets), self.step + 1, lay.rank)
+            this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.dp_mean(loss))
+            spike |= this_spike
+            engine.backward(loss * float("nan") if this_spike else loss)   # NaN gradients: the step is dropped
+            engine.step()
             losses.append(loss.detach())
-        return self.dp_mean(torch.stack(losses).mean())
+        loss = self.dp_mean(torch.stack(losses).mean())
+        if spike:
+            return loss, "loss spike"
+        return loss, nonfinite if self.skipped_so_far() > skipped_before else None
+
+    def skipped_so_far(self) -> int:
+        """Optimizer steps dropped for a non-finite gradient: by DeepSpeed's optimizers, or by GuardedAdamW."""
+        return self.engine.skipped_steps + getattr(self.engine.optimizer, "skipped", 0)
 
     def first_val(self) -> tuple[int, float]:
         """(step, validation perplexity) of this run's first evaluation (also after a resume), from metrics.jsonl:
@@ -218,6 +248,11 @@ class Trainer:
         dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
         return x.item() / self.layout.dp
 
+    def skipped_shards(self) -> int:
+        """Bad shards left out so far: at the start (every rank alike) + found while reading (summed over DP)."""
+        found = round(self.dp_mean(torch.tensor(float(len(self.bad_shards_read)))) * self.layout.dp)
+        return len(self.stream.skipped_shards) + found
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def log_step(self, loss: float, tokens_per_s: float) -> None:
         cfg, lay = self.cfg, self.layout
@@ -230,7 +265,8 @@ class Trainer:
                   "perf/mfu": tflops / cfg.logging.peak_tflops_per_device,
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
-                  "memory/peak_mb": memory_mb(lay.device)}
+                  "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
+                  "data/skipped_shards": self.skipped_shards()}
         self.log.scalars(self.step, values)
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {values['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
@@ -287,6 +323,9 @@ def main(argv=None) -> int:
         return 2
     try:
         trainer.train()
+    except (TrainingStopped, CheckpointError, DataError) as e:   # one line; the launcher ends the other ranks
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
         distributed.shutdown()

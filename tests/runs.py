@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,3 +114,25 @@ def ids_per_step(run_dir, rank):
     for r in rows:
         out.setdefault(r["step"], []).extend(r["ids"])
     return out
+
+
+def trainer_ranks(launcher_pid: int) -> dict[int, psutil.Process]:
+    """{local rank: process} of the trainers under a launcher (`python -u -m pretrain.train --local_rank=R ...`)."""
+    ranks = {}
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            args, parent = p.cmdline(), p.parent().cmdline()
+        except psutil.Error:
+            continue
+        if "pretrain.train" in args and not any(a.startswith("--local_rank=") for a in parent):   # not a worker
+            ranks.update({int(a.split("=")[1]): p for a in args if a.startswith("--local_rank=")})
+    return ranks
+
+
+def metric_rows(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+
+
+def id_rows(run_dir, rank) -> list[dict]:
+    return [json.loads(l) for l in open(os.path.join(run_dir, "sample_ids", f"rank{rank}.jsonl"))]

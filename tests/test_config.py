@@ -181,7 +181,7 @@ def test_unknown_key_in_file_names_file_and_nearest_key(tmp_path):
 
 @pytest.mark.parametrize("item, guess", [
     ("train.learning_rate=3e-4", "train.lr"), ("model.mixr=dot", "model.mixer"), ("train.tp=2", "parallel.tp"),
-    ("lr=1e-3", "train.lr"), ("trian.warmup_steps=5", "train.warmup_steps"), ("data.shards=x", "data.shard_dir")])
+    ("lr=1e-3", "train.lr"), ("trian.warmup_steps=5", "train.warmup_steps"), ("data.shard=x", "data.shard_dir")])
 def test_unknown_override_suggests_nearest_key(item, guess):
     key = item.split("=")[0]
     assert error_of(load_config, DEMO, [item]) == (f"unknown config key '{key}' in override '{item}'; "

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from model.config import ConfigError
+from pretrain.config import load_config
 from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +98,7 @@ def test_make_shards_manifest_matches_tars(built):
         for shard in info["shards"]:
             samples = tar_samples(os.path.join(d, shard["name"]))
             assert len(samples) == shard["samples"] and shard["first_id"] == samples[0][0]
+            assert shard["bytes"] == os.path.getsize(os.path.join(d, shard["name"]))
             assert all(len(tokens) == SEQ + 1 for _, tokens in samples)
             all_ids += [key for key, _ in samples]
         assert info["samples"] == sum(s["samples"] for s in info["shards"]) and info["tokens"] == info["samples"] * SEQ
@@ -156,14 +159,20 @@ def test_tools_missing_input_is_one_line(tool, built, tmp_path):
 def epoch_ids(built, rank, world, workers, epoch_count=1):
     """Each logical worker's first `epoch_count` epochs of sample ids, cut from the rank's batch stream (j -> j % W)."""
     s = stream(built, dp_rank=rank, dp_world=world, num_workers=workers)
-    W = max(1, workers)
     counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    return read_epochs(s, counts, epoch_count)[0], s
+
+
+def read_epochs(s, counts, epoch_count=1):
+    """(per logical worker, its first `epoch_count` epochs of ids; the batches read). counts: samples per shard name,
+    0 for a shard the stream will find bad while reading."""
+    W = max(1, s.num_workers)
     need = [sum(counts[n] for e in range(epoch_count) for n in s.worker_shards(e, w)) for w in range(W)]
     n_batches = max((-(-need[w] // B) - 1) * W + w + 1 for w in range(W))
-    per_worker = [[] for _ in range(W)]
-    for j, batch in enumerate(take(s, n_batches)):
+    per_worker, batches = [[] for _ in range(W)], take(s, n_batches)
+    for j, batch in enumerate(batches):
         per_worker[j % W] += batch["ids"]
-    return [ids[: need[w]] for w, ids in enumerate(per_worker)], s
+    return [ids[: need[w]] for w, ids in enumerate(per_worker)], batches
 
 
 def test_one_epoch_two_ranks_two_workers_sees_every_sample_once(built):
@@ -322,6 +331,132 @@ def test_resume_refuses_a_different_layout(built):
         with pytest.raises(DataError) as e:
             stream(built, **kw).load_state_dict(state)
         one_line(e, f"{change}={state[change]}", f"{change}={value}", "remap")
+
+
+# ---- bad shards: named, then fatal or skipped (data.bad_shards) ----
+
+def damaged_copy(built, tmp_path, how, split="train", index=3):
+    """A copy of the shard directory with one shard damaged; returns (directory, path of that shard)."""
+    d = tmp_path / f"{how}-{split}"
+    shutil.copytree(built["dir"], d)
+    path = str(d / built["manifest"]["splits"][split]["shards"][index]["name"])
+    if how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "empty":
+        open(path, "wb").close()
+    else:  # garbage over the middle of one member's 512-byte header: the checksum fails, the size stays
+        with tarfile.open(path) as tar:
+            members = tar.getmembers()
+        at = members[0 if how == "corrupt-first" else len(members) // 2].offset
+        with open(path, "r+b") as f:
+            f.seek(at + 100)
+            f.write(bytes(range(200)))
+    return str(d), path
+
+
+def split_ids(built, split, exclude=()):
+    """Every sample id of a split in manifest order, built from first_id and samples (not by reading the tars)."""
+    return [f"{s['first_id'].rsplit('-', 1)[0]}-{k:06d}" for s in built["manifest"]["splits"][split]["shards"]
+            if s["name"] not in exclude for k in range(s["samples"])]
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty"])
+def test_bad_shard_size_fails_or_is_skipped_at_construction(built, tmp_path, how):
+    d, path = damaged_copy(built, tmp_path, how)
+    name = os.path.basename(path)
+    with pytest.raises(DataError) as e:
+        TokenStream(d, B, SEQ)
+    one_line(e, path, "bytes", "(truncated?)" if how == "truncated" else "is empty (0 bytes)", "data.bad_shards=skip")
+    s = TokenStream(d, B, SEQ, bad_shards="skip")
+    assert s.skipped_shards == [(path, e.value.args[0].split(f"{path} ")[1].split(":")[0])]
+    assert name not in dict(s.train) and len(s.train) == len(built["manifest"]["splits"]["train"]["shards"]) - 1
+    counts = dict(s.train)
+    (ids,), batches = read_epochs(s, counts)
+    expect = split_ids(built, "train", exclude={name})
+    assert len(ids) == len(expect) and set(ids) == set(expect)  # one epoch: every other shard's samples, once
+    assert all(b["skipped_shards"] == [] for b in batches)  # dropped at construction: nothing found while reading
+    # the same files give the same order, so a resume is exact
+    first = TokenStream(d, B, SEQ, bad_shards="skip")
+    take(first, 5)
+    again = TokenStream(d, B, SEQ, bad_shards="skip")
+    again.load_state_dict(first.state_dict())
+    assert [b["ids"] for b in take(again, 4)] == [b["ids"] for b in batches[5:9]]
+
+
+@pytest.mark.parametrize("how", ["corrupt-first", "corrupt-middle"])
+def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd, how):
+    d, path = damaged_copy(built, tmp_path, how)
+    name = os.path.basename(path)
+    assert TokenStream(d, B, SEQ).skipped_shards == []  # the size is right: found only when read
+    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    for workers in (0, 2):
+        with pytest.raises(DataError) as e:  # a worker's DataError arrives as one line, not its traceback
+            take(TokenStream(d, B, SEQ, num_workers=workers), sum(counts.values()) // B + 1)
+        assert type(e.value) is DataError
+        one_line(e, path, "unreadable (ReadError" if how == "corrupt-first" else "manifest.json says 50",
+                 "data.bad_shards=skip")
+    capfd.readouterr()
+    s = TokenStream(d, B, SEQ, num_workers=2, bad_shards="skip")
+    per_worker, batches = read_epochs(s, dict(counts, **{name: 0}))
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    # once per worker dealt the shard (a worker may be read ahead: prefetched batches are not taken)
+    assert warnings and all(path in line for line in warnings)
+    reported = [p for b in batches for p in b["skipped_shards"]]
+    assert set(reported) == {path} and len(reported) <= len(warnings)
+    ids = [i for w in per_worker for i in w]
+    expect = split_ids(built, "train", exclude={name})
+    assert len(ids) == len(expect) and set(ids) == set(expect)
+    assert not any(i.startswith(name[: -len(".tar")]) for b in batches for i in b["ids"])  # nor in the next epoch
+
+
+def test_bad_val_shard_in_validation_batches(built, tmp_path, capfd):
+    d, path = damaged_copy(built, tmp_path, "corrupt-first", split="val", index=1)
+    with pytest.raises(DataError) as e:
+        list(TokenStream(d, B, SEQ).val_batches())
+    one_line(e, path, "unreadable")
+    batches = list(TokenStream(d, B, SEQ, bad_shards="skip").val_batches())
+    assert path in capfd.readouterr().err
+    assert [p for b in batches for p in b["skipped_shards"]] == [path]
+    ids, good = [i for b in batches for i in b["ids"]], split_ids(built, "val", exclude={os.path.basename(path)})
+    assert ids == (good * 2)[: len(ids)]  # manifest order with the bad shard passed over, wrapping round
+    d, path = damaged_copy(built, tmp_path, "empty", split="val", index=1)
+    s = TokenStream(d, B, SEQ, bad_shards="skip")
+    assert [p for p, _ in s.skipped_shards] == [path]
+    ids = [i for b in s.val_batches() for i in b["ids"]]
+    assert ids == (good * 2)[: len(ids)]
+
+
+def test_manifest_without_bytes_still_loads_and_names_a_short_shard(built, tmp_path):
+    d, path = damaged_copy(built, tmp_path, "truncated")
+    m = json.loads(open(os.path.join(d, "manifest.json")).read())
+    for split in m["splits"].values():
+        for shard in split["shards"]:
+            del shard["bytes"]
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    s = TokenStream(d, B, SEQ)  # an older manifest: no size check, the shard is found when read
+    with pytest.raises(DataError) as e:
+        take(s, m["splits"]["train"]["samples"] // B + 1)
+    one_line(e, path, "rebuild")
+
+
+def test_too_many_skipped_shards_and_bad_setting(built, tmp_path):
+    d = tmp_path / "fewer"
+    shutil.copytree(built["dir"], d)
+    shards = built["manifest"]["splits"]["train"]["shards"]
+    for shard in shards[2:]:
+        open(d / shard["name"], "wb").close()
+    with pytest.raises(DataError) as e:
+        TokenStream(str(d), B, SEQ, num_workers=4, bad_shards="skip")
+    one_line(e, f"has 2 train shards ({len(shards) - 2} skipped as bad)", "num_workers=4")
+    with pytest.raises(DataError) as e:
+        TokenStream(built["dir"], B, SEQ, bad_shards="maybe")
+    one_line(e, "bad_shards", "fail, skip", "'maybe'")
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(ROOT, "configs", "demo-cpu.yaml"), ["data.bad_shards=maybe"])
+    assert one_line(e) == "data.bad_shards='maybe' is out of range; allowed: fail, skip"
+    assert load_config(os.path.join(ROOT, "configs", "demo-cpu.yaml")).data.bad_shards == "fail"
 
 
 # ---- memory on a large input ----

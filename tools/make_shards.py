@@ -15,8 +15,10 @@ Output directory:
                   to the directory), "tokenizer_sha256": ..., "tokenizer_source": ..., "dtype": "uint16" | "int32",
                   "seed": s, "val_fraction": f, "inputs": [...],
                   "splits": {"train": {"samples": N, "tokens": N*n, "shards": [{"name": "train-000000.tar",
-                  "samples": k, "first_id": "train-000000-000000", "first_index": 0}, ...]}, "val": {...}}}
-  "tokens" counts target tokens (samples x seq_len). A split with no samples has "shards": [].
+                  "samples": k, "first_id": "train-000000-000000", "first_index": 0, "bytes": b}, ...]},
+                  "val": {...}}}
+  "tokens" counts target tokens (samples x seq_len). A split with no samples has "shards": []. "bytes" is the size of
+  the closed tar: the loader compares it with the file, so a truncated copy is named before training starts.
 Each sample: __key__ "<split>-<shard:06d>-<index in shard:06d>" (unique over the directory) and one member
 "tokens.u16" (or "tokens.i32" when V > 65535): the n+1 ids as raw little-endian integers.
 
@@ -60,7 +62,7 @@ class SplitWriter:
         self.out_dir, self.split, self.per_shard, self.member = out_dir, split, samples_per_shard, member
         self.shards = []  # manifest records of the shards written so far
         self.samples = 0
-        self.tar = None
+        self.tar = self.path = None
 
     def write(self, payload):
         if self.tar is None:
@@ -69,7 +71,8 @@ class SplitWriter:
             index = len(self.shards)
             name = f"{self.split}-{index:06d}.tar"
             # mtime fixed and no encoder: the same input gives byte-identical shards
-            self.tar = wds.TarWriter(os.path.join(self.out_dir, name), encoder=False, mtime=0.0)
+            self.path = os.path.join(self.out_dir, name)
+            self.tar = wds.TarWriter(self.path, encoder=False, mtime=0.0)
             self.shards.append({"name": name, "samples": 0, "first_id": f"{self.split}-{index:06d}-000000",
                                 "first_index": self.samples})
         record = self.shards[-1]
@@ -83,6 +86,7 @@ class SplitWriter:
     def close(self):
         if self.tar is not None:
             self.tar.close()
+            self.shards[-1]["bytes"] = os.path.getsize(self.path)  # after close: the tar's end blocks are written
             self.tar = None
 
 

@@ -1,0 +1,70 @@
+"""The skip rules of pretrain/health.py on their own: spikes against a window computed another way, the stop after
+K skips in a row, and the state a checkpoint carries."""
+import statistics
+
+import pytest
+import torch
+import yaml
+
+from model import ConfigError
+from pretrain.health import LossGuard, TrainingStopped
+
+
+def test_spike_rule_is_mean_plus_z_std_of_the_window_once_full():
+    guard = LossGuard(max_consecutive=0, spike_z=2.0, window=5)
+    history = [3.0, 3.2, 2.9, 3.1, 3.05]
+    for step, loss in enumerate(history[:-1], 1):
+        guard.record(step, loss, skipped=False)
+        assert not guard.is_spike(100.0)                  # the window is not full yet
+    guard.record(5, history[-1], skipped=False)
+    limit = statistics.fmean(history) + 2.0 * statistics.pstdev(history)
+    assert guard.is_spike(limit + 1e-6) and not guard.is_spike(limit - 1e-6)
+    guard.record(6, 9.0, skipped=True, why="loss spike")     # a skipped loss does not enter the window
+    guard.record(7, 3.3, skipped=False)                      # the window slides: 3.0 leaves, 3.3 enters
+    window = history[1:] + [3.3]
+    limit = statistics.fmean(window) + 2.0 * statistics.pstdev(window)
+    assert guard.is_spike(limit + 1e-6) and not guard.is_spike(limit - 1e-6)
+    assert not LossGuard(0, None, 5).is_spike(1e9)          # no rule by default
+
+
+def test_k_skips_in_a_row_stop_and_a_kept_step_resets_the_count():
+    guard = LossGuard(max_consecutive=3, spike_z=None, window=10)
+    assert guard.record(1, float("nan"), skipped=True) == \
+        "step 1: update skipped (non-finite loss or gradient); 1 in a row, 1 in all"
+    guard.record(2, float("nan"), skipped=True)
+    guard.record(3, 2.0, skipped=False)                      # the streak ends
+    guard.record(4, float("nan"), skipped=True)
+    guard.record(5, float("nan"), skipped=True)
+    with pytest.raises(TrainingStopped, match=r"3 optimizer steps in a row were skipped \(non-finite loss or "
+                                              r"gradient; steps 4-6\), train.max_consecutive_skips=3"):
+        guard.record(6, float("inf"), skipped=True)
+    assert guard.total == 5
+    never = LossGuard(max_consecutive=0, spike_z=None, window=10)
+    for step in range(1, 50):
+        never.record(step, float("nan"), skipped=True)
+
+
+def test_state_round_trip_decides_alike():
+    a = LossGuard(4, 1.5, 4)
+    for step, loss in enumerate([2.0, 2.1, 1.9, 2.2, 2.05], 1):
+        a.record(step, loss, skipped=False)
+    a.record(6, float("nan"), skipped=True)
+    b = LossGuard(4, 1.5, 4)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict() and b.total == 1 and b.in_a_row == 1
+    for x in torch.linspace(1.5, 3.0, 31).tolist():
+        assert a.is_spike(x) == b.is_spike(x)
+
+
+def test_spike_rule_needs_no_pipeline(tmp_path):
+    from pretrain.config import load_config
+
+    base = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
+            "data": {"shard_dir": str(tmp_path)}, "parallel": {"pp": 2, "zero_stage": 1},
+            "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 10, "warmup_steps": 2, "run_dir": str(tmp_path),
+                      "spike_z": 3.0}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
+    with pytest.raises(ConfigError, match=r"train.spike_z=3.0 needs parallel.pp=1"):
+        load_config(str(tmp_path / "c.yaml"), []).check_runtime(world_size=2, cuda=False)
+    with pytest.raises(ConfigError, match=r"train.spike_z"):
+        load_config(str(tmp_path / "c.yaml"), ["train.spike_z=-1", "parallel.pp=1"])

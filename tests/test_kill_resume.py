@@ -1,0 +1,111 @@
+"""Crashes at random moments: `kill -9` of one rank at a random step, and death in the middle of a checkpoint save
+at a random phase. Each time the same command is launched again; at the end every loss the run ever logged (before
+and after each crash) and every sample id it read equal those of a run that was never interrupted, bit for bit."""
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from pretrain.faults import SAVE_PHASES
+from tests.runs import finish, free_port, id_rows, launch, metric_rows, start, trainer_ranks, write_config
+
+pytestmark = pytest.mark.slow
+TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 10))
+STEPS, EVERY = 40, 3
+
+
+def config(tmp_path, shards, name):
+    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name,
+                        data={"num_workers": 1}, parallel={"zero_stage": 1}, train={"max_steps": STEPS},
+                        checkpoint={"every": EVERY, "keep": 2}, logging={"sample_ids": True})
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """The uninterrupted run: {step: loss}, and {rank: {step: ids}}."""
+    tmp = tmp_path_factory.mktemp("reference")
+    launch(config(tmp, shards, "run"), 2)
+    return record(tmp / "run")
+
+
+def record(run):
+    """Every logged loss and every read batch of a run; a step run twice (before and after a crash) must have given
+    the same both times."""
+    loss, ids = {}, {0: {}, 1: {}}
+    for row in metric_rows(run):
+        if "train/loss" in row:
+            assert loss.setdefault(row["step"], row["train/loss"]) == row["train/loss"], row
+    for rank in (0, 1):
+        for row in id_rows(run, rank):
+            assert ids[rank].setdefault(row["step"], row["ids"]) == row["ids"], (rank, row)
+    return loss, ids
+
+
+def logged_step(run, since: int = 0) -> int:
+    """The newest step with a logged loss among the metrics rows after the first `since`."""
+    return max([r["step"] for r in metric_rows(run)[since:] if "train/loss" in r], default=0)
+
+
+def latest(run) -> int:
+    path = run / "checkpoints" / "latest"
+    return int(path.read_text().split("_")[1]) if path.exists() else 0
+
+
+def relaunch(cfg, env=None):
+    return start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_port()), **(env or {})})
+
+
+def check_resumed(out: str, step: int):
+    assert (f"resumed at step {step}" if step else "starting fresh") in out, out[-3000:]
+
+
+def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference):
+    rng, run, cfg = random.Random(7), tmp_path / "run", config(tmp_path, shards, "run")
+    resume_at, kills = 0, []
+    for _ in range(TRIALS):
+        target = min(STEPS - 1, resume_at + rng.randint(1, 2 * EVERY + 1))
+        rows_before = len(metric_rows(run))
+        proc = relaunch(cfg)
+        while logged_step(run, rows_before) < target and proc.poll() is None:
+            time.sleep(0.005)
+        victim, ranks = rng.randint(0, 1), trainer_ranks(proc.pid)
+        assert proc.poll() is None and len(ranks) == 2, finish(proc).stderr[-3000:]
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        killed_at = logged_step(run, rows_before)
+        r = finish(proc)
+        assert r.returncode != 0
+        check_resumed(r.stdout, resume_at)
+        kills.append((killed_at, victim))
+        resume_at = latest(run)
+        assert resume_at <= killed_at
+    r = finish(relaunch(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_resumed(r.stdout, resume_at)
+    print(f"kill -9 at (step, rank): {kills}")
+    loss, ids = record(run)
+    assert loss == reference[0] and ids == reference[1]
+
+
+def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp_path, reference):
+    rng, run, cfg = random.Random(11), tmp_path / "run", config(tmp_path, shards, "run")
+    # rank 1 writes no commit: it can die only before the barrier that ends the writing
+    where = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine")]
+    resume_at, kills = 0, []
+    for _ in range(TRIALS):
+        save = resume_at + EVERY * rng.randint(1, 2)
+        phase, rank = rng.choice(where)
+        r = finish(relaunch(cfg, {"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"}))
+        assert r.returncode != 0
+        check_resumed(r.stdout, resume_at)
+        assert f"saved checkpoint {run / 'checkpoints' / f'step_{save:08d}'}" not in r.stdout
+        kills.append((save, phase, rank))
+        assert latest(run) == save - EVERY, (kills, latest(run))   # the one before the interrupted save
+        resume_at = save - EVERY
+    r = finish(relaunch(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_resumed(r.stdout, resume_at)
+    print(f"killed in the save of (step, phase, rank): {kills}")
+    loss, ids = record(run)
+    assert loss == reference[0] and ids == reference[1]

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean
+.PHONY: setup test test-quick demo clean bench
 
 setup: $(VENV)/.installed
 
@@ -40,3 +40,8 @@ $(DEMO)/shards/manifest.json: $(DEMO)/tokenizer.model
 demo: setup $(DEMO)/shards/manifest.json
 	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
+
+# ---- benchmarks (tools/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
+# The issue's sizes take hours on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
+bench: setup $(DEMO)/shards/manifest.json
+	$(VPY) tools/bench.py $(BENCH_ARGS)

@@ -1,0 +1,105 @@
+"""tools/bench.py: one --quick run (throughput, peer, memory for dot and random; ~5 measuring processes), its JSON
+schema and ratios, the FLOP ratios recomputed here from model_stats, --help and a bad --only."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from model import build_model
+from model.accounting import model_stats
+from pretrain.config import load_config
+from tools.bench import PARTS, build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "tools", "bench.py")
+# 5 measuring processes of ~8 s each (imports and process group start dominate); --quick runs 1 torch thread each.
+QUICK = ["--quick", "--only", "throughput,peer,memory", "--variants", "dot,random", "--lengths", "64,128",
+         "--steps", "1"]
+KEYS = ("id", "name", "variant", "value", "unit", "ratio_to", "ratio", "ratio_range", "spread", "reps", "goal",
+        "status", "machine")
+MACHINE = ("platform", "cpu", "cpu_count", "torch", "deepspeed", "transformers", "gpu")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    r = subprocess.run([sys.executable, BENCH, *QUICK, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    print(r.stdout)   # the table (pytest -s)
+    report = json.loads((out / "results.json").read_text())
+    return report, {e["id"]: e for e in report["results"]}, (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_schema(run):
+    report, by_id, md = run
+    assert all(k in report["machine"] for k in MACHINE) and report["machine"]["cpu_count"] >= 1
+    expected = {"throughput:dot", "throughput:random", "peer:gpt2", "peer:dot", "peer:random",
+                "memory:dot:n=64", "memory:dot:n=128", "memory:random:n=64", "memory:random:n=128"}
+    assert set(by_id) == expected
+    for e in report["results"]:
+        assert all(k in e for k in KEYS), (e["id"], [k for k in KEYS if k not in e])
+        assert e["machine"] == report["machine"]
+        assert e["value"] is not None and e["value"] > 0, e
+        assert e["spread"] >= 0 and len(e["reps"]) == 2
+        assert e["status"] in (None, "ok", "MISSED") and (e["status"] is None) == (e["goal"] is None or
+                                                                                   e["ratio"] is None)
+        assert f"| {e['name']} | {e['variant']} |" in md
+    units = {e["name"]: e["unit"] for e in report["results"]}
+    assert units == {"throughput": "tokens/s", "peer": "tokens/s", "memory": "MB"}
+
+
+@pytest.mark.slow
+def test_ratios(run):
+    _, by_id, _ = run
+    for e in by_id.values():
+        if e["ratio_to"] is None:
+            assert e["ratio"] is None
+            continue
+        ref = by_id[e["ratio_to"]]
+        assert math.isclose(e["ratio"], e["value"] / ref["value"], rel_tol=1e-9, abs_tol=1e-12)
+        lo, hi = e["ratio_range"]
+        assert lo <= e["ratio"] <= hi
+    assert by_id["peer:dot"]["ratio_to"] == "peer:gpt2" and by_id["peer:dot"]["goal"] == "≥ 1"
+    assert by_id["peer:random"]["goal"] == "≥ 1.15"
+    assert by_id["memory:random:n=128"]["ratio_to"] == "memory:random:n=64"
+    # same shapes: GPT-2 has exactly the parameters of our dot model (learned positions, tied head, biases, 4·d MLP)
+    assert by_id["peer:gpt2"]["params"] == by_id["peer:dot"]["params"]
+
+
+@pytest.mark.slow
+def test_flop_ratios_match_model_stats(run):
+    report, by_id, _ = run
+    s = report["settings"]
+
+    def flops(variant):
+        cfg = load_config(os.path.join(ROOT, "configs", "variants", f"{variant}.yaml"),
+                          [f"model.vocab_size={s['vocab']}", f"model.d_model={s['d_model']}",
+                           f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}",
+                           f"model.max_seq_len={s['seq_len']}"])
+        return model_stats(build_model(cfg.model), s["seq_len"])["total"]["train_flops_per_token"]
+
+    dot, rnd = flops("dot"), flops("random")
+    assert by_id["throughput:dot"]["train_flops_per_token"] == dot
+    assert by_id["throughput:random"]["train_flops_per_token"] == rnd
+    assert math.isclose(by_id["throughput:random"]["flop_ratio"], dot / rnd, rel_tol=1e-12)
+    assert by_id["throughput:random"]["goal"] == f"≥ {0.9 * dot / rnd:.3g}"
+
+
+def test_help_lists_every_option():
+    r = subprocess.run([sys.executable, BENCH, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "--only" in r.stdout and "--quick" in r.stdout
+    for action in build_parser()._actions:
+        assert action.help, action.option_strings
+
+
+def test_bad_only_is_one_line():
+    r = subprocess.run([sys.executable, BENCH, "--only", "throughput,speed"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'speed'" in lines[0] and all(p in lines[0] for p in PARTS), r.stderr

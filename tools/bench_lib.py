@@ -1,0 +1,253 @@
+"""Helpers of tools/bench.py: what runs inside one measurement process (`_one`), and the statistics and tables.
+
+Inside a measurement process (a fresh interpreter per point, so no two points share allocator state):
+    Memory        RSS (CPU) or allocator (CUDA) readings: after imports, after the engine is built, peak per repetition
+    measure()     warm-up calls, then `reps` repetitions of `steps` timed calls: per repetition the rate, the time
+                  per call and the peak memory
+    run_point()   one point of a plan: "train" (our engine, pretrain.train.build_engine), "peer" (Hugging Face GPT-2
+                  under the same DeepSpeed config) or "data" (pretrain.data.TokenStream alone)
+In the parent: summary statistics over repetitions, ratios with their range, machine description, markdown table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.bench_mixer import rss_mb  # noqa: E402
+
+RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
+# Dense bf16 peak TFLOP/s by device name (the MFU denominator); matched as a substring of torch's device name.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> tuple[str, float] | None:
+    return next(((k, v) for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {}
+    for name in ("deepspeed", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, **versions,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+# ---- inside one measurement process --------------------------------------------------------------------------------
+class Memory:
+    """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size, with the
+    kernel's high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has
+    its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.after_init = self.now()   # after imports and the process group's start
+        self.after_engine = None
+
+    def now(self) -> float:
+        return self.torch.cuda.memory_allocated() / 2**20 if self.cuda else rss_mb()
+
+    def engine_built(self) -> None:
+        self.after_engine = self.now()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def peak(self) -> float:
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated() / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None) -> dict:
+    """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
+    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition."""
+    for _ in range(warmup):
+        call()
+    sync()
+    rate, seconds, peak = [], [], []
+    for _ in range(reps):
+        if mem:
+            mem.reset_peak()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            call()
+        sync()
+        dt = time.perf_counter() - t0
+        rate.append(units_per_call * steps / dt)
+        seconds.append(dt / steps)
+        if mem:
+            peak.append(mem.peak())
+    out = {"rate": rate, "step_s": seconds}
+    if mem:   # step memory: what a step adds to the built engine (gradients, activations, temporaries)
+        out.update(step_mb=[p - mem.after_engine for p in peak], total_mb=[p - mem.after_init for p in peak],
+                   peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine)
+    return out
+
+
+def peer_engine(cfg, lay):
+    """Hugging Face GPT-2 (SDPA attention) of our model's shape, under the DeepSpeed config, parameter groups and LR
+    schedule that pretrain.train.build_engine gives our model: ZeRO stage, AdamW settings, clipping, precision."""
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pretrain.config import deepspeed_config, lr_lambda
+    from pretrain.train import param_groups
+
+    m = cfg.model
+    gpt = GPT2LMHeadModel(GPT2Config(
+        vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
+        n_inner=m.d_ffn, activation_function="gelu", layer_norm_epsilon=m.norm_eps,   # our MLP: exact GELU, 4·d
+        resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.mixer_dropout, attn_implementation="sdpa"))
+    assert gpt.config._attn_implementation == "sdpa", gpt.config._attn_implementation
+
+    class PeerLM(torch.nn.Module):
+        """forward(inputs, targets) → mean cross-entropy, the call our engine takes."""
+
+        def __init__(self):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, inputs, targets):
+            logits = self.gpt(input_ids=inputs).logits                     # (B, n, V)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    model = PeerLM()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+        config=deepspeed_config(cfg, lay.dp),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps())))
+    return engine
+
+
+def run_train(spec: dict) -> dict:
+    """Train steps of a config (our engine, or the GPT-2 peer) on random tokens, in this process (one rank of
+    spec's world: the parent sets RANK/WORLD_SIZE/... in the environment)."""
+    import torch
+    import torch.distributed as dist
+
+    from pretrain import distributed
+    from pretrain.config import load_config
+    from pretrain.train import build_engine, train_flops_per_token
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    lay = distributed.init(cfg)
+    if spec["threads"]:   # else the trainer's choice: CPU count ÷ ranks on the host
+        torch.set_num_threads(spec["threads"])
+    mem = Memory(lay.device)
+    torch.manual_seed(cfg.train.seed)
+    engine = peer_engine(cfg, lay) if spec["kind"] == "peer" else build_engine(cfg, lay)
+    mem.engine_built()
+    B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len
+    # Same tokens on the ranks of one TP group (they must see one batch), different ones across data-parallel ranks.
+    g = torch.Generator().manual_seed(lay.dp_rank)
+    tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():   # one optimizer step: grad_accum micro-batches, as Trainer.train_step does them
+        for _ in range(lay.grad_accum):
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()
+
+    def sync():
+        if lay.device.type == "cuda":
+            torch.cuda.synchronize()
+        if lay.world > 1:
+            dist.barrier()
+
+    out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem)
+    out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),
+               world=lay.world, tp=lay.tp, dp=lay.dp, grad_accum=lay.grad_accum, tokens_per_step=cfg.tokens_per_step)
+    if spec["kind"] == "train":
+        out["train_flops_per_token"] = train_flops_per_token(cfg)
+    out["rank"] = lay.rank
+    distributed.shutdown()
+    return out
+
+
+def run_data(spec: dict) -> dict:
+    """Batches of pretrain.data.TokenStream read from the shards on disk by its DataLoader workers, nothing else."""
+    from pretrain.data import TokenStream, read_manifest
+
+    seq_len = read_manifest(spec["shard_dir"])["seq_len"]
+    stream = TokenStream(spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"], seed=0)
+    batches = iter(stream)
+    out = measure(lambda: next(batches), lambda: None, spec["batch"] * seq_len, spec["warmup"], spec["reps"],
+                  spec["steps"])
+    out.update(seq_len=seq_len, rank=0)
+    return out
+
+
+def run_point(spec: dict) -> None:
+    """The `_one` subcommand: measure one point and print it as one marked JSON line (rank 0 only)."""
+    out = run_data(spec) if spec["kind"] == "data" else run_train(spec)
+    if out.pop("rank") == 0:
+        print(RESULT_MARK + json.dumps(out), flush=True)
+
+
+# ---- in the parent -------------------------------------------------------------------------------------------------
+def summary(reps: list[float]) -> tuple[float, float]:
+    """(median, relative spread (max − min) / median) over the repetitions."""
+    med = statistics.median(reps)
+    return med, (max(reps) - min(reps)) / med if med else 0.0
+
+
+def fmt_value(value, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit in ("tokens/s",):
+        return f"{value:,.0f} tok/s"
+    return f"{value:,.3g} {unit}" if abs(value) < 100 else f"{value:,.0f} {unit}"
+
+
+def markdown(entries: list[dict], machine: dict, title: str) -> str:
+    gpu = f", GPU {machine['gpu']}" if machine["gpu"] else ", no GPU"
+    lines = [f"# {title}", "",
+             f"{machine['platform']}, {machine['cpu']} ({machine['cpu_count']} CPUs){gpu}; torch {machine['torch']}, "
+             f"deepspeed {machine['deepspeed']}, transformers {machine['transformers']}", "",
+             "| measurement | variant | n | value (median) | spread | ratio [range] | to | goal | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        n = e.get("n", "")
+        if e["value"] is None:
+            why = e.get("skipped") or e.get("error") or "no value"
+            lines.append(f"| {e['name']} | {e['variant']} | {n} | - | | | | {e.get('goal') or ''} | {why} |")
+            continue
+        ratio = f"{e['ratio']:.3f} [{e['ratio_range'][0]:.3f}–{e['ratio_range'][1]:.3f}]" if e["ratio"] else ""
+        lines.append(f"| {e['name']} | {e['variant']} | {n} | {fmt_value(e['value'], e['unit'])} | "
+                     f"{100 * e['spread']:.1f}% | {ratio} | {e['ratio_to'] or ''} | {e.get('goal') or ''} | "
+                     f"{e.get('status') or ''} |")
+    notes = [f"- {e['id']}: {e['note']}" for e in entries if e.get("note")]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -180,13 +180,16 @@ class Trainer:
         self.stop_reason = signal.Signals(signum).name   # acted on after the current step, by every rank together
 
     def preempted(self) -> str | None:
-        """Why every rank must stop now (a signal on any rank, or the wall-clock limit), else None. Collective."""
+        """Why every rank must stop now (a signal on any rank, or the wall-clock limit), else None. Collective: the
+        ranks' clocks differ slightly, so the limit is reached when it is on any rank, and all say so alike."""
         limit = self.cfg.train.max_wall_minutes
-        if self.stop_reason is None and limit is not None and time.time() - self.started > 60 * limit:
-            self.stop_reason = f"train.max_wall_minutes={limit} reached"
-        flag = torch.tensor([float(self.stop_reason is not None)], device=self.layout.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return (self.stop_reason or "a signal on another rank") if flag.item() else None
+        over = limit is not None and time.time() - self.started > 60 * limit
+        flags = torch.tensor([float(self.stop_reason is not None), float(over)], device=self.layout.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, over = flags.tolist()
+        if signalled:
+            return self.stop_reason or "a signal on another rank"
+        return f"train.max_wall_minutes={limit} reached" if over else None
 
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""

@@ -68,3 +68,45 @@ def test_spike_rule_needs_no_pipeline(tmp_path):
         load_config(str(tmp_path / "c.yaml"), []).check_runtime(world_size=2, cuda=False)
     with pytest.raises(ConfigError, match=r"train.spike_z"):
         load_config(str(tmp_path / "c.yaml"), ["train.spike_z=-1", "parallel.pp=1"])
+
+
+def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
+    """Off CUDA: torch's fused AdamW (GuardedAdamW for ZeRO-0 fp32); on CUDA with ZeRO ≥ 1 DeepSpeed's own (None).
+    Its steps equal torch's per-op AdamW with train.lr/betas/eps/weight_decay, to rounding."""
+    from pretrain.config import load_config
+    from pretrain.health import GuardedAdamW
+    from pretrain.train import build_optimizer
+
+    base = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
+            "data": {"shard_dir": str(tmp_path)},
+            "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 10, "warmup_steps": 2,
+                      "run_dir": str(tmp_path), "lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.3}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
+    cfg = lambda *o: load_config(str(tmp_path / "c.yaml"), list(o))   # noqa: E731
+    cpu = torch.device("cpu")
+
+    def groups(seed):
+        g = torch.Generator().manual_seed(seed)
+        decay, plain = (torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((37, 11), (5,)))
+        return [{"params": [decay], "weight_decay": 0.3}, {"params": [plain], "weight_decay": 0.0}]
+
+    for zero in (1, 2, 3):
+        opt = build_optimizer(cfg(f"parallel.zero_stage={zero}"), groups(0), cpu)
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"], zero
+        assert build_optimizer(cfg(f"parallel.zero_stage={zero}"), groups(0), torch.device("cuda")) is None
+    guarded = build_optimizer(cfg("parallel.zero_stage=0"), groups(0), cpu)
+    assert type(guarded) is GuardedAdamW and guarded.defaults["fused"]
+
+    ours = build_optimizer(cfg("parallel.zero_stage=1"), groups(0), cpu)
+    ref_groups = groups(0)
+    ref = torch.optim.AdamW(ref_groups, lr=0.01, betas=(0.8, 0.9), eps=1e-6, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    params = lambda opt_groups: [p for x in opt_groups for p in x["params"]]   # noqa: E731
+    for _ in range(5):
+        for a, b in zip(params(ours.param_groups), params(ref_groups)):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(params(ours.param_groups), params(ref_groups)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

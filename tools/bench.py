@@ -47,7 +47,7 @@ PARTS = ("throughput", "peer", "memory", "data", "parallel", "gpu")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
-                    reps=3, steps=3, warmup=1, data_batches=100),
+                    reps=3, steps=3, warmup=2, data_batches=100),
     "quick": dict(d_model=64, layers=2, heads=4, seq_len=64, lengths="64,128,256", batch=2, vocab=512,
                   reps=2, steps=2, warmup=1, data_batches=20, threads=1),
 }
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, help="repetitions per figure (default 3; --quick 2)")
     ap.add_argument("--steps", type=int, help="timed training steps per repetition, after warm-up (default 3; "
                                               "--quick 2; memory points: 1)")
-    ap.add_argument("--warmup", type=int, help="untimed steps before the first repetition (default 1)")
+    ap.add_argument("--warmup", type=int, help="untimed steps before the first repetition (default 2: the first repetitions after one step ran up to 25%% slower; --quick 1)")
     ap.add_argument("--d-model", type=int, help="model width d (default 512)")
     ap.add_argument("--layers", type=int, help="blocks (default 8)")
     ap.add_argument("--heads", type=int, help="heads (default 8)")

@@ -123,7 +123,7 @@ def peer_engine(cfg, lay):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from pretrain.config import deepspeed_config, lr_lambda
-    from pretrain.train import param_groups
+    from pretrain.train import build_optimizer, param_groups
 
     m = cfg.model
     gpt = GPT2LMHeadModel(GPT2Config(
@@ -144,9 +144,12 @@ def peer_engine(cfg, lay):
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     model = PeerLM()
+    groups, ds_config = param_groups(model, cfg.train.weight_decay), deepspeed_config(cfg, lay.dp)
+    optimizer = build_optimizer(cfg, groups, lay.device)   # the very optimizer our engine gets
+    if optimizer is not None:
+        del ds_config["optimizer"]
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-        config=deepspeed_config(cfg, lay.dp),
+        model=model, model_parameters=groups, optimizer=optimizer, config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps())))
     return engine
 

@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, help="repetitions per figure (default 3; --quick 2)")
     ap.add_argument("--steps", type=int, help="timed training steps per repetition, after warm-up (default 3; "
                                               "--quick 2; memory points: 1)")
-    ap.add_argument("--warmup", type=int, help="untimed steps before the first repetition (default 2: the first repetitions after one step ran up to 25%% slower; --quick 1)")
+    ap.add_argument("--warmup", type=int, help="untimed steps before the first repetition (default 2: after only one, "
+                                               "the first repetition ran up to 25%% slower; --quick 1)")
     ap.add_argument("--d-model", type=int, help="model width d (default 512)")
     ap.add_argument("--layers", type=int, help="blocks (default 8)")
     ap.add_argument("--heads", type=int, help="heads (default 8)")

@@ -58,8 +58,6 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict], device: torch.device) 
 def build_engine(cfg: TrainConfig, lay: distributed.Layout):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
     TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
-    import deepspeed
-
     every = cfg.parallel.activation_checkpointing
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, every), None
@@ -70,6 +68,14 @@ def build_engine(cfg: TrainConfig, lay: distributed.Layout):
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
         release.load_into(model, release.read_release(cfg.train.init_from)[1],
                           rename=getattr(model, "canonical_name", lambda name: name))
+    return initialize(model, cfg, lay, mpu)
+
+
+def initialize(model: torch.nn.Module, cfg: TrainConfig, lay: distributed.Layout, mpu=None):
+    """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
+    (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
+    import deepspeed
+
     schedule = lr_lambda(cfg.train, cfg.total_steps())
     groups, ds_config = param_groups(model, cfg.train.weight_decay), deepspeed_config(cfg, lay.dp)
     optimizer = build_optimizer(cfg, groups, lay.device)

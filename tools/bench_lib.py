@@ -117,13 +117,11 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
 def peer_engine(cfg, lay):
     """Hugging Face GPT-2 (SDPA attention) of our model's shape, under the DeepSpeed config, parameter groups and LR
     schedule that pretrain.train.build_engine gives our model: ZeRO stage, AdamW settings, clipping, precision."""
-    import deepspeed
     import torch
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from pretrain.config import deepspeed_config, lr_lambda
-    from pretrain.train import build_optimizer, param_groups
+    from pretrain.train import initialize
 
     m = cfg.model
     gpt = GPT2LMHeadModel(GPT2Config(
@@ -143,15 +141,7 @@ def peer_engine(cfg, lay):
             logits = self.gpt(input_ids=inputs).logits                     # (B, n, V)
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    model = PeerLM()
-    groups, ds_config = param_groups(model, cfg.train.weight_decay), deepspeed_config(cfg, lay.dp)
-    optimizer = build_optimizer(cfg, groups, lay.device)   # the very optimizer our engine gets
-    if optimizer is not None:
-        del ds_config["optimizer"]
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=groups, optimizer=optimizer, config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps())))
-    return engine
+    return initialize(PeerLM(), cfg, lay)
 
 
 def run_train(spec: dict) -> dict:

@@ -11,6 +11,9 @@ Three ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
   keys only; no n² buffer is kept for backward.
 - `BiasedQKAttention`: S = q·kᵀ + bias with a learnable bias (random+dot, random+dense): flash forward with the bias
   detached, a backward that walks blocks of query rows over the causal keys only, so B·Hl·block·n is live.
+- `FactorizedDenseAttention`: S_i[j] = A_i[j mod a]·B_i[⌊j/a⌋] has no q·k form; its logits are built from the
+  factors one block of query rows at a time (causal keys only) and recomputed in backward.
+And one without a softmax, for gMLP's spatial gating: `CausalMatmul`, Y = (W ⊙ causal)[:n, :n] X in causal blocks.
 """
 from __future__ import annotations
 
@@ -127,7 +130,7 @@ class BiasedQKAttention(torch.autograd.Function):
         return dq, dk, dv, d_bias, None
 
 
-def biased_qk_attention(q, k, bias, v, block: int = 64) -> torch.Tensor:
+def biased_qk_attention(q, k, bias, v, block: int = 128) -> torch.Tensor:
     """softmax(q kᵀ + bias + M) v; q, k: (B or 1, Hl, n, f), bias (Hl, n, n), v (B, Hl, n, d_h) -> (B, Hl, n, d_h)."""
     B, d_h = v.shape[0], v.shape[-1]
     width = max(q.shape[-1], d_h)
@@ -135,6 +138,103 @@ def biased_qk_attention(q, k, bias, v, block: int = 64) -> torch.Tensor:
     k = _pad_last(k, width).expand(B, -1, -1, -1)
     out = BiasedQKAttention.apply(q, k, _pad_last(v, width), bias, block)
     return out[..., :d_h]
+
+
+class FactorizedDenseAttention(torch.autograd.Function):
+    """Y = softmax(S + M) V for factorized dense logits S[b, h, i, j] = A_i[j mod a] · B_i[⌊j/a⌋], built block by
+    block from the factors A (B, Hl, n, a) and B (B, Hl, n, b) and never kept: blocks of `block` query rows i over
+    the causal keys j ≤ i only (causality halves the work), P recomputed in backward:
+        dV = Pᵀ dY,  dS = P ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i,
+        dA_i[p] = Σ_r dS_i[r·a + p] B_i[r],  dB_i[r] = Σ_p dS_i[r·a + p] A_i[p].
+    Live memory: B·Hl·block·n, linear in n.
+    """
+
+    @staticmethod
+    def _logits(A, Bf, i0, i1):
+        """S for rows i0..i1-1 and keys 0..i1-1 (B, Hl, rows, i1), the causal mask added; r rows of the (b, a) grid."""
+        r = -(-i1 // A.shape[-1])
+        S = (Bf[:, :, i0:i1, :r, None] * A[:, :, i0:i1, None, :]).flatten(-2)[..., :i1]
+        S[..., i0:] += causal_mask(i1 - i0, S.device, S.dtype)                     # the diagonal block
+        return S, r
+
+    @staticmethod
+    def forward(ctx, A, Bf, v, block: int):
+        n = v.shape[2]
+        y = torch.empty_like(v)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            S, _ = FactorizedDenseAttention._logits(A, Bf, i0, i1)
+            y[:, :, i0:i1] = torch.softmax(S, dim=-1) @ v[:, :, :i1]
+        ctx.save_for_backward(A, Bf, v, y)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        A, Bf, v, y = ctx.saved_tensors
+        n, a = v.shape[2], A.shape[-1]
+        dA, dBf, dv = torch.zeros_like(A), torch.zeros_like(Bf), torch.zeros_like(v)
+        D = (dy * y).sum(-1, keepdim=True)                                        # (B, Hl, n, 1)
+        for i0 in range(0, n, ctx.block):
+            i1 = min(n, i0 + ctx.block)
+            S, r = FactorizedDenseAttention._logits(A, Bf, i0, i1)
+            P = torch.softmax(S, dim=-1)                                          # (B, Hl, rows, i1)
+            del S
+            dv[:, :, :i1] += P.transpose(-1, -2) @ dy[:, :, i0:i1]
+            dS = (dy[:, :, i0:i1] @ v[:, :, :i1].transpose(-1, -2)).sub_(D[:, :, i0:i1]).mul_(P)
+            dS = F.pad(dS, (0, r * a - i1)).unflatten(-1, (r, a))                 # (B, Hl, rows, r, a)
+            dA[:, :, i0:i1] = (Bf[:, :, i0:i1, None, :r] @ dS).squeeze(-2)
+            dBf[:, :, i0:i1, :r] = (dS @ A[:, :, i0:i1, :, None]).squeeze(-1)
+        return dA, dBf, dv, None
+
+
+def factorized_dense_attention(A, Bf, v, block: int = 128) -> torch.Tensor:
+    """softmax(S + M) v, S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋]; A (B, Hl, n, a), Bf (B, Hl, n, b), v (B, Hl, n, d_h)."""
+    return FactorizedDenseAttention.apply(A, Bf, v, block)
+
+
+class CausalMatmul(torch.autograd.Function):
+    """Y = (W ⊙ C)[:n, :n] X per head, C the lower-triangular (causal) mask; W (Hl, L, L) the whole parameter,
+    X (Hl, n, m). Row block i of Y reads only columns j ≤ i (causality halves the work), the mask applies to the
+    diagonal blocks alone, and the gradient goes straight into the causal [:n, :n] part of a (Hl, L, L) buffer —
+    no masked or sliced copies of W, and none of their gradients:
+        Y_i = Σ_{j≤i} W_ij X_j,   dX_j = Σ_{i≥j} W_ijᵀ dY_i,   dW_ij = dY_i X_jᵀ (j < i), tril(dY_i X_iᵀ) (j = i).
+    """
+
+    @staticmethod
+    def forward(ctx, W, x, block: int):
+        n = x.shape[1]
+        y = torch.empty_like(x)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            y[:, i0:i1] = W[:, i0:i1, i0:i1].tril() @ x[:, i0:i1]                      # the diagonal block
+            if i0:
+                y[:, i0:i1].baddbmm_(W[:, i0:i1, :i0], x[:, :i0])                       # the blocks left of it
+        ctx.save_for_backward(W, x)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        W, x = ctx.saved_tensors
+        n = x.shape[1]
+        dW = torch.zeros_like(W) if ctx.needs_input_grad[0] else None
+        dx = torch.empty_like(x) if ctx.needs_input_grad[1] else None
+        for i0 in range(0, n, ctx.block):
+            i1 = min(n, i0 + ctx.block)
+            if dW is not None:
+                dW[:, i0:i1, :i0] = dy[:, i0:i1] @ x[:, :i0].transpose(1, 2)
+                dW[:, i0:i1, i0:i1] = (dy[:, i0:i1] @ x[:, i0:i1].transpose(1, 2)).tril_()
+            if dx is not None:   # columns j in [i0, i1): the diagonal block and every row block below it
+                dx[:, i0:i1] = W[:, i0:i1, i0:i1].tril().transpose(1, 2) @ dy[:, i0:i1]
+                if i1 < n:
+                    dx[:, i0:i1].baddbmm_(W[:, i1:n, i0:i1].transpose(1, 2), dy[:, i1:n])
+        return dW, dx, None
+
+
+def causal_matmul(W: torch.Tensor, x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """(W ⊙ causal)[:n, :n] @ x for W (Hl, L, L) and x (Hl, n, m) -> (Hl, n, m)."""
+    return CausalMatmul.apply(W, x, block)
 
 
 def inv_sqrt(d: int) -> float:

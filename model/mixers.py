@@ -39,7 +39,7 @@ class SynthesizedAttention(nn.Module):
     def forward(self, x: torch.Tensor, return_map: bool = False):
         B, n, _ = x.shape
         v = self.value(x).view(B, n, -1, self.d_h)                       # (B, n, Hl, d_h)
-        if self.impl == "reference" or return_map or self.names == ("factorized_dense",):
+        if self.impl == "reference" or return_map:
             y, A = self._reference(x, v)                                 # (B, n, Hl, d_h)
         else:
             y, A = self._fused(x, v), None
@@ -64,6 +64,9 @@ class SynthesizedAttention(nn.Module):
     def _fused(self, x, v):
         """Group the members by form: q·k features are concatenated (scaled by α), input-free maps summed."""
         alpha, B, n = self._weights(), x.shape[0], x.shape[1]
+        if self.names == ("factorized_dense",):   # not mixable (config.MIXABLE): its own kernel
+            A, Bf = self.synth["factorized_dense"].factors(x)
+            return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
         qs, ks, scale, bias, input_dependent = [], [], 1.0, None, False
         for m, synth in enumerate(self.synth.values()):
             w = None if alpha is None else alpha[:, m]                    # (Hl,)
@@ -146,15 +149,16 @@ class SpatialGatingMixer(nn.Module):
     def forward(self, x: torch.Tensor, return_map: bool = False):
         B, n, _ = x.shape
         z = F.gelu(self.in_proj(x)).view(B, n, -1, 2, self.c)           # (B, n, Hl, 2, c)
-        z1, z2 = z[..., 0, :], z[..., 1, :]                              # (B, n, Hl, c) each
+        z1, z2 = z.unbind(-2)                                            # (B, n, Hl, c) each
         z2 = F.layer_norm(z2, (self.c,), eps=self.eps) * self.norm_weight + self.norm_bias
-        W = self.spatial[:, :n, :n].tril()                               # (Hl, n, n): W ⊙ causal
         if self.impl == "reference" or return_map:
+            W = self.spatial[:, :n, :n].tril()                           # (Hl, n, n): W ⊙ causal
             gate = torch.einsum("hij,bjhc->bihc", W, z2)                 # (B, n, Hl, c)
-        else:   # one matmul with the batch folded into the columns (no per-sample copy of W)
-            Hl = W.shape[0]
+        else:   # one causal matmul per head with the batch folded into the columns (no per-sample copy of W)
+            Hl = z2.shape[2]
             cols = z2.permute(2, 1, 0, 3).reshape(Hl, n, B * self.c)     # (Hl, n, B·c)
-            gate = (W @ cols).view(Hl, n, B, self.c).permute(2, 1, 0, 3)  # (B, n, Hl, c)
+            gate = kernels.causal_matmul(self.spatial, cols)             # (Hl, n, B·c)
+            gate = gate.view(Hl, n, B, self.c).permute(2, 1, 0, 3)       # (B, n, Hl, c)
         gate = gate + self.spatial_bias[:, :n].T[None, :, :, None]       # + b^h[i]
         out = self.out((z1 * gate).reshape(B, n, -1))                    # (B, n, d)
         return (out, W.unsqueeze(0).expand(B, -1, -1, -1)) if return_map else out

@@ -134,8 +134,8 @@ class Random(nn.Module):
         self.R = per_head(cfg.n_heads, L, L, init=tp.normal(cfg.random_init_std))
         self.R.requires_grad_(not frozen)
 
-    def bias(self, n):
-        return self.R[:, :n, :n]                                          # (Hl, n, n)
+    def bias(self, n):   # at n = L, R itself: a full-size slice's backward would copy the whole (Hl, L, L) gradient
+        return self.R if n == self.R.shape[-1] else self.R[:, :n, :n]    # (Hl, n, n)
 
     def logits(self, x):
         return self.bias(x.shape[1]).unsqueeze(0)                         # (1, Hl, n, n)
@@ -177,9 +177,10 @@ class FactorizedDense(nn.Module):
 
     F_A^h(X_i) = W_A^h σ(W_1^h X_i + b_1^h) + b_A^h with W_1: d → d column-parallel, `fa` (Hl, a, d_h),
     `fa_bias` (Hl, a); likewise `fb`, `fb_bias` with b. Table 1: d² + d(a+b).
+    Fused: S has no q·k form; `factors(x)` feed a kernel that builds S one block of query rows at a time.
     """
 
-    kind, input_dependent = "logits", True
+    kind, input_dependent = "factors", True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -190,11 +191,16 @@ class FactorizedDense(nn.Module):
         self.fb = per_head(cfg.n_heads, b, self.d_h, init=tp.normal(cfg.init_std))
         self.fb_bias = per_head(cfg.n_heads, b, init=tp.constant(0.0))
 
-    def logits(self, x):
-        n = x.shape[1]
+    def factors(self, x):
+        """A (B, Hl, n, a), B (B, Hl, n, b) — what the fused kernel builds S from, block by block."""
         h = torch.relu(heads(self.w1(x), self.d_h))                       # (B, Hl, n, d_h)
         A = h @ self.fa.transpose(-1, -2).unsqueeze(0) + self.fa_bias[:, None]   # (B, Hl, n, a)
         Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
+        return A, Bf
+
+    def logits(self, x):
+        n = x.shape[1]
+        A, Bf = self.factors(x)
         # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
         S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, n, L)
         return S[..., :n]                                                 # (B, Hl, n, n)

@@ -102,6 +102,24 @@ def _release_shm_segment_name() -> None:
             os.unlink(name)
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory in the process instead of returning it to the kernel.
+
+    By default every block over 32 MB is its own mmap, unmapped on free: a training step that allocates and frees
+    the same big tensors (n² gradients, activations) page-faults them back in every step. Measured on the CPU
+    machine (d=512, 8 layers, n=1024): gMLP step 5.6 → 4.5 s, dot 5.7 → 5.4 s. What CUDA's caching allocator does
+    for GPU memory; a no-op (False) off glibc. mallopt(3): M_MMAP_MAX = -4, M_TRIM_THRESHOLD = -1.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2**31 - 1))
+    except (OSError, AttributeError):   # not glibc
+        return False
+
+
 def init(cfg: TrainConfig) -> Layout:
     """Check the config against the launch, then start torch.distributed and megatron-core's TP groups."""
     import deepspeed
@@ -118,6 +136,7 @@ def init(cfg: TrainConfig) -> Layout:
     else:   # ranks on one host share its cores
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        keep_freed_memory()
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
     if accel.device_name() == "cpu":
         _release_shm_segment_name()

@@ -17,8 +17,8 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
   data        tokens/s that pretrain.data.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers)
               ÷ the tokens/s a configs/demo-cpu.yaml train step consumes (measured here, 1 CPU process). Goal: ≥ 20.
-  parallel    configs/demo-cpu.yaml step time with TP=2 and with DP=2 (2 gloo processes on the CPU) ÷ 1 process, equal
-              global batch. Goal: TP=2 ≤ 1.3.
+  parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
+              ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU: measured tokens/s × train
               FLOPs/token ÷ the device's dense bf16 peak (H100/H200 989, A100 312 TFLOP/s).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
@@ -51,7 +51,6 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
     "quick": dict(d_model=64, layers=2, heads=4, seq_len=64, lengths="64,128,256", batch=2, vocab=512,
                   reps=2, steps=2, warmup=1, data_batches=20, threads=1),
 }
-QUICK_DEMO = ["model.d_model=64", "model.n_layers=2"]                 # parallel part under --quick
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
 CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
@@ -164,14 +163,16 @@ def plan(a) -> Plan:
                 goal_min=GOAL_DATA, skipped=why)
         p.entry("data:demo-train", "data", "demo-cpu train step", p.point("train", DEMO, [], env=CPU), "rate",
                 "tokens/s", note="configs/demo-cpu.yaml (ZeRO-2, fp32, global batch 16) in 1 process on the CPU")
-    if "parallel" in a.only:
-        shrink = QUICK_DEMO if a.quick else []
-        one = p.point("train", DEMO, shrink, env=CPU)
-        p.entry("parallel:1proc", "parallel", "1 process", one, "step_s", "s")
-        p.entry("parallel:tp2", "parallel", "TP=2", p.point("train", DEMO, shrink + ["parallel.tp=2"], 2, CPU),
-                "step_s", "s", "parallel:1proc", goal_max=GOAL_TP)
-        p.entry("parallel:dp2", "parallel", "DP=2", p.point("train", DEMO, shrink, 2, CPU), "step_s", "s",
-                "parallel:1proc")
+    if "parallel" in a.only:   # the throughput part's dot model and global batch, split over 2 gloo processes
+        model = shape(a, a.seq_len, a.layers)
+        one = p.point("train", a.all_variants["dot"], model, env=CPU)
+        p.entry("parallel:1proc", "parallel", "1 process", one, "step_s", "s", n=a.seq_len, layers=a.layers)
+        tp2 = p.point("train", a.all_variants["dot"], model + ["parallel.tp=2"], 2, CPU)
+        p.entry("parallel:tp2", "parallel", "TP=2", tp2, "step_s", "s", "parallel:1proc", goal_max=GOAL_TP,
+                n=a.seq_len, layers=a.layers)
+        half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
+        dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
+        p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
     if "gpu" in a.only:
         plan_gpu(a, p)
     return p

@@ -106,6 +106,8 @@ class ParallelSection:
                         "'uniform' (balance layer counts)", "parameters")
     activation_checkpointing: int = _f("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
+    cpu_keep_freed_memory: bool = _f("CPU runs: malloc keeps freed memory in the process (faster steps, no page "
+                                     "faults; resident memory grows by what the heap fragments)", True)
 
     def __post_init__(self):
         _check_types(self, "parallel")

@@ -12,7 +12,8 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               and MLP, under the same DeepSpeed config; ours ÷ GPT-2. Goal: dot ≥ 1.0, random ≥ 1.15.
   memory      peak training memory at each of --lengths (L = n), ÷ that at the first. Memory = peak during a step minus
               the reading once the engine is built (gradients, activations, temporaries; parameters and optimizer
-              states excluded; totals, from before the engine, in the JSON); CPU: resident set size, CUDA: allocator.
+              states excluded; totals, from before the engine, in the JSON); CPU: resident set size with malloc
+              returning freed blocks (parallel.cpu_keep_freed_memory=false), CUDA: the allocator's counters.
               Variants whose model would not fit in --mem-budget-gb at the longest n get fewer layers (noted).
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
   data        tokens/s that pretrain.data.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers)
@@ -53,6 +54,9 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
 }
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
+# Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks (its
+# default) instead of keeping them resident with what the heap fragments (the trainer's faster default).
+LIVE_MEMORY = ["parallel.cpu_keep_freed_memory=false"]
 CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
 BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 4 + Adam 8 + gradient 4
 
@@ -145,10 +149,9 @@ def plan(a) -> Plan:
         first = a.lengths[0]
         for v in V:
             layers, note = fitting_layers(a, V[v])
-            for n in a.lengths:   # one step per repetition: its peak is the figure (the throughput point's is too)
+            for n in a.lengths:   # one step per repetition: its peak is the figure
                 ok = layers > 0
-                same = n == a.seq_len and layers == a.layers
-                point = None if not ok else ours(v) if same else p.point("train", V[v], shape(a, n, layers), steps=1)
+                point = p.point("train", V[v], shape(a, n, layers) + LIVE_MEMORY, steps=1) if ok else None
                 p.entry(f"memory:{v}:n={n}", "memory", v, point,
                         "step_mb", "MB", None if n == first else f"memory:{v}:n={first}", n=n, layers=layers,
                         goal_max=GOAL_MEM.get(v) if n == 4 * first else None, note=note if n == first else None,

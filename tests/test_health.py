@@ -1,5 +1,6 @@
 """The skip rules of pretrain/health.py on their own: spikes against a window computed another way, the stop after
-K skips in a row, and the state a checkpoint carries."""
+K skips in a row, and the state a checkpoint carries; the optimizer each device and ZeRO stage gets, and the CPU
+allocator setting of pretrain/distributed.py."""
 import os
 import statistics
 import subprocess

@@ -2,7 +2,7 @@
 
 Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
 
-Three ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
+Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense, factorized_random and their mixtures) through torch
   SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
   keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.

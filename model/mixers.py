@@ -64,8 +64,9 @@ class SynthesizedAttention(nn.Module):
     def _fused(self, x, v):
         """Group the members by form: q·k features are concatenated (scaled by α), input-free maps summed."""
         alpha, B, n = self._weights(), x.shape[0], x.shape[1]
-        if self.names == ("factorized_dense",):   # not mixable (config.MIXABLE): its own kernel
-            A, Bf = self.synth["factorized_dense"].factors(x)
+        first = next(iter(self.synth.values()))
+        if first.kind == "factors":   # factorized dense, never mixed (config.MIXABLE): its own kernel
+            A, Bf = first.factors(x)
             return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
         qs, ks, scale, bias, input_dependent = [], [], 1.0, None, False
         for m, synth in enumerate(self.synth.values()):

@@ -109,15 +109,16 @@ def keep_freed_memory() -> bool:
     the same big tensors (n² gradients, activations) page-faults them back in every step. Measured on the CPU
     machine (d=512, 8 layers, n=1024): gMLP step 5.6 → 4.5 s, dot 5.7 → 5.4 s. What CUDA's caching allocator does
     for GPU memory, at a price: freed memory stays resident, and what the heap fragments too (at n=4096 the
-    resident peak of a dot step is ~1.8× its live tensors). Off glibc a no-op (False). mallopt(3): M_MMAP_MAX = -4,
-    M_TRIM_THRESHOLD = -1.
+    resident peak of a dot step is ~1.8× its live tensors). Off glibc a no-op (False).
     """
     import ctypes
     import ctypes.util
 
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt(3) parameter numbers, from glibc's malloc.h
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2**31 - 1))
+        # no mmap'd blocks (all from the heap), and the heap's top is only trimmed past 2 GB free
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):   # not glibc
         return False
 

@@ -1,8 +1,10 @@
-"""tools/bench.py: one --quick run (throughput, peer, memory for dot and random; ~5 measuring processes), its JSON
-schema and ratios, the FLOP ratios recomputed here from model_stats, --help and a bad --only."""
+"""tools/bench.py: one --quick run (throughput, peer, memory for dot and random; ~7 measuring processes), its JSON
+schema and ratios (the throughput and peer ones from repetitions alternated with dot's), the FLOP ratios recomputed
+here from model_stats, --help and a bad --only."""
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -12,14 +14,15 @@ from model import build_model
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tools.bench import PARTS, build_parser
+from tools.bench_lib import PointFailed, ServedPoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "tools", "bench.py")
-# 5 measuring processes of ~8 s each (imports and process group start dominate); --quick runs 1 torch thread each.
+# 7 measuring processes of ~8 s each (imports and process group start dominate); --quick runs 1 torch thread each.
 QUICK = ["--quick", "--only", "throughput,peer,memory", "--variants", "dot,random", "--lengths", "64,128",
          "--steps", "1"]
-KEYS = ("id", "name", "variant", "value", "unit", "ratio_to", "ratio", "ratio_range", "spread", "reps", "goal",
-        "status", "machine")
+KEYS = ("id", "name", "variant", "value", "unit", "ratio_to", "ratio", "ratio_range", "spread", "reps", "paired_reps",
+        "goal", "status", "machine")
 MACHINE = ("platform", "cpu", "cpu_count", "torch", "deepspeed", "transformers", "gpu")
 
 
@@ -45,7 +48,8 @@ def test_schema(run):
         assert all(k in e for k in KEYS), (e["id"], [k for k in KEYS if k not in e])
         assert e["machine"] == report["machine"]
         assert e["value"] is not None and e["value"] > 0, e
-        assert e["spread"] >= 0 and len(e["reps"]) == 2
+        # dot's one live process runs 2 repetitions next to each of the 2 points alternated with it (random, GPT-2)
+        assert e["spread"] >= 0 and len(e["reps"]) == (4 if e["id"] in ("throughput:dot", "peer:dot") else 2)
         assert e["status"] in (None, "ok", "MISSED") and (e["status"] is None) == (e["goal"] is None or
                                                                                    e["ratio"] is None)
         assert f"| {e['name']} | {e['variant']} |" in md
@@ -56,14 +60,29 @@ def test_schema(run):
 @pytest.mark.slow
 def test_ratios(run):
     _, by_id, _ = run
+
+    def beside_dot(e):   # each repetition ÷ dot's repetition next to it (dot's own: 1)
+        return [x / y for x, y in zip(e["reps"], e["paired_reps"])]
+
     for e in by_id.values():
         if e["ratio_to"] is None:
             assert e["ratio"] is None
             continue
         ref = by_id[e["ratio_to"]]
-        assert math.isclose(e["ratio"], e["value"] / ref["value"], rel_tol=1e-9, abs_tol=1e-12)
+        if e["name"] == "memory":   # separate processes: ratio of medians
+            assert e["paired_reps"] is None
+            expected = e["value"] / ref["value"]
+        else:                       # alternated with dot: ratio of the medians of the side-by-side ratios
+            assert len(e["paired_reps"]) == len(e["reps"]) and len(ref["paired_reps"]) == len(ref["reps"])
+            expected = statistics.median(beside_dot(e)) / statistics.median(beside_dot(ref))
+        assert math.isclose(e["ratio"], expected, rel_tol=1e-9, abs_tol=1e-12)
         lo, hi = e["ratio_range"]
         assert lo <= e["ratio"] <= hi
+    dot = by_id["throughput:dot"]
+    assert dot["paired_reps"] == dot["reps"] and by_id["peer:dot"]["reps"] == dot["reps"]
+    # dot's repetitions next to random's are among dot's own (one process measured both sides)
+    assert set(by_id["throughput:random"]["paired_reps"]) <= set(dot["reps"])
+    assert set(by_id["peer:gpt2"]["paired_reps"]) <= set(dot["reps"])
     assert by_id["peer:dot"]["ratio_to"] == "peer:gpt2" and by_id["peer:dot"]["goal"] == "≥ 1"
     assert by_id["peer:random"]["goal"] == "≥ 1.15"
     assert by_id["memory:random:n=128"]["ratio_to"] == "memory:random:n=64"
@@ -103,3 +122,14 @@ def test_bad_only_is_one_line():
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "'speed'" in lines[0] and all(p in lines[0] for p in PARTS), r.stderr
+
+
+def test_served_point_reports_a_dead_or_silent_child():
+    dies = "print('BENCH_READY', flush=True); input(); print('boom: out of memory', flush=True); raise SystemExit(3)"
+    served = ServedPoint([sys.executable, "-c", dies], dict(os.environ), ROOT, timeout=60)
+    with pytest.raises(PointFailed, match="^boom: out of memory$"):
+        served.rep()
+    with pytest.raises(PointFailed, match="boom"):   # a dead point stays failed at once, no wait
+        served.rep()
+    with pytest.raises(PointFailed, match="^timeout after 1 s$"):
+        ServedPoint([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), ROOT, timeout=1)

@@ -23,7 +23,10 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU: measured tokens/s × train
               FLOPs/token ÷ the device's dense bf16 peak (H100/H200 989, A100 312 TFLOP/s).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
-median, and for a ratio its range (extreme repetitions). Written to OUT/results.json and OUT/results.md.
+median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
+live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
+ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes, which otherwise
+decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tools.bench_lib import RESULT_MARK, machine_info, markdown, peak_tflops, summary  # noqa: E402
+from tools.bench_lib import (RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown,  # noqa: E402
+                             paired_ratio, peak_tflops, summary)
 from tools.bench_mixer import GOAL_MEM  # noqa: E402
 
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "gpu")
@@ -85,6 +89,7 @@ class Plan:
 
     def __init__(self, a):
         self.a, self.points, self.entries = a, {}, []
+        self.reference = None   # the point every `paired` point alternates its repetitions with (our dot)
 
     def point(self, kind: str, config: str, overrides=(), world: int = 1, env=None, **extra) -> str:
         a = self.a
@@ -134,14 +139,17 @@ def plan(a) -> Plan:
     p, V = Plan(a), a.variant_paths
 
     def ours(v):   # the throughput point of variant v, shared by the throughput and peer parts
-        return p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers))
+        return p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers), paired=True)
+
+    if "throughput" in a.only or "peer" in a.only:
+        p.reference = ours("dot")
 
     if "throughput" in a.only:
         for v in V:
             p.entry(f"throughput:{v}", "throughput", v, ours(v), "rate", "tokens/s",
                     None if v == "dot" else "throughput:dot", n=a.seq_len, layers=a.layers)
     if "peer" in a.only:
-        gpt2 = p.point("peer", a.all_variants["dot"], shape(a, a.seq_len, a.layers))
+        gpt2 = p.point("peer", a.all_variants["dot"], shape(a, a.seq_len, a.layers), paired=True)
         p.entry("peer:gpt2", "peer", "gpt2-sdpa", gpt2, "rate", "tokens/s", n=a.seq_len, layers=a.layers)
         for v, goal in GOAL_PEER.items():
             p.entry(f"peer:{v}", "peer", v, ours(v), "rate", "tokens/s", "peer:gpt2", goal_min=goal, n=a.seq_len)
@@ -202,18 +210,27 @@ def plan_gpu(a, p: Plan) -> None:
                 "tflops", "TFLOP/s", "gpu:peak" if peak else None)
 
 
-def run_point(spec: dict, timeout: float) -> dict:
-    """Start spec's world of `_one` processes (one rank each, the launcher's environment) and read rank 0's result."""
+def rank_env(spec: dict) -> list[dict]:
+    """The launcher's environment of each rank of spec's world (a free local port for the process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = spec["world"]
     env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": str(world), "LOCAL_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **spec["env"]}
-    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]   # files, not pipes: no rank blocks on a full pipe
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "_one", json.dumps(spec)], cwd=ROOT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True) for r, log in enumerate(logs)]
+    return [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
+
+
+def one(spec: dict) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "_one", json.dumps(spec)]
+
+
+def run_point(spec: dict, timeout: float) -> dict:
+    """Start spec's world of `_one` processes (one rank each, the launcher's environment) and read rank 0's result."""
+    envs = rank_env(spec)
+    logs = [tempfile.TemporaryFile("w+") for _ in envs]   # files, not pipes: no rank blocks on a full pipe
+    procs = [subprocess.Popen(one(spec), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True) for env, log in zip(envs, logs)]
     deadline, error = time.time() + timeout, None
     try:
         for proc in procs:
@@ -236,23 +253,62 @@ def run_point(spec: dict, timeout: float) -> dict:
     return {"error": error or (failed.strip().splitlines() or ["failed without output"])[-1][-300:]}
 
 
+def run_paired(reference: dict, others: list[tuple[str, dict]], timeout: float, done) -> dict:
+    """Measure each of `others` in turn alternately with one live process of `reference`: repetition r of a point
+    runs next to one of the reference (ABBA order: the reference first on even r), so both see the same machine.
+    {key: result, "reference": result}; a paired point's result has `paired_rate`, the reference's rates next to
+    its repetitions. `done(key)` after each point (progress)."""
+    def serve(spec):
+        return ServedPoint(one({**spec, "serve": True}), rank_env(spec)[0], ROOT, timeout)
+
+    try:
+        ref = serve(reference)
+    except PointFailed as e:
+        return {key: {"error": f"the reference (dot) point failed: {e}"} for key, _ in others + [("reference", 0)]}
+    results = {}
+    for key, spec in others:
+        other = None
+        try:
+            other, paired = serve(spec), []
+            for r in range(spec["reps"]):
+                pair = (ref, other) if r % 2 == 0 else (other, ref)
+                rates = [point.rep() for point in pair]
+                paired.append(rates[0] if r % 2 == 0 else rates[1])
+            results[key] = {**other.finish(), "paired_rate": paired}
+        except PointFailed as e:
+            results[key] = {"error": str(e)}
+            if other is not None:
+                other.kill()
+        done(key)
+    try:
+        for _ in range(0 if others else reference["reps"]):
+            ref.rep()
+        results["reference"] = ref.finish()
+    except PointFailed as e:
+        results["reference"] = {"error": str(e)}
+    return results
+
+
 def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
     """Values, spreads, ratios and goals of the entries, from the points' results."""
     out, by_id = [], {}
     for e in p.entries:
-        res = results.get(e.pop("point"), {})
+        point = e.pop("point")
+        res = results.get(point, {})
         reps = e.pop("reps", None)
         if reps is None and e.get("skipped") is None and not res.get("error"):
             reps = res.get(e["field"]) if e["field"] != "tflops" else \
                 [r * res["train_flops_per_token"] / 1e12 for r in res["rate"]]
         e.update(value=None, spread=None, ratio=None, ratio_range=None, status=None, machine=machine,
-                 error=res.get("error"), reps=reps, skipped=e.get("skipped"))
+                 error=res.get("error"), reps=reps, paired_reps=None, skipped=e.get("skipped"))
         if reps:
             e["value"], e["spread"] = summary(reps)
         for k in ("params", "train_flops_per_token", "tokens_per_step", "device", "after_init_mb",
                   "after_engine_mb", "peak_mb"):
             if k in res:
                 e[k] = res[k]
+        if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):
+            e["paired_reps"] = reps if point == p.reference else res["paired_rate"]   # dot's, next to each rep
         if e["field"] == "step_mb" and res.get("total_mb"):
             e["total_mb"] = summary(res["total_mb"])[0]   # with parameters and optimizer states
         by_id[e["id"]] = e
@@ -260,8 +316,12 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
     for e in out:
         ref = by_id.get(e["ratio_to"])
         if e["value"] is not None and ref and ref["value"]:
-            e["ratio"] = e["value"] / ref["value"]
-            e["ratio_range"] = [min(e["reps"]) / max(ref["reps"]), max(e["reps"]) / min(ref["reps"])]
+            if e.get("paired_reps") and ref.get("paired_reps"):   # both alternated with dot: drift cancels
+                e["ratio"], e["ratio_range"] = paired_ratio(e["reps"], e["paired_reps"], ref["reps"],
+                                                            ref["paired_reps"])
+            else:
+                e["ratio"] = e["value"] / ref["value"]
+                e["ratio_range"] = [min(e["reps"]) / max(ref["reps"]), max(e["reps"]) / min(ref["reps"])]
         if e["name"] == "throughput" and e.get("train_flops_per_token") and by_id["throughput:dot"]["value"]:
             e["flop_ratio"] = by_id["throughput:dot"]["train_flops_per_token"] / e["train_flops_per_token"]
             if e["variant"] != "dot":
@@ -357,11 +417,21 @@ def main(argv=None) -> int:
 
     t0, machine = time.time(), machine_info()
     p = plan(a)
-    results = {}
-    for key, spec in (bar := tqdm(list(p.points.items()), desc="bench", unit="point")):
-        what = f"{spec['kind']} {os.path.basename(spec['config'])} {' '.join(spec['overrides'][1:5])}"
-        bar.set_postfix_str(what[:80])
-        results[key] = run_point(spec, a.timeout)
+    results, paired = {}, [(k, s) for k, s in p.points.items() if s.get("paired") and k != p.reference]
+    bar = tqdm(total=len(p.points), desc="bench", unit="point")
+    if p.reference:   # the throughput and peer points, each alternated with our dot's live process
+        bar.set_postfix_str("throughput and peer points, alternated with dot")
+        measured = run_paired(p.points[p.reference], paired, a.timeout, lambda key: bar.update())
+        results[p.reference] = measured.pop("reference")
+        results.update(measured)
+        bar.update()
+    for key, spec in p.points.items():
+        if key not in results:
+            bar.set_postfix_str(f"{spec['kind']} {os.path.basename(spec['config'])} "
+                                f"{' '.join(spec['overrides'][1:5])}"[:80])
+            results[key] = run_point(spec, a.timeout)
+            bar.update()
+    bar.close()
     entries = finish(p, results, machine)
     settings = {k: getattr(a, k) for k in ("quick", "only", "reps", "steps", "warmup", "d_model", "layers", "heads",
                                            "seq_len", "lengths", "batch", "vocab", "precision", "mem_budget_gb",

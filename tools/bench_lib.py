@@ -2,8 +2,8 @@
 
 Inside a measurement process (a fresh interpreter per point, so no two points share allocator state):
     Memory        RSS (CPU) or allocator (CUDA) readings: after imports, after the engine is built, peak per repetition
-    measure()     warm-up calls, then `reps` repetitions of `steps` timed calls: per repetition the rate, the time
-                  per call and the peak memory
+    measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
+                  parent): per repetition the rate, the time per call and the peak memory
     run_point()   one point of a plan: "train" (our engine, pretrain.train.build_engine), "peer" (Hugging Face GPT-2
                   under the same DeepSpeed config) or "data" (pretrain.data.TokenStream alone)
 In the parent: summary statistics over repetitions, ratios with their range, machine description, markdown table.
@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import queue
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.bench_mixer import rss_mb  # noqa: E402
 
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
+READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up; one repetition's rate
 # Dense bf16 peak TFLOP/s by device name (the MFU denominator); matched as a substring of torch's device name.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -88,14 +93,18 @@ class Memory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None) -> dict:
+def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
+            serve: bool = False) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
-    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition."""
+    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition.
+    `serve`: after the warm-up, one repetition per "rep" line on stdin (its rate printed after REP_MARK) until
+    "done" — the parent alternates the repetitions of two such processes."""
     for _ in range(warmup):
         call()
     sync()
     rate, seconds, peak = [], [], []
-    for _ in range(reps):
+
+    def repetition():
         if mem:
             mem.reset_peak()
         t0 = time.perf_counter()
@@ -107,6 +116,17 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
         seconds.append(dt / steps)
         if mem:
             peak.append(mem.peak())
+
+    if serve:
+        print(READY_MARK, flush=True)
+        for line in sys.stdin:
+            if line.strip() != "rep":
+                break
+            repetition()
+            print(REP_MARK + json.dumps({"rate": rate[-1]}), flush=True)
+    else:
+        for _ in range(reps):
+            repetition()
     out = {"rate": rate, "step_s": seconds}
     if mem:   # step memory: what a step adds to the built engine (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.after_engine for p in peak], total_mb=[p - mem.after_init for p in peak],
@@ -180,7 +200,8 @@ def run_train(spec: dict) -> dict:
         if lay.world > 1:
             dist.barrier()
 
-    out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem)
+    out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
+                  serve=spec.get("serve", False))
     out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),
                world=lay.world, tp=lay.tp, dp=lay.dp, grad_accum=lay.grad_accum, tokens_per_step=cfg.tokens_per_step)
     if spec["kind"] == "train":
@@ -211,6 +232,76 @@ def run_point(spec: dict) -> None:
 
 
 # ---- in the parent -------------------------------------------------------------------------------------------------
+class PointFailed(RuntimeError):
+    pass
+
+
+class ServedPoint:
+    """A world-1 measuring process (`tools/bench.py _one SPEC` with spec["serve"]) kept alive between repetitions,
+    so the parent can alternate the repetitions of two points: the machine's drift (10–30% over minutes on a shared
+    VM, measured) then hits both alike. Its output is read by a thread (no pipe fills up); `timeout` bounds each wait."""
+
+    def __init__(self, command: list[str], env: dict, cwd: str, timeout: float):
+        self.timeout, self.lines, self.tail, self.failure = timeout, queue.Queue(), [], None
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        self._read(READY_MARK)
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)   # end of output: the child exited
+
+    def _read(self, mark: str) -> str:
+        while self.failure is None:
+            try:
+                line = self.lines.get(timeout=self.timeout)
+            except queue.Empty:
+                line, self.failure = None, f"timeout after {self.timeout:g} s"
+            if line is None:
+                self.failure = self.failure or (self.tail or ["failed without output"])[-1].strip()[-300:]
+                break
+            if line.startswith(mark):
+                return line[len(mark):]
+            self.tail = (self.tail + [line])[-20:]
+        self.kill()
+        raise PointFailed(self.failure)
+
+    def _send(self, command: str) -> None:
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass   # the child died: _read reports its last line
+
+    def rep(self) -> float:
+        """One repetition (spec's steps) in the child; its rate."""
+        self._send("rep")
+        return json.loads(self._read(REP_MARK))["rate"]
+
+    def finish(self) -> dict:
+        """The child's result (every repetition it ran), after which it exits."""
+        self._send("done")
+        out = json.loads(self._read(RESULT_MARK))
+        self.proc.wait()
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def paired_ratio(reps, paired, ref_reps, ref_paired) -> tuple[float, list[float]]:
+    """Ratio of two points measured alternately with one reference process, and its range: each point's
+    repetitions are divided by the reference's repetition next to them (the reference's own: all 1), the ratio is
+    of the medians of those, its range of their extremes."""
+    a = [x / y for x, y in zip(reps, paired)]
+    b = [x / y for x, y in zip(ref_reps, ref_paired)]
+    return statistics.median(a) / statistics.median(b), [min(a) / max(b), max(a) / min(b)]
+
+
 def summary(reps: list[float]) -> tuple[float, float]:
     """(median, relative spread (max − min) / median) over the repetitions."""
     med = statistics.median(reps)

@@ -53,6 +53,9 @@ def test_schema(run):
         assert e["status"] in (None, "ok", "MISSED") and (e["status"] is None) == (e["goal"] is None or
                                                                                    e["ratio"] is None)
         assert f"| {e['name']} | {e['variant']} |" in md
+        if e["name"] == "memory":   # a step's peak is its highest phase's, both above the engine at rest
+            assert set(e["phase_mb"]) == {"forward", "backward", "optimizer step"}
+            assert max(e["phase_mb"].values()) <= e["reps"][-1] + 1e-9 and e["at_rest_mb"] >= e["after_engine_mb"] - 5
     units = {e["name"]: e["unit"] for e in report["results"]}
     assert units == {"throughput": "tokens/s", "peer": "tokens/s", "memory": "MB"}
 

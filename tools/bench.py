@@ -11,9 +11,11 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
   peer        the same step for Hugging Face GPT-2 (attn_implementation="sdpa") of equal d, layers, heads, n, vocabulary
               and MLP, under the same DeepSpeed config; ours ÷ GPT-2. Goal: dot ≥ 1.0, random ≥ 1.15.
   memory      peak training memory at each of --lengths (L = n), ÷ that at the first. Memory = peak during a step minus
-              the reading once the engine is built (gradients, activations, temporaries; parameters and optimizer
-              states excluded; totals, from before the engine, in the JSON); CPU: resident set size with malloc
-              returning freed blocks (parallel.cpu_keep_freed_memory=false), CUDA: the allocator's counters.
+              the reading at rest between steps after the warm-up (gradients, activations, temporaries; parameters
+              and optimizer states excluded — Adam's states appear at the first step; totals, from before the
+              engine, in the JSON), with the peak of each phase (forward, backward, optimizer step) in the JSON and
+              the table's notes; CPU: resident set size with malloc returning freed blocks
+              (parallel.cpu_keep_freed_memory=false), CUDA: the allocator's counters.
               Variants whose model would not fit in --mem-budget-gb at the longest n get fewer layers (noted).
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
   data        tokens/s that pretrain.data.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers)
@@ -58,9 +60,11 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
 }
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
-# Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks (its
-# default) instead of keeping them resident with what the heap fragments (the trainer's faster default).
+# Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
+# of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
+# (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
 LIVE_MEMORY = ["parallel.cpu_keep_freed_memory=false"]
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
 BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 4 + Adam 8 + gradient 4
 
@@ -159,7 +163,8 @@ def plan(a) -> Plan:
             layers, note = fitting_layers(a, V[v])
             for n in a.lengths:   # one step per repetition: its peak is the figure
                 ok = layers > 0
-                point = p.point("train", V[v], shape(a, n, layers) + LIVE_MEMORY, steps=1) if ok else None
+                point = p.point("train", V[v], shape(a, n, layers) + LIVE_MEMORY, env=LIVE_MEMORY_ENV,
+                                steps=1) if ok else None
                 p.entry(f"memory:{v}:n={n}", "memory", v, point,
                         "step_mb", "MB", None if n == first else f"memory:{v}:n={first}", n=n, layers=layers,
                         goal_max=GOAL_MEM.get(v) if n == 4 * first else None, note=note if n == first else None,
@@ -304,7 +309,7 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         if reps:
             e["value"], e["spread"] = summary(reps)
         for k in ("params", "train_flops_per_token", "tokens_per_step", "device", "after_init_mb",
-                  "after_engine_mb", "peak_mb"):
+                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb"):
             if k in res:
                 e[k] = res[k]
         if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):

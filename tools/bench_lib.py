@@ -1,7 +1,8 @@
 """Helpers of tools/bench.py: what runs inside one measurement process (`_one`), and the statistics and tables.
 
 Inside a measurement process (a fresh interpreter per point, so no two points share allocator state):
-    Memory        RSS (CPU) or allocator (CUDA) readings: after imports, after the engine is built, peak per repetition
+    Memory        RSS (CPU) or allocator (CUDA) readings: after imports, after the engine is built, at rest after the
+                  warm-up, peak per repetition and per phase of a step (forward, backward, optimizer step)
     measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
                   parent): per repetition the rate, the time per call and the peak memory
     run_point()   one point of a plan: "train" (our engine, pretrain.train.build_engine), "peer" (Hugging Face GPT-2
@@ -59,7 +60,10 @@ def machine_info() -> dict:
 class Memory:
     """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size, with the
     kernel's high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has
-    its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss)."""
+    its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss).
+    Readings: after imports (`after_init`), once the engine is built (`after_engine`), and at rest between steps after
+    the warm-up (`at_rest`: parameters and optimizer states, Adam's being created by the first step). `phase(name)`
+    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins."""
 
     def __init__(self, device):
         import torch
@@ -67,7 +71,8 @@ class Memory:
         self.cuda = device.type == "cuda"
         self.torch = torch
         self.after_init = self.now()   # after imports and the process group's start
-        self.after_engine = None
+        self.after_engine = self.at_rest = None
+        self.phases = {}
 
     def now(self) -> float:
         return self.torch.cuda.memory_allocated() / 2**20 if self.cuda else rss_mb()
@@ -75,7 +80,14 @@ class Memory:
     def engine_built(self) -> None:
         self.after_engine = self.now()
 
+    def rest(self) -> None:
+        self.at_rest = self.now()
+
     def reset_peak(self) -> None:
+        self.phases = {}
+        self._reset()
+
+    def _reset(self) -> None:
         if self.cuda:
             self.torch.cuda.reset_peak_memory_stats()
             return
@@ -85,12 +97,20 @@ class Memory:
         except OSError:
             pass
 
-    def peak(self) -> float:
+    def _peak(self) -> float:
         if self.cuda:
             return self.torch.cuda.max_memory_allocated() / 2**20
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def phase(self, name: str) -> None:
+        self.phases[name] = max(self.phases.get(name, 0.0), self._peak())
+        self._reset()
+
+    def peak(self) -> float:
+        """Since reset_peak(): the highest of the phases' peaks and of what came after the last phase."""
+        return max([self._peak(), *self.phases.values()])
 
 
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
@@ -102,6 +122,8 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     for _ in range(warmup):
         call()
     sync()
+    if mem:
+        mem.rest()
     rate, seconds, peak = [], [], []
 
     def repetition():
@@ -128,9 +150,10 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
         for _ in range(reps):
             repetition()
     out = {"rate": rate, "step_s": seconds}
-    if mem:   # step memory: what a step adds to the built engine (gradients, activations, temporaries)
-        out.update(step_mb=[p - mem.after_engine for p in peak], total_mb=[p - mem.after_init for p in peak],
-                   peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine)
+    if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
+        out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
+                   peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
+                   at_rest_mb=mem.at_rest, phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()})
     return out
 
 
@@ -191,8 +214,11 @@ def run_train(spec: dict) -> dict:
     def step():   # one optimizer step: grad_accum micro-batches, as Trainer.train_step does them
         for _ in range(lay.grad_accum):
             loss = engine(inputs, targets)
+            mem.phase("forward")
             engine.backward(loss)
+            mem.phase("backward")
             engine.step()
+            mem.phase("optimizer step")
 
     def sync():
         if lay.device.type == "cuda":
@@ -334,4 +360,6 @@ def markdown(entries: list[dict], machine: dict, title: str) -> str:
                      f"{100 * e['spread']:.1f}% | {ratio} | {e['ratio_to'] or ''} | {e.get('goal') or ''} | "
                      f"{e.get('status') or ''} |")
     notes = [f"- {e['id']}: {e['note']}" for e in entries if e.get("note")]
+    notes += [f"- {e['id']}: peak above rest by phase: " + ", ".join(f"{k} {v:,.0f} MB" for k, v in e["phase_mb"].items())
+              for e in entries if e.get("phase_mb") and e.get("goal")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -9,8 +9,9 @@ Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A is the same for
   every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
   keys only; no n² buffer is kept for backward.
-- `BiasedQKAttention`: S = q·kᵀ + bias with a learnable bias (random+dot, random+dense): flash forward with the bias
-  detached, a backward that walks blocks of query rows over the causal keys only, so B·Hl·block·n is live.
+- `BiasedQKAttention`: S = q·kᵀ + w ⊙ R with a learnable map R weighted per head (random+dot, random+dense):
+  forward and backward walk blocks of query rows over the causal keys only, so B·Hl·block·n is live and nothing
+  n² is kept between them.
 - `FactorizedDenseAttention`: S_i[j] = A_i[j mod a]·B_i[⌊j/a⌋] has no q·k form; its logits are built from the
   factors one block of query rows at a time (causal keys only) and recomputed in backward.
 And one without a softmax, for gMLP's spatial gating: `CausalMatmul`, Y = (W ⊙ causal)[:n, :n] X in causal blocks.
@@ -97,53 +98,62 @@ def shared_map_attention(logits: torch.Tensor, v: torch.Tensor, block: int = 128
 
 
 class BiasedQKAttention(torch.autograd.Function):
-    """out = softmax(q kᵀ + bias + M) v with scale 1 and a learnable, batch-shared bias (Hl, n, n).
+    """out = softmax(q kᵀ + w ⊙ R + M) v with scale 1, a batch-shared bias map R (Hl, n, n) and its weight per head
+    w (Hl,) (the mixture's α, so neither w ⊙ R nor its gradient is ever a separate n² tensor of autograd's).
 
-    q, k, v: (B, Hl, n, f), same width (pad before). Forward: SDPA flash kernel with the bias as a detached
-    float mask. Backward, per block of `block` query rows i and only the keys j ≤ i they can see (causality
-    halves the work), with the standard softmax-attention gradients:
+    q, k, v: (B, Hl, n, f). Forward and backward walk blocks of `block` query rows i over only the keys j ≤ i
+    they can see (causality halves the work; SDPA's flash kernel with w ⊙ R + M as a float mask computes every
+    key and was measured ~35% slower on the CPU). Backward recomputes P with the standard gradients:
         P = softmax(S),  dP = dO vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),
-        dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  d(bias) = Σ_batch dS.
-    Live memory per block is B·Hl·block·n, linear in n (besides d(bias) itself, Hl·n²).
+        dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  dR = w ⊙ Σ_batch dS,  dw = Σ_ij (Σ_batch dS) ⊙ R.
+    Live memory per block is B·Hl·block·n, linear in n (besides dR itself, Hl·n²); nothing n² is saved.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, block: int):
-        mask = (bias + causal_mask(bias.shape[-1], bias.device, bias.dtype)).unsqueeze(0)  # (1, Hl, n, n)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-        ctx.save_for_backward(q, k, v, mask, out)
+    def forward(ctx, q, k, v, R, w, block: int):
+        n = q.shape[-2]
+        causal, w3 = causal_mask(n, q.device, q.dtype), w[:, None, None]
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
+        for i0 in range(0, n, block):
+            i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
+            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(R[:, i, j] * w3 + causal[i, j])  # (B, Hl, blk, j)
+            out[:, :, i] = torch.softmax(S, dim=-1) @ v[:, :, j]
+        ctx.save_for_backward(q, k, v, R, w, out)
         ctx.block = block
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, mask, out = ctx.saved_tensors
+        q, k, v, R, w, out = ctx.saved_tensors
         n = q.shape[-2]
+        causal = causal_mask(n, q.device, q.dtype)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)        # q, k may be expanded: own buffers
         dk, dv = torch.zeros(k.shape, dtype=k.dtype, device=k.device), torch.zeros_like(v)
-        d_bias = torch.zeros_like(mask[0])
+        dR = torch.zeros_like(R) if ctx.needs_input_grad[3] else None
+        dw = torch.zeros_like(w)
         D = (d_out * out).sum(-1, keepdim=True)                          # (B, Hl, n, 1)
+        w3 = w[:, None, None]
         for i0 in range(0, n, ctx.block):
             i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))   # rows i, keys j ≤ i
-            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(mask[:, :, i, j])      # (B, Hl, blk, j)
+            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(R[:, i, j] * w3 + causal[i, j])  # (B, Hl, blk, j)
             P = torch.softmax(S, dim=-1)
             del S
             dS = (d_out[:, :, i] @ v[:, :, j].transpose(-1, -2)).sub_(D[:, :, i]).mul_(P)
             dq[:, :, i] = dS @ k[:, :, j]
             dk[:, :, j] += dS.transpose(-1, -2) @ q[:, :, i]
             dv[:, :, j] += P.transpose(-1, -2) @ d_out[:, :, i]
-            d_bias[:, i, j] += dS.sum(0)
-        return dq, dk, dv, d_bias, None
+            d_map = dS.sum(0)                                            # (Hl, blk, j): d(w ⊙ R) of the block
+            dw += (d_map * R[:, i, j]).sum((-1, -2))
+            if dR is not None:
+                dR[:, i, j] = d_map.mul_(w3)
+        return dq, dk, dv, dR, dw, None
 
 
-def biased_qk_attention(q, k, bias, v, block: int = 128) -> torch.Tensor:
-    """softmax(q kᵀ + bias + M) v; q, k: (B or 1, Hl, n, f), bias (Hl, n, n), v (B, Hl, n, d_h) -> (B, Hl, n, d_h)."""
-    B, d_h = v.shape[0], v.shape[-1]
-    width = _common_width(q, d_h)
-    q = _pad_last(q, width).expand(B, -1, -1, -1)
-    k = _pad_last(k, width).expand(B, -1, -1, -1)
-    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), bias, block)
-    return out[..., :d_h]
+def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
+    """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)
+    -> (B, Hl, n, d_h). No flash kernel: q, k and v keep their own widths."""
+    B = v.shape[0]
+    return BiasedQKAttention.apply(q.expand(B, -1, -1, -1), k.expand(B, -1, -1, -1), v, R, w, block)
 
 
 class FactorizedDenseAttention(torch.autograd.Function):

@@ -68,7 +68,7 @@ class SynthesizedAttention(nn.Module):
         if first.kind == "factors":   # factorized dense, never mixed (config.MIXABLE): its own kernel
             A, Bf = first.factors(x)
             return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
-        qs, ks, scale, bias, input_dependent = [], [], 1.0, None, False
+        qs, ks, scale, bias, bias_weight, input_dependent = [], [], 1.0, None, None, False
         for m, synth in enumerate(self.synth.values()):
             w = None if alpha is None else alpha[:, m]                    # (Hl,)
             input_dependent |= synth.input_dependent
@@ -81,10 +81,9 @@ class SynthesizedAttention(nn.Module):
                 qs.append(q)
                 ks.append(k)
             else:
-                b = synth.bias(n)                                        # (Hl, n, n)
-                bias = b if w is None else w[:, None, None] * b
+                bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
         if bias is not None and not input_dependent:   # the map is the same for every sample: build it once
-            S = bias if bias is not None else 0
+            S = bias if bias_weight is None else bias_weight[:, None, None] * bias
             for q, k in zip(qs, ks):
                 S = S + scale * (q[0] @ k[0].transpose(-1, -2))          # (Hl, n, n)
             return kernels.shared_map_attention(S, v)
@@ -93,7 +92,7 @@ class SynthesizedAttention(nn.Module):
         if bias is None:
             y = kernels.qk_attention(q, k, v, scale)
         else:
-            y = kernels.biased_qk_attention(q, k, bias, v)
+            y = kernels.biased_qk_attention(q, k, bias, bias_weight, v)   # in a mixture: weight α, no n² copy
         return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
 
     @staticmethod

@@ -10,12 +10,12 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               Goal: ≥ 0.9 × the FLOP ratio (train FLOPs/token of dot ÷ of the variant, from model_stats).
   peer        the same step for Hugging Face GPT-2 (attn_implementation="sdpa") of equal d, layers, heads, n, vocabulary
               and MLP, under the same DeepSpeed config; ours ÷ GPT-2. Goal: dot ≥ 1.0, random ≥ 1.15.
-  memory      peak training memory at each of --lengths (L = n), ÷ that at the first. Memory = peak during a step minus
-              the reading at rest between steps after the warm-up (gradients, activations, temporaries; parameters
-              and optimizer states excluded — Adam's states appear at the first step; totals, from before the
-              engine, in the JSON), with the peak of each phase (forward, backward, optimizer step) in the JSON and
-              the table's notes; CPU: resident set size with malloc returning freed blocks
-              (parallel.cpu_keep_freed_memory=false), CUDA: the allocator's counters.
+  memory      peak training memory at each of --lengths (L = n), ÷ that at the first, and the same for GPT-2 (no goal:
+              a reference). Memory = the step's peak above the process before the engine: parameters, optimizer
+              states, gradients, activations, temporaries (CUDA: the allocator's counters; CPU: resident set size with
+              malloc returning every freed block over 64 kB, parallel.cpu_keep_freed_memory=false). The JSON also
+              has `step_mb`, the peak above the engine at rest between steps (Adam's states exist from the first
+              step on), and `phase_mb`, that of each phase (forward, backward, optimizer step; the table's notes).
               Variants whose model would not fit in --mem-budget-gb at the longest n get fewer layers (noted).
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
   data        tokens/s that pretrain.data.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers)
@@ -157,16 +157,16 @@ def plan(a) -> Plan:
         p.entry("peer:gpt2", "peer", "gpt2-sdpa", gpt2, "rate", "tokens/s", n=a.seq_len, layers=a.layers)
         for v, goal in GOAL_PEER.items():
             p.entry(f"peer:{v}", "peer", v, ours(v), "rate", "tokens/s", "peer:gpt2", goal_min=goal, n=a.seq_len)
-    if "memory" in a.only:
+    if "memory" in a.only:   # one step per repetition: its peak is the figure; GPT-2 as a reference, no goal
         first = a.lengths[0]
-        for v in V:
-            layers, note = fitting_layers(a, V[v])
-            for n in a.lengths:   # one step per repetition: its peak is the figure
+        for v, (kind, config) in [*((v, ("train", c)) for v, c in V.items()), ("gpt2-sdpa", ("peer", V["dot"]))]:
+            layers, note = fitting_layers(a, config)
+            for n in a.lengths:
                 ok = layers > 0
-                point = p.point("train", V[v], shape(a, n, layers) + LIVE_MEMORY, env=LIVE_MEMORY_ENV,
+                point = p.point(kind, config, shape(a, n, layers) + LIVE_MEMORY, env=LIVE_MEMORY_ENV,
                                 steps=1) if ok else None
                 p.entry(f"memory:{v}:n={n}", "memory", v, point,
-                        "step_mb", "MB", None if n == first else f"memory:{v}:n={first}", n=n, layers=layers,
+                        "total_mb", "MB", None if n == first else f"memory:{v}:n={first}", n=n, layers=layers,
                         goal_max=GOAL_MEM.get(v) if n == 4 * first else None, note=note if n == first else None,
                         skipped=None if ok else note)
     if "data" in a.only:
@@ -314,8 +314,8 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
                 e[k] = res[k]
         if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):
             e["paired_reps"] = reps if point == p.reference else res["paired_rate"]   # dot's, next to each rep
-        if e["field"] == "step_mb" and res.get("total_mb"):
-            e["total_mb"] = summary(res["total_mb"])[0]   # with parameters and optimizer states
+        if e["field"] == "total_mb" and res.get("step_mb"):
+            e["step_mb"] = summary(res["step_mb"])[0]   # above the engine at rest: no parameters, optimizer states
         by_id[e["id"]] = e
         out.append(e)
     for e in out:

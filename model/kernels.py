@@ -9,9 +9,9 @@ Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A is the same for
   every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
   keys only; no n² buffer is kept for backward.
-- `BiasedQKAttention`: S = q·kᵀ + w ⊙ R with a learnable map R weighted per head (random+dot, random+dense):
-  forward and backward walk blocks of query rows over the causal keys only, so B·Hl·block·n is live and nothing
-  n² is kept between them.
+- `BiasedQKAttention`: S = q·kᵀ + w ⊙ R with a learnable map R weighted per head (random+dot, random+dense): flash
+  forward with the map as a float mask made for the call, a backward that walks blocks of query rows over the causal
+  keys only, so B·Hl·block·n is live and nothing n² is kept between forward and backward.
 - `FactorizedDenseAttention`: S_i[j] = A_i[j mod a]·B_i[⌊j/a⌋] has no q·k form; its logits are built from the
   factors one block of query rows at a time (causal keys only) and recomputed in backward.
 And one without a softmax, for gMLP's spatial gating: `CausalMatmul`, Y = (W ⊙ causal)[:n, :n] X in causal blocks.
@@ -101,9 +101,10 @@ class BiasedQKAttention(torch.autograd.Function):
     """out = softmax(q kᵀ + w ⊙ R + M) v with scale 1, a batch-shared bias map R (Hl, n, n) and its weight per head
     w (Hl,) (the mixture's α, so neither w ⊙ R nor its gradient is ever a separate n² tensor of autograd's).
 
-    q, k, v: (B, Hl, n, f). Forward and backward walk blocks of `block` query rows i over only the keys j ≤ i
-    they can see (causality halves the work; SDPA's flash kernel with w ⊙ R + M as a float mask computes every
-    key and was measured ~35% slower on the CPU). Backward recomputes P with the standard gradients:
+    q, k, v: (B, Hl, n, f), same width (pad before). Forward: SDPA flash kernel with w ⊙ R + M as a float mask
+    built for the call and not kept (a Python-blocked causal forward measured ~5% slower in the whole model).
+    Backward, per block of `block` query rows i and only the keys j ≤ i they can see (causality halves the work),
+    recomputing P, with the standard softmax-attention gradients:
         P = softmax(S),  dP = dO vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),
         dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  dR = w ⊙ Σ_batch dS,  dw = Σ_ij (Σ_batch dS) ⊙ R.
     Live memory per block is B·Hl·block·n, linear in n (besides dR itself, Hl·n²); nothing n² is saved.
@@ -111,13 +112,8 @@ class BiasedQKAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, R, w, block: int):
-        n = q.shape[-2]
-        causal, w3 = causal_mask(n, q.device, q.dtype), w[:, None, None]
-        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
-        for i0 in range(0, n, block):
-            i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
-            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(R[:, i, j] * w3 + causal[i, j])  # (B, Hl, blk, j)
-            out[:, :, i] = torch.softmax(S, dim=-1) @ v[:, :, j]
+        mask = (R * w[:, None, None]).add_(causal_mask(R.shape[-1], R.device, R.dtype))   # (Hl, n, n)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(0), scale=1.0)
         ctx.save_for_backward(q, k, v, R, w, out)
         ctx.block = block
         return out
@@ -151,9 +147,13 @@ class BiasedQKAttention(torch.autograd.Function):
 
 def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
     """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)
-    -> (B, Hl, n, d_h). No flash kernel: q, k and v keep their own widths."""
-    B = v.shape[0]
-    return BiasedQKAttention.apply(q.expand(B, -1, -1, -1), k.expand(B, -1, -1, -1), v, R, w, block)
+    -> (B, Hl, n, d_h)."""
+    B, d_h = v.shape[0], v.shape[-1]
+    width = _common_width(q, d_h)
+    q = _pad_last(q, width).expand(B, -1, -1, -1)
+    k = _pad_last(k, width).expand(B, -1, -1, -1)
+    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), R, w, block)
+    return out[..., :d_h]
 
 
 class FactorizedDenseAttention(torch.autograd.Function):

@@ -133,7 +133,7 @@ def test_per_layer_mixer_list():
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
-@pytest.mark.parametrize("variant", ["dot", "dense", "factorized_random", "dense+dot"])
+@pytest.mark.parametrize("variant", ["dot", "dense", "factorized_random", "dense+dot", "random+dot"])
 def test_fused_path_runs_the_flash_kernel(variant):
     model = build_model(config(variant))
     x = tokens(2, L + 1)

@@ -361,5 +361,5 @@ def markdown(entries: list[dict], machine: dict, title: str) -> str:
                      f"{e.get('status') or ''} |")
     notes = [f"- {e['id']}: {e['note']}" for e in entries if e.get("note")]
     notes += [f"- {e['id']}: peak above rest by phase: " + ", ".join(f"{k} {v:,.0f} MB" for k, v in e["phase_mb"].items())
-              for e in entries if e.get("phase_mb") and e.get("goal")]
+              for e in entries if e["name"] == "memory" and e.get("phase_mb") and e.get("goal")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"

@@ -3,12 +3,12 @@
 Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
 
 Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
-- `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense, factorized_random and their mixtures) through torch
+- `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense and their mixtures) through torch
   SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
   keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.
-- `shared_map_attention`: S does not depend on the input (random, random+factorized_random): A is the same for
-  every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
-  keys only; no n² buffer is kept for backward.
+- `shared_map_attention`: S does not depend on the input (random, factorized_random, their mixture): A is the same
+  for every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
+  keys only, a factored map (R_1 R_2ᵀ) built block by block; no n² buffer is kept for backward.
 - `BiasedQKAttention`: S = q·kᵀ + w ⊙ R with a learnable map R weighted per head (random+dot, random+dense): flash
   forward with the map as a float mask made for the call, a backward that walks blocks of query rows over the causal
   keys only, so B·Hl·block·n is live and nothing n² is kept between forward and backward.
@@ -54,46 +54,60 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 class SharedMapAttention(torch.autograd.Function):
-    """Y = softmax(S + M) V for one map S (Hl, n, n) shared by the batch; V (Hl, n, B·d_h) with the batch folded
-    into the columns. Blocks of `block` query rows i see only keys j ≤ i (causality halves the work); neither
-    A nor any n² buffer is kept for backward — the rows of A are recomputed there:
-        dV = Aᵀ dY,  dS = A ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i  (= rowsum(A ⊙ dY Vᵀ), the flash identity).
-    Live memory besides dS itself (the gradient of S, Hl·n²): Hl·block·n.
+    """Y = softmax(S + q kᵀ + M) V for one map shared by the batch, given as S (Hl, n, n), as factors q, k (Hl, n, f),
+    or both (None for a missing part); V (Hl, n, B·d_h) with the batch folded into the columns. Blocks of `block`
+    query rows i see only keys j ≤ i (causality halves the work); neither A nor any n² buffer is kept for backward
+    (a factored map is never whole) — the rows of A are recomputed there:
+        dV = Aᵀ dY,  dS = A ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i  (= rowsum(A ⊙ dY Vᵀ), the flash identity),
+        dq = dS k,  dk = dSᵀ q.
+    Live memory besides dS itself (the gradient of S, Hl·n², only when S is given): Hl·block·n.
     """
 
     @staticmethod
-    def forward(ctx, S, v, block: int):
-        n = S.shape[-1]
-        mask = causal_mask(n, S.device, S.dtype)
+    def _logits(S, q, k, mask, i, j):
+        out = mask[i, j] if S is None else S[:, i, j] + mask[i, j]                      # (Hl, blk, j)
+        return out if q is None else torch.baddbmm(out, q[:, i], k[:, j].transpose(-1, -2))
+
+    @staticmethod
+    def forward(ctx, S, q, k, v, block: int):
+        n = v.shape[1]
+        mask = causal_mask(n, v.device, v.dtype)
         y = torch.empty_like(v)
         for i0 in range(0, n, block):
             i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
-            y[:, i] = torch.softmax(S[:, i, j] + mask[i, j], dim=-1) @ v[:, j]
-        ctx.save_for_backward(S, v, y)
+            y[:, i] = torch.softmax(SharedMapAttention._logits(S, q, k, mask, i, j), dim=-1) @ v[:, j]
+        ctx.save_for_backward(S, q, k, v, y)
         ctx.block = block
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        S, v, y = ctx.saved_tensors
-        n = S.shape[-1]
-        mask = causal_mask(n, S.device, S.dtype)
-        dS, dv = torch.zeros_like(S), torch.zeros_like(v)
+        S, q, k, v, y = ctx.saved_tensors
+        n = v.shape[1]
+        mask = causal_mask(n, v.device, v.dtype)
+        dS = None if S is None or not ctx.needs_input_grad[0] else torch.zeros_like(S)
+        dq, dk = (None, None) if q is None else (torch.zeros_like(q), torch.zeros_like(k))
+        dv = torch.zeros_like(v)
         D = (dy * y).sum(-1, keepdim=True)                                # (Hl, n, 1)
         for i0 in range(0, n, ctx.block):
             i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))
-            A = torch.softmax(S[:, i, j] + mask[i, j], dim=-1)             # (Hl, blk, j)
+            A = torch.softmax(SharedMapAttention._logits(S, q, k, mask, i, j), dim=-1)   # (Hl, blk, j)
             dv[:, j] += A.transpose(-1, -2) @ dy[:, i]
-            dS[:, i, j] = (dy[:, i] @ v[:, j].transpose(-1, -2)).sub_(D[:, i]).mul_(A)
-        return dS, dv, None
+            dA = (dy[:, i] @ v[:, j].transpose(-1, -2)).sub_(D[:, i]).mul_(A)
+            if dS is not None:
+                dS[:, i, j] = dA
+            if dq is not None:
+                dq[:, i] = dA @ k[:, j]
+                dk[:, j] += dA.transpose(-1, -2) @ q[:, i]
+        return dS, dq, dk, dv, None
 
 
-def shared_map_attention(logits: torch.Tensor, v: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """softmax(S + M) v for input-independent logits S (Hl, n, n); v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
-    Hl, n, _ = logits.shape
-    B, _, _, d_h = v.shape
+def shared_map_attention(logits, v: torch.Tensor, q=None, k=None, block: int = 128) -> torch.Tensor:
+    """softmax(S + q kᵀ + M) v for an input-independent map: S (Hl, n, n) or None, q, k (Hl, n, f) or None;
+    v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
+    B, n, Hl, d_h = v.shape
     v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
-    y = SharedMapAttention.apply(logits, v_cols, block)                              # (Hl, n, B·d_h)
+    y = SharedMapAttention.apply(logits, q, k, v_cols, block)                        # (Hl, n, B·d_h)
     return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
 
 

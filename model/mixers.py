@@ -82,11 +82,13 @@ class SynthesizedAttention(nn.Module):
                 ks.append(k)
             else:
                 bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
-        if bias is not None and not input_dependent:   # the map is the same for every sample: build it once
-            S = bias if bias_weight is None else bias_weight[:, None, None] * bias
-            for q, k in zip(qs, ks):
-                S = S + scale * (q[0] @ k[0].transpose(-1, -2))          # (Hl, n, n)
-            return kernels.shared_map_attention(S, v)
+        if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
+            S = bias if bias is None or bias_weight is None else bias_weight[:, None, None] * bias   # (Hl, n, n)
+            q = k = None
+            if qs:   # factors (Hl, n, Σf), the scale folded into q
+                q, k = torch.cat([p[0] for p in qs], -1), torch.cat([p[0] for p in ks], -1)
+                q = q if scale == 1.0 else q * scale
+            return kernels.shared_map_attention(S, v, q, k)
         q, k = self._concat(qs, B), self._concat(ks, B)                  # (B or 1, Hl, n, Σf)
         v = v.transpose(1, 2)                                            # (B, Hl, n, d_h)
         if bias is None:

@@ -42,6 +42,6 @@ demo: setup $(DEMO)/shards/manifest.json
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
 
 # ---- benchmarks (tools/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
-# The issue's sizes take ~1 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
+# The issue's sizes take ~2 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
 bench: setup $(DEMO)/shards/manifest.json
 	$(VPY) tools/bench.py $(BENCH_ARGS)

@@ -117,8 +117,9 @@ def keep_freed_memory() -> bool:
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt(3) parameter numbers, from glibc's malloc.h
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        # no mmap'd blocks (all from the heap), and the heap's top is only trimmed past 2 GB free
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        # no mmap'd blocks (all from the heap), and no trimming of any arena's top (-1: mallopt(3) "disables
+        # trimming completely"; a 2 GB threshold still let some gMLP processes give back and re-fault ~1 GB a step)
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
     except (OSError, AttributeError):   # not glibc
         return False
 

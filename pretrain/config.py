@@ -22,7 +22,7 @@ import sys
 import types
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, NamedTuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -229,8 +229,10 @@ class LoggingSection:
     val_every: int = _f("validate every this many steps (0 = only at the end)", 500)
     image_every: int = _f("attention-map images and a text sample every this many steps (0 = never)", 1000)
     tensorboard_dir: str | None = _f("TensorBoard event directory; default <train.run_dir>/tensorboard", None)
-    peak_tflops_per_device: float = _f("peak dense TFLOP/s of one device at train.precision, the denominator of MFU; "
-                                       "989 = H100 SXM bf16 dense (312 for A100 bf16)", 989.0)
+    peak_tflops_per_device: float | None = _f(
+        "peak dense TFLOP/s of one device at train.precision, the denominator of MFU; null = from the device's name "
+        "(pretrain/engine.py PEAK_TFLOPS: H100 bf16 989, A100 312, ...); on a CPU or an unknown GPU MFU is then n/a",
+        None)
     sample_prompt: str = _f("prompt of the text sample", "It is a truth universally acknowledged")
     sample_tokens: int = _f("tokens generated for the text sample", 64)
     sample_ids: bool = _f("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
@@ -240,7 +242,8 @@ class LoggingSection:
         for name in ("every", "val_every", "image_every", "sample_tokens"):
             low = 1 if name == "every" else 0
             _need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
-        _need(self.peak_tflops_per_device > 0, "logging.peak_tflops_per_device", self.peak_tflops_per_device, "> 0")
+        _need(self.peak_tflops_per_device is None or self.peak_tflops_per_device > 0,
+              "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
 
 
 class Runtime(NamedTuple):
@@ -487,56 +490,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def deepspeed_config(cfg: TrainConfig, dp_world: int, cuda: bool | None = None) -> dict:
-    """The DeepSpeed config of a run with `dp_world` data-parallel ranks, generated, never hand-kept.
-
-    No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
-    `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
-    defines it on every backend and its step count lives in the engine's checkpoint. The trainer may pass parameter
-    groups (no decay on norms/biases); each group's own weight_decay then overrides the one below."""
-    t = cfg.train
-    cuda = cuda_available() if cuda is None else cuda
-    return {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum(dp_world),
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
-            # FusedAdam is a CUDA kernel; elsewhere DeepSpeed would JIT-build a CPU op for ~78 s (DESIGN.md §3).
-            "torch_adam": not cuda}},
-        "steps_per_print": 10**9,  # the trainer logs itself
-        "wall_clock_breakdown": False,
-    }
-
-
-def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
-    """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps and
-    T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first):
-        s < W:      s / W                                   linear warmup from 0
-        W ≤ s < T:  f + (1 - f)·½(1 + cos(π (s - W)/(T - W)))  cosine from 1 to f = min_lr/lr ('linear': straight)
-        s ≥ T:      f                                       constant min_lr ('constant' decay: 1 throughout)"""
-    T = train.max_steps if total_steps is None else total_steps
-    W, floor, decay = min(train.warmup_steps, T), train.min_lr / train.lr, train.decay
-
-    def factor(step: int) -> float:
-        if step < W:
-            return step / W
-        if decay == "constant":
-            return 1.0
-        if step >= T:
-            return floor
-        progress = (step - W) / (T - W)
-        if decay == "linear":
-            return 1.0 - (1.0 - floor) * progress
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 # ---- CLI -----------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.config",
@@ -556,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:
+            from pretrain.engine import deepspeed_config   # the engine's module imports torch: only when asked
+
             print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

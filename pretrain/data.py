@@ -273,7 +273,7 @@ class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail"):
+                 mix_shards=4, bad_shards="fail", pin_memory=False):
         _need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         _need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         _need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -287,6 +287,7 @@ class TokenStream:
         self.mix_shards = mix_shards
         _need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
         self.bad_shards = bad_shards
+        self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
         self.skipped_shards = []  # (path, reason) of the shards the size check dropped
@@ -346,7 +347,8 @@ class TokenStream:
             wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
         )
         return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=self.num_workers,
-                                           prefetch_factor=2 if self.num_workers else None)
+                                           prefetch_factor=2 if self.num_workers else None,
+                                           pin_memory=self.pin_memory)
 
     def __iter__(self):
         self._live += 1

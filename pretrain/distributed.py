@@ -17,22 +17,55 @@ from pretrain.config import TrainConfig
 
 @dataclass
 class Layout:
-    """Where this process sits: global rank, data-parallel rank, tensor-parallel rank, and its device."""
+    """Where this process sits: global rank, data-parallel rank and group, tensor/pipeline sizes, and its device.
+    `dp_group` None is the whole world (a layout without TP or PP)."""
     rank: int
     world: int
-    local_rank: int
     dp_rank: int
     dp: int
-    tp_rank: int
     tp: int
-    pp_rank: int
     pp: int
     grad_accum: int
     device: torch.device
+    dp_group: object = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+# ---- the trainer's collectives -------------------------------------------------------------------------------------
+def all_reduce(t: torch.Tensor, lay: Layout, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """dist.all_reduce in place of a tensor that must live on the layout's device; every collective of the trainer
+    goes through here. NCCL takes only CUDA tensors and gloo takes CPU ones, so a tensor built on the wrong device
+    passes on one machine and crashes on the other: this check fails on both."""
+    if t.device != lay.device:
+        raise RuntimeError(f"collective on a tensor on {t.device}, but this rank's device is {lay.device}: "
+                           f"build it with device=layout.device")
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The mean of a scalar over the data-parallel ranks, as a 1-element fp32 tensor on the device (not read)."""
+    return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)
+
+
+def dp_sum(count: int, lay: Layout) -> torch.Tensor:
+    """A count summed over the data-parallel ranks, on the device (not read)."""
+    return all_reduce(torch.full((1,), float(count), device=lay.device), lay, group=lay.dp_group)
+
+
+def any_rank(flags: list[bool], lay: Layout) -> torch.Tensor:
+    """Per flag, 1.0 where it is set on any rank of the world, else 0.0: a tensor on the device (not read)."""
+    t = torch.tensor([float(f) for f in flags]).to(lay.device, non_blocking=True)
+    return all_reduce(t, lay, op=dist.ReduceOp.MAX)
+
+
+def step_outcome(loss: torch.Tensor, count: torch.Tensor, flags: list[bool], lay: Layout) -> torch.Tensor:
+    """What a training step ends with, as one tensor on the device for one read by the host:
+    [loss's mean over the DP ranks, a count this rank holds (the same on all), each flag set on any rank]."""
+    return torch.cat([dp_mean(loss, lay), count.float().reshape(1), any_rank(flags, lay)])
 
 
 class MegatronMPU:
@@ -149,11 +182,9 @@ def init(cfg: TrainConfig) -> Layout:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
                                              pipeline_model_parallel_size=cfg.parallel.pp)
     device = torch.device(accel.current_device_name())
-    return Layout(rank=dist.get_rank(), world=world, local_rank=local_rank,
-                  dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
-                  tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp=cfg.parallel.tp,
-                  pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp=cfg.parallel.pp,
-                  grad_accum=runtime.grad_accum, device=device)
+    return Layout(rank=dist.get_rank(), world=world, dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
+                  tp=cfg.parallel.tp, pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device,
+                  dp_group=parallel_state.get_data_parallel_group())
 
 
 def shutdown() -> None:

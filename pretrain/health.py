@@ -5,9 +5,10 @@ parameter and no optimizer state. Every skip goes through one path, the one a re
 gradients are non-finite, and then
     ZeRO 1-3 and fp16/bf16: DeepSpeed's optimizer finds the global gradient norm non-finite, drops the step and
                             counts it in `engine.skipped_steps` (the LR schedule does not advance);
-    ZeRO-0 fp32:            DeepSpeed has no such check there, so the trainer hands it `GuardedAdamW`, an AdamW whose
-                            step does nothing when any rank holds a non-finite gradient (one all-reduce of a flag);
-                            it counts in `.skipped` (the LR schedule advances: DeepSpeed steps it after the optimizer).
+    ZeRO-0 fp32:            DeepSpeed has no such check there, so the trainer hands it `GuardedAdamW`, a fused AdamW
+                            whose step does nothing when any rank holds a non-finite gradient (one all-reduce of a
+                            flag, never read on the host); it counts in `.skipped`, a tensor on the device (the LR
+                            schedule advances: DeepSpeed steps it after the optimizer).
 A loss spike is turned into that case on purpose: its loss is multiplied by NaN before backward.
 
 The loss-spike rule (off by default): a step's loss above mean + z·std of the last `window` kept steps' losses is
@@ -21,27 +22,33 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from pretrain import distributed
+
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (too many skipped steps in a row); the message is one line that says what to do."""
 
 
 class GuardedAdamW(torch.optim.AdamW):
-    """torch's AdamW, except that a step with a non-finite gradient on any rank changes nothing (collective)."""
+    """torch's fused AdamW, except that a step with a non-finite gradient on any rank changes nothing (collective).
 
-    def __init__(self, params, device, **adamw):
-        super().__init__(params, **adamw)
-        self.device, self.skipped = device, 0
+    One fused norm over all gradients tells whether any is non-finite; the flag is all-reduced (tensor-parallel
+    ranks hold different gradients) and handed to the fused kernel as `found_inf`, the way torch.amp.GradScaler
+    skips a step: parameters, moments and step counts stay as they were, and the host never waits for the flag.
+    `skipped` counts the skipped steps on the device."""
+
+    def __init__(self, params, layout, **adamw):
+        super().__init__(params, fused=True, **adamw)
+        self.layout = layout
+        self.skipped = torch.zeros((), device=layout.device)
 
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        bad = (~finite).float().reshape(1).to(self.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)   # tensor-parallel ranks hold different gradients
-        if bad.item():
-            self.skipped += 1
-            return None
+        norm = torch.nn.utils.get_total_norm(grads) if grads else self.skipped.new_zeros(())
+        bad = distributed.all_reduce((~norm.isfinite()).float().reshape(1), self.layout, op=dist.ReduceOp.MAX)
+        self.found_inf = bad[0]        # read by the fused kernel: 1.0 leaves everything unchanged
+        self.skipped += bad[0]
         return super().step(closure)
 
 

@@ -16,81 +16,17 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
-from model import ConfigError, SynthesizerLM, build_model
-from model.accounting import model_stats
+from model import ConfigError
 from model import parallel as tp, release
 from model.generate import sample
 from pretrain import distributed, faults
 from pretrain.checkpoint import CheckpointError, Checkpointer
-from pretrain.config import TrainConfig, deepspeed_config, load_config, lr_lambda
+from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
-from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
+from pretrain.engine import build_engine, peak_tflops, train_flops_per_token
+from pretrain.health import LossGuard, TrainingStopped
 from pretrain.metrics import Logger, attention_grid, memory_mb
-from pretrain.pipeline import build_pipeline
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; not biases, norms or mixture logits θ. Frozen parameters (random_fixed's R) stay out."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        plain = p.dim() < 2 or name.endswith("bias") or ".ln_" in name or name.startswith("ln_") \
-            or name.endswith("theta") or "norm_" in name
-        (no_decay if plain else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(cfg: TrainConfig, groups: list[dict], device: torch.device) -> torch.optim.Optimizer | None:
-    """The AdamW handed to DeepSpeed, or None where DeepSpeed builds it from its config (FusedAdam on CUDA).
-    ZeRO-0 fp32 has no DeepSpeed step guard: GuardedAdamW (pretrain/health.py). Elsewhere off CUDA: torch's fused
-    AdamW, one vectorized pass over each flat ZeRO partition, ~6× faster than the per-op AdamW that DeepSpeed's
-    `torch_adam` builds (tools/bench.py: a random synthesizer's H·L² weights a layer made that the bottleneck)."""
-    t, cuda = cfg.train, device.type == "cuda"
-    adamw = dict(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, fused=device.type in ("cpu", "cuda"))
-    if cfg.parallel.zero_stage == 0 and t.precision == "fp32":
-        return GuardedAdamW(groups, device, **adamw)
-    return None if cuda else torch.optim.AdamW(groups, **adamw)
-
-
-def build_engine(cfg: TrainConfig, lay: distributed.Layout):
-    """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
-    every = cfg.parallel.activation_checkpointing
-    if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
-        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, every), None
-    else:
-        model, mpu = build_model(cfg.model), distributed.MegatronMPU()
-        for i, block in enumerate(model.blocks):
-            block.checkpoint = every > 0 and i % every == 0
-    if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
-        release.load_into(model, release.read_release(cfg.train.init_from)[1],
-                          rename=getattr(model, "canonical_name", lambda name: name))
-    return initialize(model, cfg, lay, mpu)
-
-
-def initialize(model: torch.nn.Module, cfg: TrainConfig, lay: distributed.Layout, mpu=None):
-    """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
-    (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
-    import deepspeed
-
-    schedule = lr_lambda(cfg.train, cfg.total_steps())
-    groups, ds_config = param_groups(model, cfg.train.weight_decay), deepspeed_config(cfg, lay.dp)
-    optimizer = build_optimizer(cfg, groups, lay.device)
-    if optimizer is not None:
-        del ds_config["optimizer"]
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=groups, optimizer=optimizer, config=ds_config, mpu=mpu,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
-    return engine
-
-
-def train_flops_per_token(cfg: TrainConfig) -> int:
-    """From the accounting of a shape-only (meta) copy of the whole model: no memory, no init."""
-    with torch.device("meta"):
-        return model_stats(SynthesizerLM(cfg.model))["total"]["train_flops_per_token"]
 
 
 class Trainer:
@@ -102,11 +38,15 @@ class Trainer:
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
-                                  seed=cfg.data.seed, bad_shards=cfg.data.bad_shards)
+                                  seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
+                                  pin_memory=lay.device.type == "cuda")
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.flops_per_token = train_flops_per_token(cfg)
+        self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         self.engine = build_engine(cfg, lay)
         self.pipeline = cfg.parallel.pp > 1
+        self.forward_backward = self.pipeline_forward_backward if self.pipeline else self.plain_forward_backward
+        self.host_reads = 0   # device values the trainer has waited for (one per step outside logging steps)
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), cfg.data.tokenizer,
@@ -164,7 +104,7 @@ class Trainer:
         batches = self.micro_batches(iter(self.stream))
         window_t, window_tokens = time.time(), 0
         while self.step < stop:
-            loss, skipped = self.train_step(batches)
+            loss, skipped, preempted = self.train_step(batches)
             self.step += 1
             note = self.guard.record(self.step, loss, skipped is not None, skipped or "")   # raises after K in a row
             if note:
@@ -178,7 +118,6 @@ class Trainer:
                 self.validate()
             if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
                 self.log_samples()
-            preempted = self.preempted()
             if self.step % cfg.checkpoint.every == 0 or self.step == stop or preempted:
                 path = self.checkpointer.save(self.step)
                 self.log.info(f"saved checkpoint {path}")
@@ -196,18 +135,6 @@ class Trainer:
     def on_signal(self, signum, frame) -> None:
         self.stop_reason = signal.Signals(signum).name   # acted on after the current step, by every rank together
 
-    def preempted(self) -> str | None:
-        """Why every rank must stop now (a signal on any rank, or the wall-clock limit), else None. Collective: the
-        ranks' clocks differ slightly, so the limit is reached when it is on any rank, and all say so alike."""
-        limit = self.cfg.train.max_wall_minutes
-        over = limit is not None and time.time() - self.started > 60 * limit
-        flags = torch.tensor([float(self.stop_reason is not None), float(over)], device=self.layout.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, over = flags.tolist()
-        if signalled:
-            return self.stop_reason or "a signal on another rank"
-        return f"train.max_wall_minutes={limit} reached" if over else None
-
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""
         for batch in batches:
@@ -215,36 +142,64 @@ class Trainer:
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
                 self.ids_file.flush()
-            tokens = batch["tokens"].to(self.layout.device)
+            tokens = batch["tokens"].to(self.layout.device, non_blocking=True)   # pinned on CUDA: no wait
             yield tokens[:, :-1], tokens[:, 1:]
 
-    def train_step(self, micro_batches) -> tuple[float, str | None]:
-        """One optimizer step over grad_accum micro-batches: (the loss averaged over them and the DP ranks, why the
-        update was skipped or None). How a step is skipped: pretrain/health.py."""
-        engine, lay = self.engine, self.layout
-        engine.train()
-        skipped_before = self.skipped_so_far()
-        nonfinite = "non-finite loss or gradient"
-        if self.pipeline:   # the PipelineEngine schedules all micro-batches and reduces the loss itself
-            loss = engine.train_batch(micro_batches).item()
-            return loss, nonfinite if self.skipped_so_far() > skipped_before else None
-        losses, spike = [], False
-        for _ in range(lay.grad_accum):
-            inputs, targets = next(micro_batches)
-            loss = faults.poison_loss(engine(inputs, targets), self.step + 1, lay.rank)
-            this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.dp_mean(loss))
-            spike |= this_spike
-            engine.backward(loss * float("nan") if this_spike else loss)   # NaN gradients: the step is dropped
-            engine.step()
-            losses.append(loss.detach())
-        loss = self.dp_mean(torch.stack(losses).mean())
-        if spike:
-            return loss, "loss spike"
-        return loss, nonfinite if self.skipped_so_far() > skipped_before else None
+    def train_step(self, micro_batches) -> tuple[float, str | None, str | None]:
+        """One optimizer step: (its loss, averaged over the micro-batches and DP ranks; why the update was skipped,
+        or None; why every rank must stop now, or None). How a step is skipped: pretrain/health.py.
 
-    def skipped_so_far(self) -> int:
-        """Optimizer steps dropped for a non-finite gradient: by DeepSpeed's optimizers, or by GuardedAdamW."""
-        return self.engine.skipped_steps + getattr(self.engine.optimizer, "skipped", 0)
+        The host waits for the device once: the loss, GuardedAdamW's skip count and the stop flags come back in
+        one read (`step_outcome`). DeepSpeed's skip count is a number it has already read itself."""
+        self.engine.train()
+        ds_skips, guarded_skips = self.engine.skipped_steps, self.guarded_skips().clone()
+        loss, spike = self.forward_backward(micro_batches)
+        loss, guarded, preempted = self.step_outcome(loss, self.guarded_skips() - guarded_skips)
+        if spike:
+            return loss, "loss spike", preempted
+        skipped = guarded or self.engine.skipped_steps > ds_skips
+        return loss, "non-finite loss or gradient" if skipped else None, preempted
+
+    def plain_forward_backward(self, micro_batches) -> tuple[torch.Tensor, bool]:
+        """grad_accum micro-batches through the engine: (their mean loss on this rank, on the device; whether one
+        was a loss spike, which is turned into a non-finite gradient so that the step is dropped)."""
+        losses, spike = [], False
+        for _ in range(self.layout.grad_accum):
+            inputs, targets = next(micro_batches)
+            loss = faults.poison_loss(self.engine(inputs, targets), self.step + 1, self.layout.rank)
+            this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.read(
+                distributed.dp_mean(loss, self.layout))[0])   # opt-in: a host read per micro-batch
+            spike |= this_spike
+            self.engine.backward(loss * float("nan") if this_spike else loss)
+            self.engine.step()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean(), spike
+
+    def pipeline_forward_backward(self, micro_batches) -> tuple[torch.Tensor, bool]:
+        """The PipelineEngine schedules all micro-batches and returns their loss, already averaged over DP ranks
+        (the same on every rank, so averaging it again changes nothing)."""
+        return self.engine.train_batch(micro_batches), False
+
+    def guarded_skips(self) -> torch.Tensor:
+        """Steps GuardedAdamW (ZeRO-0 fp32) dropped, counted on the device; zero under DeepSpeed's optimizers."""
+        return getattr(self.engine.optimizer, "skipped", torch.zeros((), device=self.layout.device))
+
+    def step_outcome(self, loss: torch.Tensor, guarded: torch.Tensor) -> tuple[float, bool, str | None]:
+        """(the loss's mean over DP ranks, whether GuardedAdamW dropped the step, why every rank must stop now or
+        None), in one read. Stopping is collective: a signal on any rank, or the wall-clock limit on any rank's
+        clock (the clocks differ slightly), stops all of them after the same step."""
+        limit = self.cfg.train.max_wall_minutes
+        over = limit is not None and time.time() - self.started > 60 * limit
+        outcome = distributed.step_outcome(loss, guarded, [self.stop_reason is not None, over], self.layout)
+        loss, guarded, signalled, over = self.read(outcome)
+        if signalled:
+            return loss, bool(guarded), self.stop_reason or "a signal on another rank"
+        return loss, bool(guarded), f"train.max_wall_minutes={limit} reached" if over else None
+
+    def read(self, values: torch.Tensor) -> list[float]:
+        """Device values to the host: the trainer's only waits for the device, counted."""
+        self.host_reads += 1
+        return values.tolist()
 
     def first_val(self) -> tuple[int, float]:
         """(step, validation perplexity) of this run's first evaluation (also after a resume), from metrics.jsonl:
@@ -257,21 +212,10 @@ class Trainer:
                     return row["step"], row["val/ppl"]
         return 0, float("nan")
 
-    def micro_batches_plain(self, batches) -> list:
-        return [(b["tokens"][:, :-1].to(self.layout.device), b["tokens"][:, 1:].to(self.layout.device))
-                for b in batches]
-
-    def dp_mean(self, x: torch.Tensor) -> float:
-        from megatron.core import parallel_state
-
-        x = x.detach().float().clone()
-        dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
-        return x.item() / self.layout.dp
-
     def skipped_shards(self) -> int:
         """Bad shards left out so far: at the start (every rank alike) + found while reading (summed over DP)."""
-        found = round(self.dp_mean(torch.tensor(float(len(self.bad_shards_read)))) * self.layout.dp)
-        return len(self.stream.skipped_shards) + found
+        found = self.read(distributed.dp_sum(len(self.bad_shards_read), self.layout))[0]
+        return len(self.stream.skipped_shards) + round(found)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def log_step(self, loss: float, tokens_per_s: float) -> None:
@@ -282,24 +226,29 @@ class Trainer:
         values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
                   "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                   "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
-                  "perf/mfu": tflops / cfg.logging.peak_tflops_per_device,
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
                   "data/skipped_shards": self.skipped_shards()}
+        if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
+            values["perf/mfu"] = tflops / self.peak_tflops
         self.log.scalars(self.step, values)
+        mfu = f"{100 * values['perf/mfu']:.1f}%" if self.peak_tflops else "n/a"
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {values['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
-                      f"MFU {100 * values['perf/mfu']:.1f}%")
+                      f"{tflops:.3g} TFLOP/s | MFU {mfu}")
 
     @torch.no_grad()
     def validate(self) -> dict:
         self.engine.eval()
-        val = self.micro_batches_plain(self.stream.val_batches(self.cfg.data.val_batches))
-        if self.pipeline:
-            loss = self.engine.eval_batch(iter(val), num_micro_batches=len(val)).item()
+        dev = self.layout.device
+        val = [(b["tokens"][:, :-1].to(dev), b["tokens"][:, 1:].to(dev))
+               for b in self.stream.val_batches(self.cfg.data.val_batches)]
+        if self.pipeline:   # averaged over DP ranks by the PipelineEngine
+            loss = self.engine.eval_batch(iter(val), num_micro_batches=len(val))
         else:
-            loss = self.dp_mean(torch.stack([self.engine(x, y) for x, y in val]).mean())
+            loss = distributed.dp_mean(torch.stack([self.engine(x, y) for x, y in val]).mean(), self.layout)
+        loss = self.read(loss.reshape(1))[0]
         result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
         self.log.scalars(self.step, result)
         self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}")

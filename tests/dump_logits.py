@@ -4,18 +4,15 @@
 
 The reference for tools/convert.py: the training-time model as DeepSpeed itself restores it, not our converter.
 """
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from model import parallel as tp  # noqa: E402
-from pretrain import distributed  # noqa: E402
-from pretrain.checkpoint import Checkpointer  # noqa: E402
-from pretrain.config import load_config  # noqa: E402
-from pretrain.train import build_engine  # noqa: E402
+from model import parallel as tp
+from pretrain import distributed
+from pretrain.checkpoint import Checkpointer
+from pretrain.config import load_config
+from pretrain.engine import build_engine
 
 
 def fixed_tokens(cfg):
@@ -38,7 +35,7 @@ def main(config, tag_dir, out):
             logits = engine.module(x)
     if logits is not None:                        # the last stage holds (B, n, V/TP) on each TP rank
         logits = tp.gather_last_dim(logits)
-        if lay.tp_rank == 0 and lay.dp_rank == 0:
+        if tp.tp_rank() == 0 and lay.dp_rank == 0:
             torch.save(logits, out)
     distributed.shutdown()
 

@@ -78,7 +78,7 @@ def finish(proc, timeout=600):
 def spawn(script, args, nproc, timeout=300):
     """Run `python script args` as nproc ranks of one torch.distributed job on this host (the launcher's env)."""
     env = {**os.environ, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": ROOT}
     logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]   # files, not pipes: no rank blocks on a full pipe
     procs = [subprocess.Popen([PY, script, *map(str, args)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)

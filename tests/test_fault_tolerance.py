@@ -90,11 +90,13 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("zero", [0, 2])   # ZeRO-0: the trainer drops the gradients; ZeRO-2: DeepSpeed's optimizer
-def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_path, zero):
+# ZeRO-0 fp32: GuardedAdamW drops the step; ZeRO-2 fp32 and ZeRO-1 bf16 (the cluster configs): DeepSpeed's optimizers
+@pytest.mark.parametrize("zero,precision", [(0, "fp32"), (2, "fp32"), (1, "bf16")])
+def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_path, zero, precision):
     run = tmp_path / "nan"
     cfg = write_config(tmp_path / "nan.yaml", shards, run, parallel={"zero_stage": zero},
-                       train={"max_steps": 12, "max_consecutive_skips": 3}, checkpoint={"every": 1, "keep": 20})
+                       train={"max_steps": 12, "max_consecutive_skips": 3, "precision": precision},
+                       checkpoint={"every": 1, "keep": 20})
     # NaN loss at step 4 on rank 1 only, then at steps 6-8 (on one rank or the other): 3 in a row stop the run
     r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]

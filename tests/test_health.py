@@ -75,11 +75,12 @@ def test_spike_rule_needs_no_pipeline(tmp_path):
 
 
 def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
-    """Off CUDA: torch's fused AdamW (GuardedAdamW for ZeRO-0 fp32); on CUDA with ZeRO ≥ 1 DeepSpeed's own (None).
+    """torch's fused AdamW on CPU and on CUDA alike (no DeepSpeed op to JIT-build), GuardedAdamW for ZeRO-0 fp32.
     Its steps equal torch's per-op AdamW with train.lr/betas/eps/weight_decay, to rounding."""
     from pretrain.config import load_config
+    from pretrain.distributed import Layout
+    from pretrain.engine import build_optimizer
     from pretrain.health import GuardedAdamW
-    from pretrain.train import build_optimizer
 
     base = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
             "data": {"shard_dir": str(tmp_path)},
@@ -87,7 +88,9 @@ def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
                       "run_dir": str(tmp_path), "lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.3}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
     cfg = lambda *o: load_config(str(tmp_path / "c.yaml"), list(o))   # noqa: E731
-    cpu = torch.device("cpu")
+    layout = lambda device: Layout(rank=0, world=1, dp_rank=0, dp=1, tp=1, pp=1, grad_accum=1,   # noqa: E731
+                                   device=torch.device(device))
+    cpu = layout("cpu")
 
     def groups(seed):
         g = torch.Generator().manual_seed(seed)
@@ -97,7 +100,8 @@ def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
     for zero in (1, 2, 3):
         opt = build_optimizer(cfg(f"parallel.zero_stage={zero}"), groups(0), cpu)
         assert type(opt) is torch.optim.AdamW and opt.defaults["fused"], zero
-        assert build_optimizer(cfg(f"parallel.zero_stage={zero}"), groups(0), torch.device("cuda")) is None
+        on_cuda = build_optimizer(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), groups(0), layout("cuda"))
+        assert type(on_cuda) is torch.optim.AdamW and on_cuda.defaults["fused"], zero
     guarded = build_optimizer(cfg("parallel.zero_stage=0"), groups(0), cpu)
     assert type(guarded) is GuardedAdamW and guarded.defaults["fused"]
 

@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tools.bench_lib import (RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown,  # noqa: E402
-                             paired_ratio, peak_tflops, summary)
+                             paired_ratio, summary)
 from tools.bench_mixer import GOAL_MEM  # noqa: E402
 
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "gpu")
@@ -198,15 +198,16 @@ def plan_gpu(a, p: Plan) -> None:
     import torch
 
     from pretrain.config import load_config
+    from pretrain.engine import peak_tflops_of
 
     if not torch.cuda.is_available():
         p.entry("gpu:mfu", "gpu", "synth-1.3b", None, "tflops", "TFLOP/s",
                 skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
         return
     name = torch.cuda.get_device_name(0)
-    peak = peak_tflops(name)
-    p.entry("gpu:peak", "gpu", peak[0] if peak else name, None, "tflops", "TFLOP/s",
-            reps=[peak[1]] if peak else None, skipped=None if peak else f"no peak TFLOP/s known for {name!r}")
+    peak = peak_tflops_of(name, "bf16")   # the trainer's table (pretrain/engine.py)
+    p.entry("gpu:peak", "gpu", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
+            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
     big = load_config(BIG)
     micro = 1 if a.quick else big.train.micro_batch_size
     for m in dict.fromkeys([big.model.mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP

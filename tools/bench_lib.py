@@ -5,7 +5,7 @@ Inside a measurement process (a fresh interpreter per point, so no two points sh
                   warm-up, peak per repetition and per phase of a step (forward, backward, optimizer step)
     measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
                   parent): per repetition the rate, the time per call and the peak memory
-    run_point()   one point of a plan: "train" (our engine, pretrain.train.build_engine), "peer" (Hugging Face GPT-2
+    run_point()   one point of a plan: "train" (our engine, pretrain.engine.build_engine), "peer" (Hugging Face GPT-2
                   under the same DeepSpeed config) or "data" (pretrain.data.TokenStream alone)
 In the parent: summary statistics over repetitions, ratios with their range, machine description, markdown table.
 """
@@ -28,14 +28,6 @@ from tools.bench_mixer import rss_mb  # noqa: E402
 
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
 READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up; one repetition's rate
-# Dense bf16 peak TFLOP/s by device name (the MFU denominator); matched as a substring of torch's device name.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-
-def peak_tflops(device_name: str) -> tuple[str, float] | None:
-    return next(((k, v) for k, v in PEAK_TFLOPS.items() if k in device_name), None)
-
-
 def machine_info() -> dict:
     import torch
 
@@ -159,12 +151,12 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
 
 def peer_engine(cfg, lay):
     """Hugging Face GPT-2 (SDPA attention) of our model's shape, under the DeepSpeed config, parameter groups and LR
-    schedule that pretrain.train.build_engine gives our model: ZeRO stage, AdamW settings, clipping, precision."""
+    schedule that pretrain.engine.build_engine gives our model: ZeRO stage, AdamW settings, clipping, precision."""
     import torch
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from pretrain.train import initialize
+    from pretrain.engine import initialize
 
     m = cfg.model
     gpt = GPT2LMHeadModel(GPT2Config(
@@ -195,7 +187,7 @@ def run_train(spec: dict) -> dict:
 
     from pretrain import distributed
     from pretrain.config import load_config
-    from pretrain.train import build_engine, train_flops_per_token
+    from pretrain.engine import build_engine, train_flops_per_token
 
     cfg = load_config(spec["config"], spec["overrides"])
     lay = distributed.init(cfg)

@@ -91,7 +91,7 @@ def rank_main(args) -> None:
     """One process of to-deepspeed: build the engine in the target layout from the release, save it."""
     from pretrain import distributed
     from pretrain.checkpoint import Checkpointer
-    from pretrain.train import build_engine
+    from pretrain.engine import build_engine
 
     cfg = training_config(args)
     lay = distributed.init(cfg)

@@ -1,0 +1,163 @@
+"""The DeepSpeed engine of a run, and what its speed is measured against.
+
+    build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → activation checkpointing →
+                                pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR schedule)
+    deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
+    lr_lambda(train, T)         the LR schedule
+    train_flops_per_token(cfg)  the project's FLOP count, and peak_tflops(device, precision): MFU = their use of the
+                                device, for the trainer's log and tools/bench.py alike
+
+The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
+kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
+every node, compiles for minutes on a first run, and fails to build for TORCH_CUDA_ARCH_LIST=9.0a.)
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from model import SynthesizerLM, build_model
+from model.accounting import model_stats
+from model import release
+from pretrain import distributed
+from pretrain.config import TrainConfig, TrainSection
+from pretrain.health import GuardedAdamW
+from pretrain.pipeline import build_pipeline
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; not biases, norms or mixture logits θ. Frozen parameters (random_fixed's R) stay out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = p.dim() < 2 or name.endswith("bias") or ".ln_" in name or name.startswith("ln_") \
+            or name.endswith("theta") or "norm_" in name
+        (no_decay if plain else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout) -> torch.optim.Optimizer:
+    """torch's fused AdamW: one vectorized pass over each flat ZeRO partition (~6× faster on CPU than the per-op
+    AdamW of DeepSpeed's `torch_adam`, tools/bench.py), and on CUDA a kernel that needs no build. ZeRO-0 fp32 has
+    no DeepSpeed step guard, so it gets GuardedAdamW (pretrain/health.py)."""
+    t = cfg.train
+    adamw = dict(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    if cfg.parallel.zero_stage == 0 and t.precision == "fp32":
+        return GuardedAdamW(groups, lay, **adamw)
+    return torch.optim.AdamW(groups, fused=lay.device.type in ("cpu", "cuda"), **adamw)
+
+
+def deepspeed_config(cfg: TrainConfig, dp_world: int) -> dict:
+    """The DeepSpeed config of a run with `dp_world` data-parallel ranks.
+
+    No "optimizer" entry: the trainer hands DeepSpeed its AdamW (`build_optimizer`) with parameter groups (no
+    decay on norms/biases). No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
+    `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
+    defines it on every backend and its step count lives in the engine's checkpoint."""
+    t = cfg.train
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum(dp_world),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
+        "steps_per_print": 10**9,  # the trainer logs itself
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
+    """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps and
+    T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first):
+        s < W:      s / W                                   linear warmup from 0
+        W ≤ s < T:  f + (1 - f)·½(1 + cos(π (s - W)/(T - W)))  cosine from 1 to f = min_lr/lr ('linear': straight)
+        s ≥ T:      f                                       constant min_lr ('constant' decay: 1 throughout)"""
+    T = train.max_steps if total_steps is None else total_steps
+    W, floor, decay = min(train.warmup_steps, T), train.min_lr / train.lr, train.decay
+
+    def factor(step: int) -> float:
+        if step < W:
+            return step / W
+        if decay == "constant":
+            return 1.0
+        if step >= T:
+            return floor
+        progress = (step - W) / (T - W)
+        if decay == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_engine(cfg: TrainConfig, lay):
+    """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
+    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
+    every = cfg.parallel.activation_checkpointing
+    if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
+        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, every), None
+    else:
+        model, mpu = build_model(cfg.model), distributed.MegatronMPU()
+        for i, block in enumerate(model.blocks):
+            block.checkpoint = every > 0 and i % every == 0
+    if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
+        release.load_into(model, release.read_release(cfg.train.init_from)[1],
+                          rename=getattr(model, "canonical_name", lambda name: name))
+    return initialize(model, cfg, lay, mpu)
+
+
+def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None):
+    """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
+    (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
+    import deepspeed
+
+    schedule = lr_lambda(cfg.train, cfg.total_steps())
+    groups = param_groups(model, cfg.train.weight_decay)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=groups, optimizer=build_optimizer(cfg, groups, lay),
+        config=deepspeed_config(cfg, lay.dp), mpu=mpu,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine
+
+
+# ---- what speed is measured against --------------------------------------------------------------------------------
+def train_flops_per_token(cfg: TrainConfig) -> int:
+    """Forward + backward FLOPs per token of the whole model (model/accounting.py), from a shape-only (meta) copy:
+    no memory, no init. The numerator of MFU, in the trainer's log and in tools/bench.py."""
+    with torch.device("meta"):
+        return model_stats(SynthesizerLM(cfg.model))["total"]["train_flops_per_token"]
+
+
+# Dense peak TFLOP/s per device (no sparsity), by a part of torch's device name: (bf16/fp16 tensor cores, fp32).
+# The longest matching name wins ("H100 PCIe" before "H100"). From the vendors' data sheets.
+PEAK_TFLOPS = {
+    "H100 PCIe": (756.0, 51.2),
+    "H100": (989.4, 66.9),    # SXM
+    "H200": (989.4, 66.9),
+    "A100": (312.0, 19.5),
+    "L40S": (362.1, 91.6),
+}
+
+
+def peak_tflops_of(device_name: str, precision: str) -> float | None:
+    """The table's peak for a device name at train.precision, or None for a device it does not know."""
+    known = [name for name in PEAK_TFLOPS if name in device_name]
+    if not known:
+        return None
+    half, fp32 = PEAK_TFLOPS[max(known, key=len)]
+    return fp32 if precision == "fp32" else half
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def peak_tflops(device: torch.device, precision: str, configured: float | None = None) -> float | None:
+    """The MFU denominator: logging.peak_tflops_per_device when a config sets it, else the table's figure for this
+    device, else None (a CPU, or a GPU the table does not know: MFU is then not a number anyone should quote)."""
+    return configured if configured is not None else peak_tflops_of(device_name(device), precision)

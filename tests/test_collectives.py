@@ -1,0 +1,68 @@
+"""The trainer's collectives (pretrain/distributed.py) and GuardedAdamW, on real gloo processes.
+
+NCCL takes only CUDA tensors, gloo only CPU ones: on a CPU machine a tensor built on the CPU by mistake passes every
+run, and crashes the first GPU run (it did: `No backend type associated with device type cpu`). So the layout's
+device is made `meta` here, which gloo reduces as a no-op: every tensor the trainer reduces must be built there.
+"""
+import torch
+import torch.distributed as dist
+
+from pretrain.distributed import Layout
+from tests.distributed import run_distributed
+
+
+def layout(device: str, world: int = 1) -> Layout:
+    return Layout(rank=dist.get_rank(), world=world, dp_rank=dist.get_rank(), dp=world, tp=1, pp=1, grad_accum=1,
+                  device=torch.device(device))
+
+
+def reductions_on_meta(rank, world):
+    from pretrain import distributed
+
+    lay, meta = layout("meta"), torch.device("meta")
+    loss, count = torch.ones((), device=meta), torch.zeros((), device=meta)
+    built = {"dp_mean": distributed.dp_mean(loss, lay), "dp_sum": distributed.dp_sum(3, lay),
+             "any_rank": distributed.any_rank([True, False], lay),
+             "step_outcome": distributed.step_outcome(loss, count, [False, True], lay)}
+    devices = {name: (str(t.device), tuple(t.shape)) for name, t in built.items()}
+    try:
+        distributed.all_reduce(torch.ones(1), lay)   # a CPU tensor under a meta layout: refused, on CPU too
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    return devices, refused
+
+
+def test_trainer_collectives_build_their_tensors_on_the_layouts_device():
+    devices, refused = run_distributed(reductions_on_meta, 1)[0]
+    assert devices == {"dp_mean": ("meta", (1,)), "dp_sum": ("meta", (1,)), "any_rank": ("meta", (2,)),
+                       "step_outcome": ("meta", (4,))}
+    assert refused and "on cpu" in refused and "device is meta" in refused
+
+
+def guarded_steps(rank, world):
+    """Two steps of GuardedAdamW on every rank: in the first, rank 1 alone has a NaN gradient (as a TP rank can)."""
+    from pretrain.health import GuardedAdamW
+
+    lay = layout("cpu", world)
+    p = torch.nn.Parameter(torch.arange(4.0))
+    ref = torch.nn.Parameter(torch.arange(4.0))
+    opt = GuardedAdamW([p], lay, lr=0.1, weight_decay=0.1)
+    plain = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1, foreach=False)
+    p.grad = torch.full((4,), float("nan") if rank == 1 else 1.0)
+    opt.step()
+    after_bad = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}, opt.skipped.item())
+    p.grad, ref.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    plain.step()
+    return after_bad, (p.detach().clone(), ref.detach().clone(), opt.state[p]["step"].item(), opt.skipped.item())
+
+
+def test_guarded_adamw_drops_a_step_that_is_nonfinite_on_any_rank_without_touching_its_state():
+    for rank, ((p_bad, state_bad, skipped_bad), (p, ref, step, skipped)) in enumerate(run_distributed(guarded_steps,
+                                                                                                       2)):
+        assert torch.equal(p_bad, torch.arange(4.0)), rank             # rank 0's finite gradient was not applied
+        assert state_bad["step"].item() == 0 and not state_bad["exp_avg"].any(), rank   # nor counted in Adam
+        assert skipped_bad == 1 and skipped == 1, rank
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)      # the next step is Adam's first step
+        assert step == 1, rank

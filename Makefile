@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench
+.PHONY: setup test test-quick demo clean bench gpu-check
 
 setup: $(VENV)/.installed
 
@@ -30,12 +30,15 @@ CORPUS     := data/austen.txt.gz
 DEMO_VOCAB := 4096
 DEMO_SEQ   := 128
 
+DEMO_TOKENIZER := tools/train_tokenizer.py --input $(CORPUS) --vocab-size $(DEMO_VOCAB) --out $(DEMO)/tokenizer.model
+DEMO_SHARDS    := tools/make_shards.py --input $(CORPUS) --tokenizer $(DEMO)/tokenizer.model --out $(DEMO)/shards \
+                  --seq-len $(DEMO_SEQ) --samples-per-shard 200 --val-fraction 0.02 --force
+
 $(DEMO)/tokenizer.model: $(CORPUS) | setup
-	$(VPY) tools/train_tokenizer.py --input $(CORPUS) --vocab-size $(DEMO_VOCAB) --out $@
+	$(VPY) $(DEMO_TOKENIZER)
 
 $(DEMO)/shards/manifest.json: $(DEMO)/tokenizer.model
-	$(VPY) tools/make_shards.py --input $(CORPUS) --tokenizer $< --out $(DEMO)/shards --seq-len $(DEMO_SEQ) \
-	    --samples-per-shard 200 --val-fraction 0.02 --force
+	$(VPY) $(DEMO_SHARDS)
 
 demo: setup $(DEMO)/shards/manifest.json
 	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
@@ -45,3 +48,19 @@ demo: setup $(DEMO)/shards/manifest.json
 # The issue's sizes take ~2 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
 bench: setup $(DEMO)/shards/manifest.json
 	$(VPY) tools/bench.py $(BENCH_ARGS)
+
+# ---- on a GPU node: the demo in bf16 on the GPU(s), resumed and converted, the GPU tests, and the engine and MFU points
+# of the benchmark. The Python: the venv of `make setup` if there is one, else $(PY) with the packages installed
+# (a node without package access: ../shared/gpu/README.md). Everything it writes goes under runs/gpu-check.
+GPY   ?= $(if $(wildcard $(VPY)),$(VPY),$(PY))
+CHECK := runs/gpu-check
+gpu-check:
+	@$(GPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	rm -rf $(CHECK)
+	test -f $(DEMO)/shards/manifest.json || { $(GPY) $(DEMO_TOKENIZER) && $(GPY) $(DEMO_SHARDS); }
+	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo \
+	    train.stop_after_steps=200
+	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo
+	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
+	$(GPY) -m pytest -q tests/test_gpu.py
+	$(GPY) tools/bench.py --only engine,gpu --out $(CHECK)/bench

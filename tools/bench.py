@@ -22,8 +22,13 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               ÷ the tokens/s a configs/demo-cpu.yaml train step consumes (measured here, 1 CPU process). Goal: ≥ 20.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
-  gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU: measured tokens/s × train
-              FLOPs/token ÷ the device's dense bf16 peak (H100/H200 989, A100 312 TFLOP/s).
+  engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
+              (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
+              mode: eager with eager, and on CUDA compiled with compiled (engine.compile(), torch.compile). CPU: the
+              throughput part's dot model; CUDA: synth-1.3b's dot twin, bf16, 1 GPU. Goal: ≤ 1.05.
+  gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
+              plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
+              (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goal: the engine on dot ≥ 55%.
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
@@ -50,7 +55,7 @@ from tools.bench_lib import (RESULT_MARK, PointFailed, ServedPoint, machine_info
                              paired_ratio, summary)
 from tools.bench_mixer import GOAL_MEM  # noqa: E402
 
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "gpu")
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the issue's sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -60,6 +65,7 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
 }
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
+GOAL_ENGINE, GOAL_MFU = 1.05, 0.55   # engine step ÷ plain-loop step; MFU of synth-1.3b dot under the engine
 # Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
 # of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
 # (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
@@ -98,7 +104,7 @@ class Plan:
     def point(self, kind: str, config: str, overrides=(), world: int = 1, env=None, **extra) -> str:
         a = self.a
         spec = dict(kind=kind, config=config, overrides=list(overrides), world=world, env=env or {},
-                    warmup=a.warmup, reps=a.reps, steps=a.steps, threads=a.threads)
+                    warmup=a.warmup, reps=a.reps, steps=a.steps, threads=a.threads, compile=False)
         spec.update(extra)
         key = json.dumps(spec, sort_keys=True)
         self.points.setdefault(key, spec)
@@ -189,9 +195,40 @@ def plan(a) -> Plan:
         half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
         dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
         p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
+    if "engine" in a.only:
+        plan_engine(a, p)
     if "gpu" in a.only:
         plan_gpu(a, p)
     return p
+
+
+def big_model(a, mixer: str) -> list[str]:
+    """Overrides of configs/synth-1.3b.yaml for one GPU: no TP, one micro-batch a step, bf16, the given mixer."""
+    from pretrain.config import load_config
+
+    micro = 1 if a.quick else load_config(BIG).train.micro_batch_size
+    return ["parallel.tp=1", f"train.global_batch_size={micro}", f"model.mixer={mixer}", "train.precision=bf16",
+            *(QUICK_BIG if a.quick else [])]
+
+
+def modes() -> list[bool]:
+    """Compiled or not: eager everywhere, compiled too on CUDA (on the CPU a compile takes minutes for little)."""
+    import torch
+
+    return [False, True] if torch.cuda.is_available() else [False]
+
+
+def plan_engine(a, p: Plan) -> None:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    config, over = (BIG, big_model(a, "dot")) if cuda else (a.all_variants["dot"], shape(a, a.seq_len, a.layers))
+    for compiled in modes():
+        mode = "compiled" if compiled else "eager"
+        loop, engine = (p.point(kind, config, over, compile=compiled) for kind in ("loop", "train"))
+        p.entry(f"engine:loop:{mode}", "engine", f"plain loop ({mode})", loop, "step_s", "s")
+        p.entry(f"engine:{mode}", "engine", f"DeepSpeed engine ({mode})", engine, "step_s", "s",
+                f"engine:loop:{mode}", goal_max=GOAL_ENGINE)
 
 
 def plan_gpu(a, p: Plan) -> None:
@@ -208,12 +245,18 @@ def plan_gpu(a, p: Plan) -> None:
     peak = peak_tflops_of(name, "bf16")   # the trainer's table (pretrain/engine.py)
     p.entry("gpu:peak", "gpu", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
             skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
-    big = load_config(BIG)
-    micro = 1 if a.quick else big.train.micro_batch_size
-    for m in dict.fromkeys([big.model.mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
-        over = ["parallel.tp=1", f"train.global_batch_size={micro}", f"model.mixer={m}", "train.precision=bf16"]
-        p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, over + (QUICK_BIG if a.quick else [])),
-                "tflops", "TFLOP/s", "gpu:peak" if peak else None)
+    to_peak = "gpu:peak" if peak else None
+    mixer = load_config(BIG).model.mixer
+    for m in dict.fromkeys([mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
+        p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, big_model(a, m)), "tflops", "TFLOP/s",
+                to_peak, goal_min=GOAL_MFU if m == "dot" and peak else None)
+    for compiled in modes():   # the same dot model in the plain loop, and compiled under both
+        mode = "compiled" if compiled else "eager"
+        p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop, {mode}",
+                p.point("loop", BIG, big_model(a, "dot"), compile=compiled), "tflops", "TFLOP/s", to_peak)
+        if compiled:
+            p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), compiled",
+                    p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
 
 
 def rank_env(spec: dict) -> list[dict]:

@@ -179,9 +179,50 @@ def peer_engine(cfg, lay):
     return initialize(PeerLM(), cfg, lay)
 
 
+class PlainLoop:
+    """The training step a PyTorch user writes for the same model, the fair reference for our engine: fp32 master
+    weights, torch.autocast at train.precision, torch's fused AdamW with the run's parameter groups, gradient
+    clipping at train.grad_clip, gradients accumulated over the micro-batches. Called like the engine."""
+
+    def __init__(self, cfg, lay):
+        import torch
+
+        from model import build_model
+        from pretrain.engine import param_groups
+
+        t = cfg.train
+        self.torch, self.device, self.clip, self.accum = torch, lay.device, t.grad_clip, lay.grad_accum
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.module = build_model(cfg.model).to(lay.device)
+        self.model = self.module
+        self.optimizer = torch.optim.AdamW(param_groups(self.module, t.weight_decay), lr=t.lr, betas=t.betas,
+                                           eps=t.eps, fused=lay.device.type in ("cpu", "cuda"))
+        self.micro = 0
+
+    def compile(self):
+        self.model = self.torch.compile(self.module)
+
+    def __call__(self, inputs, targets):
+        with self.torch.autocast(self.device.type, dtype=self.dtype or self.torch.float32,
+                                 enabled=self.dtype is not None):
+            return self.model(inputs, targets)
+
+    def backward(self, loss):
+        (loss / self.accum).backward()
+
+    def step(self):   # at the end of each accumulation, as DeepSpeed's engine.step()
+        self.micro += 1
+        if self.micro % self.accum:
+            return
+        if self.clip:
+            self.torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def run_train(spec: dict) -> dict:
-    """Train steps of a config (our engine, or the GPT-2 peer) on random tokens, in this process (one rank of
-    spec's world: the parent sets RANK/WORLD_SIZE/... in the environment)."""
+    """Train steps of a config (our engine, the GPT-2 peer, or the plain loop) on random tokens, in this process (one
+    rank of spec's world: the parent sets RANK/WORLD_SIZE/... in the environment); compiled where spec says so."""
     import torch
     import torch.distributed as dist
 
@@ -195,7 +236,9 @@ def run_train(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     mem = Memory(lay.device)
     torch.manual_seed(cfg.train.seed)
-    engine = peer_engine(cfg, lay) if spec["kind"] == "peer" else build_engine(cfg, lay)
+    engine = {"peer": peer_engine, "loop": PlainLoop}.get(spec["kind"], build_engine)(cfg, lay)
+    if spec.get("compile"):
+        engine.compile()
     mem.engine_built()
     B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len
     # Same tokens on the ranks of one TP group (they must see one batch), different ones across data-parallel ranks.
@@ -222,7 +265,7 @@ def run_train(spec: dict) -> dict:
                   serve=spec.get("serve", False))
     out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),
                world=lay.world, tp=lay.tp, dp=lay.dp, grad_accum=lay.grad_accum, tokens_per_step=cfg.tokens_per_step)
-    if spec["kind"] == "train":
+    if spec["kind"] in ("train", "loop"):
         out["train_flops_per_token"] = train_flops_per_token(cfg)
     out["rank"] = lay.rank
     distributed.shutdown()

@@ -1,0 +1,62 @@
+"""On a CUDA GPU (skipped elsewhere; `make gpu-check` runs it): the fused kernels against the reference, a bf16 run of
+the real trainer with an honest MFU, and one host read a step. TORCH_CUDA_ARCH_LIST=9.0a, a Hopper value clusters
+set and DeepSpeed's op builder cannot parse, is set for the runs: nothing on the training path may build an op."""
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from model import build_model
+from tests.runs import ROOT, launch, losses, spawn, write_config
+from tests.test_model import VARIANTS, config, tokens
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+ENV = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+
+
+def step_outputs(variant, impl, dtype):
+    m = build_model(config(variant, impl)).to("cuda", dtype)
+    x = tokens(3, 13).cuda()
+    logits = m(x[:, :-1])
+    m(x[:, :-1], x[:, 1:]).backward()
+    return logits.float(), {k: p.grad.float() for k, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_matches_reference_on_cuda(variant):
+    """fp32: to 1e-5, as on the CPU. bf16 fused against the fp32 reference: the CPU test's stated tolerance."""
+    ref, ref_grads = step_outputs(variant, "reference", torch.float32)
+    got, grads = step_outputs(variant, "fused", torch.float32)
+    assert (got - ref).abs().max() <= 1e-5 and grads.keys() == ref_grads.keys()
+    for k in grads:
+        assert (grads[k] - ref_grads[k]).abs().max() <= 1e-5, k
+    got, grads = step_outputs(variant, "fused", torch.bfloat16)
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+    top = max(g.abs().max() for g in ref_grads.values())
+    for k, g in ref_grads.items():
+        assert (grads[k] - g).abs().max() <= 0.25 * torch.clamp(g.abs().max(), min=0.01 * top), k
+
+
+def test_bf16_run_on_the_gpu_learns_and_reports_mfu_against_the_device(shards, tmp_path):
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", shards, run, parallel={"zero_stage": 1},
+                       train={"precision": "bf16", "max_steps": 30}, logging={"every": 10})
+    r = launch(cfg, 1, env=ENV)
+    assert "on cuda" in r.stdout and ", bf16;" in r.stdout
+    mfu = [float(x) for x in re.findall(r"MFU ([0-9.]+)%", r.stdout)]
+    assert len(mfu) == 3 and all(0 < x < 100 for x in mfu), r.stdout[-2000:]
+    got = losses(run)
+    assert got[30] < got[1] - 0.5
+
+
+def test_a_step_makes_the_host_wait_once_on_cuda(shards, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", ENV["TORCH_CUDA_ARCH_LIST"])
+    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", logging={"every": 100})
+    out = tmp_path / "reads.json"
+    spawn(os.path.join(ROOT, "tests", "step_reads.py"), [cfg, out, "parallel.zero_stage=1", "train.precision=bf16"], 1)
+    counts = json.loads(out.read_text())
+    print(f"per step {counts['steps']}; the stock DeepSpeed loop: {counts['stock_scalar_reads']}")
+    for step in counts["steps"][1:]:
+        assert step == {"trainer": 1, "scalar_reads": counts["stock_scalar_reads"]}

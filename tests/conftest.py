@@ -1,6 +1,14 @@
+import os
+
 import pytest
+import torch
 
 from tests.runs import build_shards
+
+# Without a GPU, the Triton kernels of the GPU path (model/gpu_kernels/) run under Triton's interpreter on CPU
+# tensors. Set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

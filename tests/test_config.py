@@ -342,3 +342,17 @@ def test_init_from_must_be_a_release_of_the_same_architecture(tmp_path):
     assert error_of(load_config(DEMO, [f"train.init_from={tmp_path}/rel"]).check_runtime, 2) == (
         f"train.init_from='{tmp_path}/rel' holds a model with model.n_layers=2 but this config has 4; "
         f"set model.n_layers=2")
+
+
+def test_mfu_peak_comes_from_the_device_name_unless_a_config_sets_it():
+    from pretrain.engine import peak_tflops, peak_tflops_of
+
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops_of("NVIDIA H100 PCIe", "bf16") == 756.0           # the longest matching name wins
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB", "fp32") == 19.5        # per precision
+    assert peak_tflops_of("NVIDIA H200", "fp16") == 989.4
+    assert peak_tflops_of("Tesla T4", "bf16") is None                     # not in the table: no MFU, not a guess
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, "fp32") is None and peak_tflops(cpu, "bf16", configured=0.5) == 0.5
+    assert load_config(DEMO).logging.peak_tflops_per_device is None
+    assert "null (from the device) or > 0" in error_of(load_config, DEMO, ["logging.peak_tflops_per_device=0"])

@@ -55,8 +55,17 @@ def tp_worker(rank, world, variants):
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_every_variant():
-    results = run_distributed(tp_worker, 2, VARIANTS)
-    for v in VARIANTS:
+    results = tp2_equals_tp1(VARIANTS)
+    name, msg = results[0]["heads_error"]
+    assert name == "ConfigError" and "\n" not in msg
+    assert "model.n_heads=3" in msg and "parallel.tp=2" in msg
+
+
+def tp2_equals_tp1(variants: list[str]) -> list[dict]:
+    """Each variant's TP=2 shards on two gloo processes against the TP=1 model here: initial weights, loss and
+    every gradient; the ranks' results."""
+    results = run_distributed(tp_worker, 2, variants)
+    for v in variants:
         ref = build_model(config(v))
         tokens = batch()
         loss = ref(tokens[:, :-1], tokens[:, 1:])
@@ -72,7 +81,4 @@ def test_tp2_equals_tp1_every_variant():
                 err = (got["grads"][name] - p.grad).abs().max().item()
                 assert err <= 1e-5, f"{v}: grad of {name} differs by {err} on rank {r}"
             assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), v
-
-    name, msg = results[0]["heads_error"]
-    assert name == "ConfigError" and "\n" not in msg
-    assert "model.n_heads=3" in msg and "parallel.tp=2" in msg
+    return results

@@ -1,0 +1,102 @@
+"""The GPU path of every variant (model/kernels.py `on_gpu_path`), run on this CPU: its Triton kernels under
+TRITON_INTERPRET=1 (tests/conftest.py), the rest plain torch. Each kernel against the formula written out and
+materialized (values and every gradient, ragged n, a batch-shared operand, fp32 and bf16); then whole models
+against the reference path, at TP=1 and as TP=2 shards on two gloo processes."""
+import pytest
+import torch
+
+from model import build_model
+from model.gpu_kernels.biased_attention import biased_flash_attention
+from model.gpu_kernels.factorized_dense import factorized_dense_flash
+from model.kernels import causal_mask
+from tests.test_model import VARIANTS, config, tokens
+
+# Relative error against the fp32 formula. In bf16 (8-bit mantissas) 3%, or 1.5 × the error of the formula itself
+# run in bf16 where that is larger (a sum over n² products, as w's gradient, cancels and loses more).
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def compare(kernel, formula, inputs: list[torch.Tensor], dtype, out_grad_seed=0):
+    """Run both on the same inputs (kernel in dtype, formula in fp32) and an output gradient; the largest error of
+    the output and of each input's gradient, relative to that tensor's largest magnitude."""
+    ours = [x.detach().to(dtype, copy=True).requires_grad_() for x in inputs]
+    ref = [x.detach().clone().requires_grad_() for x in inputs]
+    out, expected = kernel(*ours), formula(*ref)
+    d_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(out_grad_seed))
+    out.backward(d_out.to(dtype))
+    expected.backward(d_out)
+    pairs = [(out, expected)] + [(a.grad, b.grad) for a, b in zip(ours, ref)]
+    return [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in pairs]
+
+
+def assert_close_to_the_formula(kernel, formula, inputs, dtype):
+    errors = compare(kernel, formula, inputs, dtype)
+    bounds = [TOLERANCE[dtype]] * len(errors)
+    if dtype != torch.float32:
+        bounds = [max(b, 1.5 * e) for b, e in zip(bounds, compare(formula, formula, inputs, dtype))]
+    assert all(e <= b for e, b in zip(errors, bounds)), (errors, bounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,n,f,d_h,shared_k", [(2, 3, 37, 20, 24, False), (2, 2, 16, 16, 16, True),
+                                                  (1, 2, 50, 33, 32, False)])
+def test_biased_flash_kernel_matches_the_formula(B, H, n, f, d_h, shared_k, dtype):
+    """random+dot: softmax(q kᵀ + w ⊙ R[:n, :n] + M) v, R a slice of a longer (Hl, L, L) parameter; the gradient of
+    R is w ⊙ Σ_batch dS, of w Σ (Σ_batch dS) ⊙ R."""
+    g = torch.Generator().manual_seed(n)
+    q, v = torch.randn(B, H, n, f, generator=g), torch.randn(B, H, n, d_h, generator=g)
+    k = torch.randn(1 if shared_k else B, H, n, f, generator=g)
+    R, w = torch.randn(H, n + 5, n + 5, generator=g), torch.rand(H, generator=g) + 0.5
+
+    def formula(q, k, v, R, w):
+        S = q @ k.transpose(-1, -2) + w[:, None, None] * R[:, :n, :n] + causal_mask(n, q.device, q.dtype)
+        return torch.softmax(S, dim=-1) @ v
+
+    assert_close_to_the_formula(lambda q, k, v, R, w: biased_flash_attention(q, k, R[:, :n, :n], w, v), formula,
+                                [q, k, v, R, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,n,a,b,d_h", [(2, 2, 37, 5, 8, 24), (1, 3, 16, 4, 4, 16), (2, 2, 30, 6, 6, 20)])
+def test_factorized_dense_kernel_matches_the_formula(B, H, n, a, b, d_h, dtype):
+    """S[i, j] = A_i[j mod a] · B_i[⌊j/a⌋] for j < n ≤ a·b, built inside the kernel; gradients of A, B and v."""
+    g = torch.Generator().manual_seed(n)
+    A, Bf, v = (torch.randn(B, H, n, w, generator=g) for w in (a, b, d_h))
+
+    def formula(A, Bf, v):
+        S = torch.stack([torch.stack([A[..., i, j % a] * Bf[..., i, j // a] for j in range(n)], -1)
+                         for i in range(n)], -2)                                          # (B, H, n, n), entry by entry
+        return torch.softmax(S + causal_mask(n, A.device, A.dtype), dim=-1) @ v
+
+    assert_close_to_the_formula(factorized_dense_flash, formula, [A, Bf, v], dtype)
+
+
+@pytest.mark.parametrize("n", [11, 16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_path_of_every_variant_matches_the_reference(variant, n, monkeypatch):
+    """The whole model on the GPU path against the materialized reference: logits and every gradient to 1e-5,
+    as test_model.py's CPU fused path."""
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    fused, ref = build_model(config(variant, "fused")), build_model(config(variant, "reference"))
+    ref.load_state_dict(fused.state_dict())
+    x = tokens(3, n + 1)
+    out = {}
+    for name, m in (("fused", fused), ("reference", ref)):
+        logits = m(x[:, :-1])
+        m(x[:, :-1], x[:, 1:]).backward()
+        out[name] = logits, {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+    (lf, gf), (lr, gr) = out["fused"], out["reference"]
+    assert (lf - lr).abs().max() <= 1e-5
+    assert gf.keys() == gr.keys() and len(gf) > 0
+    for k in gf:
+        assert (gf[k] - gr[k]).abs().max() <= 1e-5, k
+
+
+@pytest.mark.slow
+def test_gpu_path_tp2_shards_equal_tp1(monkeypatch):
+    """The variants with a Triton kernel, and one of each other GPU form, as TP=2 shards: each rank's heads (and
+    their R, factors) through the kernels, against the TP=1 model."""
+    from tests.test_tensor_parallel import tp2_equals_tp1
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")   # inherited by the spawned ranks
+    tp2_equals_tp1(["random+dot", "random+dense", "factorized_dense", "dense+dot", "random", "sgu"])

@@ -1,4 +1,5 @@
-"""tools/bench.py: one --quick run (throughput, peer, memory for dot, random and GPT-2; 9 measuring processes), its JSON
+"""tools/bench.py: one --quick run (throughput, peer, memory for dot, random and GPT-2, engine ÷ plain loop; 11 measuring
+processes), its JSON
 schema and ratios (the throughput and peer ones from repetitions alternated with dot's), the FLOP ratios recomputed
 here from model_stats, --help and a bad --only."""
 import json
@@ -19,7 +20,7 @@ from tools.bench_lib import PointFailed, ServedPoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "tools", "bench.py")
 # 9 measuring processes of ~8 s each (imports and process group start dominate); --quick runs 1 torch thread each.
-QUICK = ["--quick", "--only", "throughput,peer,memory", "--variants", "dot,random", "--lengths", "64,128",
+QUICK = ["--quick", "--only", "throughput,peer,memory,engine", "--variants", "dot,random", "--lengths", "64,128",
          "--steps", "1"]
 KEYS = ("id", "name", "variant", "value", "unit", "ratio_to", "ratio", "ratio_range", "spread", "reps", "paired_reps",
         "goal", "status", "machine")
@@ -42,7 +43,8 @@ def test_schema(run):
     report, by_id, md = run
     assert all(k in report["machine"] for k in MACHINE) and report["machine"]["cpu_count"] >= 1
     expected = {"throughput:dot", "throughput:random", "peer:gpt2", "peer:dot", "peer:random",
-                *(f"memory:{v}:n={n}" for v in ("dot", "random", "gpt2-sdpa") for n in (64, 128))}
+                *(f"memory:{v}:n={n}" for v in ("dot", "random", "gpt2-sdpa") for n in (64, 128)),
+                "engine:loop:eager", "engine:eager"}
     assert set(by_id) == expected
     for e in report["results"]:
         assert all(k in e for k in KEYS), (e["id"], [k for k in KEYS if k not in e])
@@ -58,7 +60,10 @@ def test_schema(run):
             assert 0 < max(e["phase_mb"].values()) <= e["step_mb"] * 1.5 and e["at_rest_mb"] >= e["after_engine_mb"] - 5
             assert e["value"] >= e["step_mb"] + (e["at_rest_mb"] - e["after_init_mb"]) - 1
     units = {e["name"]: e["unit"] for e in report["results"]}
-    assert units == {"throughput": "tokens/s", "peer": "tokens/s", "memory": "MB"}
+    assert units == {"throughput": "tokens/s", "peer": "tokens/s", "memory": "MB", "engine": "s"}
+    loop, engine = by_id["engine:loop:eager"], by_id["engine:eager"]   # the same model in both
+    assert loop["params"] == engine["params"] and loop["train_flops_per_token"] == engine["train_flops_per_token"]
+    assert engine["ratio_to"] == "engine:loop:eager" and engine["goal"] == "≤ 1.05"
 
 
 @pytest.mark.slow
@@ -73,7 +78,7 @@ def test_ratios(run):
             assert e["ratio"] is None
             continue
         ref = by_id[e["ratio_to"]]
-        if e["name"] == "memory":   # separate processes: ratio of medians
+        if e["name"] in ("memory", "engine"):   # separate processes: ratio of medians
             assert e["paired_reps"] is None
             expected = e["value"] / ref["value"]
         else:                       # alternated with dot: ratio of the medians of the side-by-side ratios
@@ -137,3 +142,25 @@ def test_served_point_reports_a_dead_or_silent_child():
         served.rep()
     with pytest.raises(PointFailed, match="^timeout after 1 s$"):
         ServedPoint([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), ROOT, timeout=1)
+
+
+def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
+    """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot in
+    the plain loop and under the engine, with the GPU-kernels issue's goals, and memory at the longest n ÷ the
+    shortest."""
+    from tools.bench import GPU_GOAL_MEM, GPU_GOALS, Plan, parse_args, plan_gpu_variants
+
+    a = parse_args(["--quick"])
+    p = Plan(a)
+    plan_gpu_variants(a, p)
+    by_id = {e["id"]: e for e in p.entries}
+    assert set(GPU_GOALS) | {"dot"} == set(a.variant_paths)
+    for kind in ("loop", "train"):
+        assert by_id[f"gpu:{kind}:dot"]["ratio_to"] is None
+        for v, goal in GPU_GOALS.items():
+            e = by_id[f"gpu:{kind}:{v}"]
+            assert e["ratio_to"] == f"gpu:{kind}:dot" and e["goal_min"] == goal and e["field"] == "rate"
+            assert p.points[e["point"]]["kind"] == kind and "train.precision=bf16" in p.points[e["point"]]["overrides"]
+    for v, goal in GPU_GOAL_MEM.items():
+        assert by_id[f"gpu:memory:{v}:n=512"] == {**by_id[f"gpu:memory:{v}:n=512"], "goal_max": goal,
+                                                  "ratio_to": f"gpu:memory:{v}:n=128", "field": "total_mb"}

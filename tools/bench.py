@@ -28,7 +28,10 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               throughput part's dot model; CUDA: synth-1.3b's dot twin, bf16, 1 GPU. Goal: ≤ 1.05.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
-              (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goal: the engine on dot ≥ 55%.
+              (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
+              on dense+dot ≥ 40%. Every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4,
+              bf16) in the plain loop and under the engine, goals GPU_GOALS; memory at n 4096 ÷ 1024 (d 1024, 4
+              layers), goals ≤ 3 (≤ 5 for random, random+dot).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
@@ -66,6 +69,17 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
 GOAL_ENGINE, GOAL_MFU = 1.05, 0.55   # engine step ÷ plain-loop step; MFU of synth-1.3b dot under the engine
+# On a GPU (the GPU-kernels issue): every variant's whole-model throughput ÷ dot's, at d 2048, 16 heads, 8 layers,
+# n 2048, batch 4, vocabulary 32000, bf16, in the plain loop and under the engine; memory at n 4096 ÷ 1024 (d 1024,
+# 4 layers); the MFU of the flagship synth-1.3b (dense+dot) under the engine.
+GPU_THROUGHPUT = dict(d=2048, layers=8, heads=16, n=2048, batch=4, vocab=32000, precision="bf16")
+GPU_THROUGHPUT_QUICK = dict(d=256, layers=2, heads=4, n=256, batch=2, vocab=4096, precision="bf16")
+GPU_GOALS = {"dense": 1.0, "random": 1.10, "random_fixed": 1.10, "factorized_random": 1.05,
+             "factorized_dense": 0.95, "sgu": 1.0, "gmlp": 1.3, "random+dot": 0.90, "dense+dot": 0.80}
+GPU_MEMORY = dict(d=1024, layers=4, heads=16, batch=4, vocab=32000, precision="bf16")
+GPU_GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "factorized_dense": 3, "random": 5,
+                "random+dot": 5}
+GOAL_MFU_FLAGSHIP = 0.40
 # Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
 # of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
 # (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
@@ -88,10 +102,13 @@ def variant_configs() -> dict[str, str]:
 
 def shape(a, n: int, layers: int) -> list[str]:
     """Overrides that turn a variant config into the benchmark's model, one micro-batch per 1-process ZeRO-1 step."""
-    return [f"model.vocab_size={a.vocab}", f"model.d_model={a.d_model}", f"model.n_layers={layers}",
-            f"model.n_heads={a.heads}", f"model.max_seq_len={n}", f"train.micro_batch_size={a.batch}",
-            f"train.global_batch_size={a.batch}", "parallel.zero_stage=1", "parallel.tp=1",
-            f"train.precision={a.precision}"]
+    return sized(a.d_model, layers, a.heads, n, a.batch, a.vocab, a.precision)
+
+
+def sized(d: int, layers: int, heads: int, n: int, batch: int, vocab: int, precision: str) -> list[str]:
+    return [f"model.vocab_size={vocab}", f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+            f"model.max_seq_len={n}", f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+            "parallel.zero_stage=1", "parallel.tp=1", f"train.precision={precision}"]
 
 
 class Plan:
@@ -248,8 +265,10 @@ def plan_gpu(a, p: Plan) -> None:
     to_peak = "gpu:peak" if peak else None
     mixer = load_config(BIG).model.mixer
     for m in dict.fromkeys([mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
+        goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
         p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, big_model(a, m)), "tflops", "TFLOP/s",
-                to_peak, goal_min=GOAL_MFU if m == "dot" and peak else None)
+                to_peak, goal_min=goal)
+    plan_gpu_variants(a, p)
     for compiled in modes():   # the same dot model in the plain loop, and compiled under both
         mode = "compiled" if compiled else "eager"
         p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop, {mode}",
@@ -257,6 +276,23 @@ def plan_gpu(a, p: Plan) -> None:
         if compiled:
             p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), compiled",
                     p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
+
+
+def plan_gpu_variants(a, p: Plan) -> None:
+    """Every variant ÷ dot on the GPU, in the plain loop and under the engine; memory at n 4096 ÷ 1024."""
+    t = GPU_THROUGHPUT_QUICK if a.quick else GPU_THROUGHPUT
+    for kind, label in (("loop", "plain loop"), ("train", "engine")):
+        for v, config in a.variant_paths.items():
+            over = sized(t["d"], t["layers"], t["heads"], t["n"], t["batch"], t["vocab"], t["precision"])
+            p.entry(f"gpu:{kind}:{v}", f"gpu throughput ({label})", v, p.point(kind, config, over), "rate",
+                    "tokens/s", None if v == "dot" else f"gpu:{kind}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
+    m, lengths = GPU_MEMORY, ((128, 512) if a.quick else (1024, 4096))
+    for v, config in a.variant_paths.items():
+        for n in lengths:
+            over = sized(m["d"], m["layers"], m["heads"], n, m["batch"], m["vocab"], m["precision"])
+            p.entry(f"gpu:memory:{v}:n={n}", "gpu memory", v, p.point("train", config, over, steps=1), "total_mb",
+                    "MB", None if n == lengths[0] else f"gpu:memory:{v}:n={lengths[0]}", n=n,
+                    goal_max=GPU_GOAL_MEM.get(v) if n == lengths[1] else None)
 
 
 def rank_env(spec: dict) -> list[dict]:

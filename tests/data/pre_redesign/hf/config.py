@@ -1,0 +1,149 @@
+"""ModelConfig: every field of a Synthesizer LM, validated where it is defined.
+
+The YAML `model:` section maps one-to-one onto these fields (`ModelConfig.from_dict`). Errors are
+`ConfigError`s: one line that names the field, the bad value and what to do.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Synthesizing functions (DESIGN.md §1). Mixtures are 2-3 distinct names of MIXABLE joined by '+'.
+SINGLE_MIXERS = ("dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu")
+MIXABLE = ("dot", "dense", "random", "factorized_random")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+def valid_mixer_names() -> str:
+    return ", ".join(SINGLE_MIXERS) + ", or a mixture of 2-3 of " + "/".join(MIXABLE) + " joined by '+' (e.g. random+dot)"
+
+
+def parse_mixer(name: str, key: str = "model.mixer") -> tuple[str, ...]:
+    """'random+dot' -> ('random', 'dot'); raises ConfigError listing the valid names."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}={name!r} is not a string; use one of: {valid_mixer_names()}")
+    parts = tuple(p.strip() for p in name.split("+"))
+    if len(parts) == 1 and parts[0] in SINGLE_MIXERS:
+        return parts
+    if 2 <= len(parts) <= 3 and all(p in MIXABLE for p in parts) and len(set(parts)) == len(parts):
+        return parts
+    guess = difflib.get_close_matches(name, SINGLE_MIXERS + ("random+dot", "dense+dot"), n=1)
+    hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+    raise ConfigError(f"{key}: unknown mixer '{name}'{hint}; valid: {valid_mixer_names()}")
+
+
+def default_factorization(L: int) -> tuple[int, int]:
+    """The a·b = L split with a closest to √L (a ≤ b)."""
+    a = max(d for d in range(1, math.isqrt(L) + 1) if L % d == 0)
+    return a, L // a
+
+
+@dataclass
+class ModelConfig:
+    """A GPT-style causal LM whose token mixer is a Synthesizer variant (Tay et al. 2020)."""
+
+    vocab_size: int = field(metadata={"help": "token vocabulary size (must equal the tokenizer's)"})
+    d_model: int = field(metadata={"help": "model width d"})
+    n_layers: int = field(metadata={"help": "number of blocks"})
+    n_heads: int = field(metadata={"help": "heads H per mixer; d_h = d/H; must divide by the TP size"})
+    max_seq_len: int = field(metadata={"help": "L: the longest sequence; position-indexed weights have length L"})
+    mixer: Any = field(default="dot", metadata={"help": "one mixer name for every layer, or a list with one per layer"})
+    factorized_k: int = field(default=8, metadata={"help": "rank k of factorized_random (R1, R2 ∈ R^{L×k})"})
+    factorized_a: int | None = field(default=None, metadata={"help": "a of factorized_dense (a·b = L); default: a≈√L"})
+    factorized_b: int | None = field(default=None, metadata={"help": "b of factorized_dense (a·b = L)"})
+    impl: str = field(default="fused", metadata={"help": "'fused' (SDPA kernels) or 'reference' (materialized maps)"})
+    block: str = field(default="standard", metadata={"help": "'standard' (norm, mixer, norm, MLP) or 'gmlp' (Liu et al. 2021)"})
+    d_ffn: int | None = field(default=None, metadata={"help": "MLP / gMLP hidden width; default 4·d"})
+    position: str = field(default="learned", metadata={"help": "'learned' absolute embedding, 'rope' (on dot q/k) or 'none'"})
+    rope_base: float = field(default=10000.0, metadata={"help": "rotary base frequency"})
+    tie_embeddings: bool = field(default=True, metadata={"help": "share the token embedding with the output head"})
+    bias: bool = field(default=True, metadata={"help": "biases in linear layers"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on embeddings and residual branches"})
+    mixer_dropout: float = field(default=0.0, metadata={"help": "dropout on each head's mixed output (TP-sharded)"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "LayerNorm epsilon"})
+    init_std: float = field(default=0.02, metadata={"help": "std of normal init for weights"})
+    random_init_std: float = field(default=1.0, metadata={"help": "std of the init of R (random, random_fixed)"})
+    sgu_init_eps: float = field(default=1e-3, metadata={"help": "SGU spatial weights ~ U(-eps/L, eps/L), bias = 1"})
+    seed: int = field(default=1234, metadata={"help": "init seed: the full model is drawn from it, each TP rank keeps its slice"})
+
+    def __post_init__(self):
+        def positive_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"model.{name}={v!r} must be a positive integer")
+
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "factorized_k"):
+            positive_int(name)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                              "choose d_model = n_heads × head size")
+        for name, allowed in (("impl", ("fused", "reference")), ("block", ("standard", "gmlp")),
+                              ("position", ("learned", "rope", "none"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("dropout", "mixer_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.d_ffn is None:
+            self.d_ffn = 4 * self.d_model
+        positive_int("d_ffn")
+        if isinstance(self.mixer, (list, tuple)):
+            if len(self.mixer) != self.n_layers:
+                raise ConfigError(f"model.mixer lists {len(self.mixer)} names but model.n_layers={self.n_layers}; "
+                                  "give one name per layer or a single name")
+            self.mixer = list(self.mixer)
+        for i, name in enumerate(self.layer_mixers()):
+            key = "model.mixer" if isinstance(self.mixer, str) else f"model.mixer[{i}]"
+            parse_mixer(name, key)
+        if self.block == "gmlp" and any(m != "sgu" for m in self.layer_mixers()):
+            raise ConfigError("model.block='gmlp' needs model.mixer='sgu' (a gMLP block is its own mixer)")
+        if self.block == "gmlp" and (self.d_ffn // 2) % self.n_heads:
+            raise ConfigError(f"model.d_ffn/2={self.d_ffn // 2} must divide by model.n_heads={self.n_heads} for gMLP")
+        self._check_factorization()
+
+    def _check_factorization(self):
+        L = self.max_seq_len
+        if self.factorized_a is None and self.factorized_b is None:
+            self.factorized_a, self.factorized_b = default_factorization(L)
+        elif self.factorized_a is None or self.factorized_b is None:
+            given = self.factorized_a or self.factorized_b
+            if not isinstance(given, int) or given <= 0 or L % given:
+                raise ConfigError(f"model.factorized_a/b={given!r} does not divide model.max_seq_len={L}; "
+                                  "factorized_dense needs a·b = max_seq_len")
+            other = L // given
+            self.factorized_a, self.factorized_b = (given, other) if self.factorized_a else (other, given)
+        if self.factorized_a * self.factorized_b != L:
+            raise ConfigError(f"model.factorized_a·factorized_b = {self.factorized_a}·{self.factorized_b} = "
+                              f"{self.factorized_a * self.factorized_b} ≠ model.max_seq_len={L}; "
+                              "factorized_dense needs a·b = max_seq_len")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def layer_mixers(self) -> list[str]:
+        """The mixer name of each layer."""
+        return list(self.mixer) if isinstance(self.mixer, list) else [self.mixer] * self.n_layers
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str = "model") -> "ModelConfig":
+        """Build from a YAML `model:` mapping; an unknown key names the nearest valid one."""
+        names = [f.name for f in fields(cls)]
+        for k in d:
+            if k not in names:
+                guess = difflib.get_close_matches(k, names, n=1)
+                hint = f"; did you mean '{key}.{guess[0]}'?" if guess else f"; valid keys: {', '.join(names)}"
+                raise ConfigError(f"unknown config key '{key}.{k}'{hint}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required field is absent
+            raise ConfigError(f"{key}: {e}".replace("ModelConfig.__init__() ", "")) from None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

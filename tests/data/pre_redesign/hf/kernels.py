@@ -1,0 +1,311 @@
+"""Fused execution of synthesized attention (DESIGN.md §1, "Fused kernels").
+
+Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
+
+Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
+- `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense and their mixtures) through torch
+  SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
+  keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.
+- `shared_map_attention`: S does not depend on the input (random, factorized_random, their mixture): A is the same
+  for every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
+  keys only, a factored map (R_1 R_2ᵀ) built block by block; no n² buffer is kept for backward.
+- `BiasedQKAttention`: S = q·kᵀ + w ⊙ R with a learnable map R weighted per head (random+dot, random+dense): flash
+  forward and a backward that walk blocks of query rows over the causal keys only, w ⊙ R + M made per block, so
+  B·Hl·block·n is live and nothing n² is kept between forward and backward.
+- `FactorizedDenseAttention`: S_i[j] = A_i[j mod a]·B_i[⌊j/a⌋] has no q·k form; its logits are built from the
+  factors one block of query rows at a time (causal keys only) and recomputed in backward.
+And one without a softmax, for gMLP's spatial gating: `CausalMatmul`, Y = (W ⊙ causal)[:n, :n] X in causal blocks.
+
+These are the CPU kernels: blocks of rows walked in Python suit a CPU, while on a GPU each block is a handful of
+tiny kernel launches. Each op below therefore asks `on_gpu_path` once and, on a GPU, runs its GPU form: SDPA on
+contiguous inputs, one batched GEMM for a batch-shared map, Triton kernels where no library kernel fits
+(model/gpu_kernels/). Both forms compute the same formula and are tested against the materialized reference.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def on_gpu_path(t: torch.Tensor) -> bool:
+    """The one place a kernel is chosen by device: CUDA tensors take the GPU forms, every other device the CPU ones.
+    SYNTHFORMER_KERNELS=gpu sends CPU tensors down the GPU path too, its Triton kernels then under
+    TRITON_INTERPRET=1: how the tests check the GPU kernels on a machine without one."""
+    return t.is_cuda or os.environ.get("SYNTHFORMER_KERNELS") == "gpu"
+
+
+def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
+    """M (n, n): 0 on and below the diagonal, -inf above — added to the logits before the softmax."""
+    return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)
+
+
+def _common_width(q: torch.Tensor, d_h: int) -> int:
+    """The width q, k, v are padded to: d_h when the features fit, else a multiple of 8 (the CPU kernels' vector
+    width: 129 → 136 runs dense+dot's flash kernel ~10% faster than 129, measured)."""
+    return d_h if q.shape[-1] <= d_h else -(-q.shape[-1] // 8) * 8
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale·q kᵀ + M) v on the fused kernel.
+
+    q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h). Returns (B, Hl, n, d_h).
+    """
+    B, d_h = v.shape[0], v.shape[-1]
+    width = _common_width(q, d_h)
+    q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
+    k = _pad_last(k, width).expand(B, -1, -1, -1)
+    if on_gpu_path(v):   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
+        q, k = q.contiguous(), k.contiguous()
+    v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
+    out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
+    return out[..., :d_h]
+
+
+class SharedMapAttention(torch.autograd.Function):
+    """Y = softmax(S + q kᵀ + M) V for one map shared by the batch, given as S (Hl, n, n), as factors q, k (Hl, n, f),
+    or both (None for a missing part); V (Hl, n, B·d_h) with the batch folded into the columns. Blocks of `block`
+    query rows i see only keys j ≤ i (causality halves the work); neither A nor any n² buffer is kept for backward
+    (a factored map is never whole) — the rows of A are recomputed there:
+        dV = Aᵀ dY,  dS = A ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i  (= rowsum(A ⊙ dY Vᵀ), the flash identity),
+        dq = dS k,  dk = dSᵀ q.
+    Live memory besides dS itself (the gradient of S, Hl·n², only when S is given): Hl·block·n.
+    """
+
+    @staticmethod
+    def _logits(S, q, k, mask, i, j):
+        out = mask[i, j] if S is None else S[:, i, j] + mask[i, j]                      # (Hl, blk, j)
+        return out if q is None else torch.baddbmm(out, q[:, i], k[:, j].transpose(-1, -2))
+
+    @staticmethod
+    def forward(ctx, S, q, k, v, block: int):
+        n = v.shape[1]
+        mask = causal_mask(n, v.device, v.dtype)
+        y = torch.empty_like(v)
+        for i0 in range(0, n, block):
+            i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
+            y[:, i] = torch.softmax(SharedMapAttention._logits(S, q, k, mask, i, j), dim=-1) @ v[:, j]
+        ctx.save_for_backward(S, q, k, v, y)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        S, q, k, v, y = ctx.saved_tensors
+        n = v.shape[1]
+        mask = causal_mask(n, v.device, v.dtype)
+        dS = None if S is None or not ctx.needs_input_grad[0] else torch.zeros_like(S)
+        dq, dk = (None, None) if q is None else (torch.zeros_like(q), torch.zeros_like(k))
+        dv = torch.zeros_like(v)
+        D = (dy * y).sum(-1, keepdim=True)                                # (Hl, n, 1)
+        for i0 in range(0, n, ctx.block):
+            i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))
+            A = torch.softmax(SharedMapAttention._logits(S, q, k, mask, i, j), dim=-1)   # (Hl, blk, j)
+            dv[:, j] += A.transpose(-1, -2) @ dy[:, i]
+            dA = (dy[:, i] @ v[:, j].transpose(-1, -2)).sub_(D[:, i]).mul_(A)
+            if dS is not None:
+                dS[:, i, j] = dA
+            if dq is not None:
+                dq[:, i] = dA @ k[:, j]
+                dk[:, j] += dA.transpose(-1, -2) @ q[:, i]
+        return dS, dq, dk, dv, None
+
+
+def shared_map_attention(logits, v: torch.Tensor, q=None, k=None, block: int = 128) -> torch.Tensor:
+    """softmax(S + q kᵀ + M) v for an input-independent map: S (Hl, n, n) or None, q, k (Hl, n, f) or None;
+    v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
+    B, n, Hl, d_h = v.shape
+    v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
+    if on_gpu_path(v):   # softmax once, then one batched GEMM: A (Hl, n, n) is kept for backward, shared by B
+        S = causal_mask(n, v.device, v.dtype) if logits is None else logits + causal_mask(n, v.device, v.dtype)
+        S = S if q is None else torch.baddbmm(S.expand(Hl, n, n), q, k.transpose(-1, -2))
+        y = torch.softmax(S, dim=-1) @ v_cols                                        # (Hl, n, B·d_h)
+    else:
+        y = SharedMapAttention.apply(logits, q, k, v_cols, block)                    # (Hl, n, B·d_h)
+    return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
+
+
+class BiasedQKAttention(torch.autograd.Function):
+    """out = softmax(q kᵀ + w ⊙ R + M) v with scale 1, a batch-shared bias map R (Hl, n, n) and its weight per head
+    w (Hl,) (the mixture's α, so neither w ⊙ R nor its gradient is ever a separate n² tensor of autograd's).
+
+    q, k, v: (B, Hl, n, f), same width (pad before). Both passes walk blocks of `block` query rows i over only the
+    keys j ≤ i they can see (causality halves the work; a float mask keeps SDPA from skipping anything itself) and
+    make w ⊙ R + M for the block only. Forward: SDPA's flash kernel per block (29 vs 48 ms for one masked call at
+    B=4, Hl=8, n=1024 on 2 CPU cores). Backward, recomputing P, with the standard softmax-attention gradients:
+        P = softmax(S),  dP = dO vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),
+        dq = dS k,  dk = dSᵀ q,  dv = Pᵀ dO,  dR = w ⊙ Σ_batch dS,  dw = Σ_ij (Σ_batch dS) ⊙ R.
+    Live memory per block is B·Hl·block·n, linear in n (besides dR itself, Hl·n²); nothing n² is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, R, w, block: int):
+        n, w3 = q.shape[-2], w[:, None, None]
+        causal = causal_mask(n, q.device, q.dtype)
+        out = torch.empty_like(v)
+        for i0 in range(0, n, block):
+            i, j = slice(i0, min(n, i0 + block)), slice(0, min(n, i0 + block))   # rows i, keys j ≤ i
+            mask = torch.addcmul(causal[i, j], R[:, i, j], w3)                     # (Hl, blk, j)
+            out[:, :, i] = F.scaled_dot_product_attention(q[:, :, i], k[:, :, j], v[:, :, j],
+                                                          attn_mask=mask.unsqueeze(0), scale=1.0)
+        ctx.save_for_backward(q, k, v, R, w, out)
+        ctx.block = block
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, R, w, out = ctx.saved_tensors
+        # heads are transposed views: one copy each here, not one per block in every matmul (~10% of the pass)
+        q, k, v, d_out = q.contiguous(), k.contiguous(), v.contiguous(), d_out.contiguous()
+        n = q.shape[-2]
+        causal = causal_mask(n, q.device, q.dtype)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)        # q, k may be expanded: own buffers
+        dk, dv = torch.zeros(k.shape, dtype=k.dtype, device=k.device), torch.zeros_like(v)
+        dR = torch.zeros_like(R) if ctx.needs_input_grad[3] else None
+        dw = torch.zeros_like(w)
+        D = (d_out * out).sum(-1, keepdim=True)                          # (B, Hl, n, 1)
+        w3 = w[:, None, None]
+        for i0 in range(0, n, ctx.block):
+            i, j = slice(i0, min(n, i0 + ctx.block)), slice(0, min(n, i0 + ctx.block))   # rows i, keys j ≤ i
+            bias = torch.addcmul(causal[i, j], R[:, i, j], w3)                                # (Hl, blk, j)
+            S = (q[:, :, i] @ k[:, :, j].transpose(-1, -2)).add_(bias)                        # (B, Hl, blk, j)
+            P = torch.softmax(S, dim=-1)
+            del S
+            dS = (d_out[:, :, i] @ v[:, :, j].transpose(-1, -2)).sub_(D[:, :, i]).mul_(P)
+            dq[:, :, i] = dS @ k[:, :, j]
+            dk[:, :, j] += dS.transpose(-1, -2) @ q[:, :, i]
+            dv[:, :, j] += P.transpose(-1, -2) @ d_out[:, :, i]
+            d_map = dS.sum(0)                                            # (Hl, blk, j): d(w ⊙ R) of the block
+            dw += (d_map * R[:, i, j]).sum((-1, -2))
+            if dR is not None:
+                dR[:, i, j] = d_map.mul_(w3)
+        return dq, dk, dv, dR, dw, None
+
+
+def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
+    """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)
+    -> (B, Hl, n, d_h)."""
+    if on_gpu_path(v):   # a Triton flash kernel adding R's tiles (any widths; no padding needed)
+        from .gpu_kernels.biased_attention import biased_flash_attention
+
+        return biased_flash_attention(q, k, R, w, v)
+    B, d_h = v.shape[0], v.shape[-1]
+    width = _common_width(q, d_h)
+    q = _pad_last(q, width).expand(B, -1, -1, -1)
+    k = _pad_last(k, width).expand(B, -1, -1, -1)
+    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), R, w, block)
+    return out[..., :d_h]
+
+
+class FactorizedDenseAttention(torch.autograd.Function):
+    """Y = softmax(S + M) V for factorized dense logits S[b, h, i, j] = A_i[j mod a] · B_i[⌊j/a⌋], built block by
+    block from the factors A (B, Hl, n, a) and B (B, Hl, n, b) and never kept: blocks of `block` query rows i over
+    the causal keys j ≤ i only (causality halves the work), P recomputed in backward:
+        dV = Pᵀ dY,  dS = P ⊙ (dY Vᵀ − D),  D_i = dY_i · Y_i,
+        dA_i[p] = Σ_r dS_i[r·a + p] B_i[r],  dB_i[r] = Σ_p dS_i[r·a + p] A_i[p].
+    Live memory: B·Hl·block·n, linear in n.
+    """
+
+    @staticmethod
+    def _logits(A, Bf, i0, i1):
+        """S for rows i0..i1-1 and keys 0..i1-1 (B, Hl, rows, i1), the causal mask added; r rows of the (b, a) grid."""
+        r = -(-i1 // A.shape[-1])
+        S = (Bf[:, :, i0:i1, :r, None] * A[:, :, i0:i1, None, :]).flatten(-2)[..., :i1]
+        S[..., i0:] += causal_mask(i1 - i0, S.device, S.dtype)                     # the diagonal block
+        return S, r
+
+    @staticmethod
+    def forward(ctx, A, Bf, v, block: int):
+        n = v.shape[2]
+        y = torch.empty_like(v)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            S, _ = FactorizedDenseAttention._logits(A, Bf, i0, i1)
+            y[:, :, i0:i1] = torch.softmax(S, dim=-1) @ v[:, :, :i1]
+        ctx.save_for_backward(A, Bf, v, y)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        A, Bf, v, y = ctx.saved_tensors
+        n, a = v.shape[2], A.shape[-1]
+        dA, dBf, dv = torch.zeros_like(A), torch.zeros_like(Bf), torch.zeros_like(v)
+        D = (dy * y).sum(-1, keepdim=True)                                        # (B, Hl, n, 1)
+        for i0 in range(0, n, ctx.block):
+            i1 = min(n, i0 + ctx.block)
+            S, r = FactorizedDenseAttention._logits(A, Bf, i0, i1)
+            P = torch.softmax(S, dim=-1)                                          # (B, Hl, rows, i1)
+            del S
+            dv[:, :, :i1] += P.transpose(-1, -2) @ dy[:, :, i0:i1]
+            dS = (dy[:, :, i0:i1] @ v[:, :, :i1].transpose(-1, -2)).sub_(D[:, :, i0:i1]).mul_(P)
+            dS = F.pad(dS, (0, r * a - i1)).unflatten(-1, (r, a))                 # (B, Hl, rows, r, a)
+            dA[:, :, i0:i1] = (Bf[:, :, i0:i1, None, :r] @ dS).squeeze(-2)
+            dBf[:, :, i0:i1, :r] = (dS @ A[:, :, i0:i1, :, None]).squeeze(-1)
+        return dA, dBf, dv, None
+
+
+def factorized_dense_attention(A, Bf, v, block: int = 128) -> torch.Tensor:
+    """softmax(S + M) v, S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋]; A (B, Hl, n, a), Bf (B, Hl, n, b), v (B, Hl, n, d_h)."""
+    if on_gpu_path(v):   # a Triton flash kernel that builds S's tiles from the factors
+        from .gpu_kernels.factorized_dense import factorized_dense_flash
+
+        return factorized_dense_flash(A, Bf, v)
+    return FactorizedDenseAttention.apply(A, Bf, v, block)
+
+
+class CausalMatmul(torch.autograd.Function):
+    """Y = (W ⊙ C)[:n, :n] X per head, C the lower-triangular (causal) mask; W (Hl, L, L) the whole parameter,
+    X (Hl, n, m). Row block i of Y reads only columns j ≤ i (causality halves the work), the mask applies to the
+    diagonal blocks alone, and the gradient goes straight into the causal [:n, :n] part of a (Hl, L, L) buffer —
+    no masked or sliced copies of W, and none of their gradients:
+        Y_i = Σ_{j≤i} W_ij X_j,   dX_j = Σ_{i≥j} W_ijᵀ dY_i,   dW_ij = dY_i X_jᵀ (j < i), tril(dY_i X_iᵀ) (j = i).
+    """
+
+    @staticmethod
+    def forward(ctx, W, x, block: int):
+        n = x.shape[1]
+        y = torch.empty_like(x)
+        for i0 in range(0, n, block):
+            i1 = min(n, i0 + block)
+            y[:, i0:i1] = W[:, i0:i1, i0:i1].tril() @ x[:, i0:i1]                      # the diagonal block
+            if i0:
+                y[:, i0:i1].baddbmm_(W[:, i0:i1, :i0], x[:, :i0])                       # the blocks left of it
+        ctx.save_for_backward(W, x)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        W, x = ctx.saved_tensors
+        n = x.shape[1]
+        dW = torch.zeros_like(W) if ctx.needs_input_grad[0] else None
+        dx = torch.empty_like(x) if ctx.needs_input_grad[1] else None
+        for i0 in range(0, n, ctx.block):
+            i1 = min(n, i0 + ctx.block)
+            if dW is not None:
+                dW[:, i0:i1, :i0] = dy[:, i0:i1] @ x[:, :i0].transpose(1, 2)
+                dW[:, i0:i1, i0:i1] = (dy[:, i0:i1] @ x[:, i0:i1].transpose(1, 2)).tril_()
+            if dx is not None:   # columns j in [i0, i1): the diagonal block and every row block below it
+                dx[:, i0:i1] = W[:, i0:i1, i0:i1].tril().transpose(1, 2) @ dy[:, i0:i1]
+                if i1 < n:
+                    dx[:, i0:i1].baddbmm_(W[:, i1:n, i0:i1].transpose(1, 2), dy[:, i1:n])
+        return dW, dx, None
+
+
+def causal_matmul(W: torch.Tensor, x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """(W ⊙ causal)[:n, :n] @ x for W (Hl, L, L) and x (Hl, n, m) -> (Hl, n, m)."""
+    if on_gpu_path(x):   # one batched GEMM on the masked map (Hl·n², small beside B·n·m activations)
+        n = x.shape[1]
+        return W[:, :n, :n].tril() @ x
+    return CausalMatmul.apply(W, x, block)
+
+
+def inv_sqrt(d: int) -> float:
+    return 1.0 / math.sqrt(d)

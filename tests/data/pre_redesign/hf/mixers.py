@@ -1,0 +1,176 @@
+"""Token mixers: synthesized attention (one synthesizer or a mixture) and the gMLP spatial gating unit.
+
+Legend: B batch, n length, d width, H heads, Hl = H/TP heads on this rank, d_h = d/H.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import kernels, parallel as tp
+from .config import ModelConfig, parse_mixer
+from .synthesizers import build_synthesizer, heads, linear_flops, per_head
+
+
+class SynthesizedAttention(nn.Module):
+    """Y = concat_h(A_h V_h) W_o with A_h = softmax(Σ_m α_m^h S_m^h + M) and V_h = X W_v^h.
+
+    S_m^h are the logits of the synthesizers named in `mixer` ('dense', 'random+dot', …); with several,
+    α^h = softmax(θ^h), θ `theta` (Hl, m) learnable per head, initialised to 0 (equal weights).
+    W_v: d → d column-parallel (heads split over TP), W_o: d → d row-parallel (partial sums all-reduced).
+    `impl='fused'` runs the kernels of model/kernels.py; `impl='reference'` materializes A and can return it.
+    """
+
+    def __init__(self, cfg: ModelConfig, mixer: str, n_layers_scale: float):
+        super().__init__()
+        d, self.d_h, self.impl = cfg.d_model, cfg.head_dim, cfg.impl
+        self.names = parse_mixer(mixer)
+        self.value = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.synth = nn.ModuleDict({name: build_synthesizer(name, cfg) for name in self.names})
+        self.theta = per_head(cfg.n_heads, len(self.names), init=tp.constant(0.0)) if len(self.names) > 1 else None
+        self.out = tp.row_linear(d, d, cfg.bias, cfg.init_std * n_layers_scale)
+        self.dropout = cfg.mixer_dropout
+
+    def _weights(self):
+        """α (Hl, m) = softmax(θ) over the mixture's members, or None for a single synthesizer."""
+        return None if self.theta is None else torch.softmax(self.theta, dim=-1)
+
+    def forward(self, x: torch.Tensor, return_map: bool = False):
+        B, n, _ = x.shape
+        v = self.value(x).view(B, n, -1, self.d_h)                       # (B, n, Hl, d_h)
+        if self.impl == "reference" or return_map:
+            y, A = self._reference(x, v)                                 # (B, n, Hl, d_h)
+        else:
+            y, A = self._fused(x, v), None
+        if self.dropout and self.training:
+            with tp.rng_tracker.fork(y.device):                          # heads differ per TP rank
+                y = F.dropout(y, self.dropout)
+        out = self.out(y.reshape(B, n, -1))                              # (B, n, d)
+        return (out, A) if return_map else out
+
+    def _reference(self, x, v):
+        """Materialized: S = Σ α_m S_m (B, Hl, n, n), A = softmax(S + M), Y_h = A_h V_h."""
+        alpha = self._weights()
+        S = 0
+        for m, synth in enumerate(self.synth.values()):
+            S_m = synth.logits(x)                                        # (B or 1, Hl, n, n)
+            S = S + (S_m if alpha is None else alpha[:, m, None, None] * S_m)
+        n = x.shape[1]
+        A = torch.softmax(S + kernels.causal_mask(n, x.device, S.dtype), dim=-1).expand(x.shape[0], -1, -1, -1)
+        y = A @ v.transpose(1, 2)                                        # (B, Hl, n, d_h)
+        return y.transpose(1, 2), A
+
+    def _fused(self, x, v):
+        """Group the members by form: q·k features are concatenated (scaled by α), input-free maps summed."""
+        alpha, B, n = self._weights(), x.shape[0], x.shape[1]
+        first = next(iter(self.synth.values()))
+        if first.kind == "factors":   # factorized dense, never mixed (config.MIXABLE): its own kernel
+            A, Bf = first.factors(x)
+            return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
+        qs, ks, scale, bias, bias_weight, input_dependent = [], [], 1.0, None, None, False
+        for m, synth in enumerate(self.synth.values()):
+            w = None if alpha is None else alpha[:, m]                    # (Hl,)
+            input_dependent |= synth.input_dependent
+            if synth.kind == "qk":
+                q, k, s = synth.qk(x)                                    # (B or 1, Hl, n, f)
+                if w is None:
+                    scale = s
+                else:   # α·s·(q·k) = (α·s·q)·k: fold the weight into the query features
+                    q = q * (w * s)[:, None, None]
+                qs.append(q)
+                ks.append(k)
+            else:
+                bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
+        if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
+            S = bias if bias is None or bias_weight is None else bias_weight[:, None, None] * bias   # (Hl, n, n)
+            q = k = None
+            if qs:   # factors (Hl, n, Σf), the scale folded into q
+                q, k = torch.cat([p[0] for p in qs], -1), torch.cat([p[0] for p in ks], -1)
+                q = q if scale == 1.0 else q * scale
+            return kernels.shared_map_attention(S, v, q, k)
+        q, k = self._concat(qs, B), self._concat(ks, B)                  # (B or 1, Hl, n, Σf)
+        v = v.transpose(1, 2)                                            # (B, Hl, n, d_h)
+        if bias is None:
+            y = kernels.qk_attention(q, k, v, scale)
+        else:
+            y = kernels.biased_qk_attention(q, k, bias, bias_weight, v)   # in a mixture: weight α, no n² copy
+        return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
+
+    @staticmethod
+    def _concat(parts, B):
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p.expand(B, -1, -1, -1) for p in parts], dim=-1)
+
+    # ---- accounting --------------------------------------------------------------------------------
+    def synthesizer_parameters(self):
+        """(name, param) of the synthesizing function: Table 1 counts these, without V/O and biases."""
+        for name, p in self.synth.named_parameters():
+            if not name.endswith("bias"):
+                yield f"synth.{name}", p
+        if self.theta is not None:
+            yield "theta", self.theta
+
+    def flops(self, n):
+        """Forward FLOPs per token."""
+        H = tp.full_shape(self.value.weight)[0] // self.d_h
+        mixing = 2 * n * H * self.d_h + (len(self.names) - 1) * H * n     # A V, plus the α-weighted sum
+        return (linear_flops(self.value) + linear_flops(self.out) + mixing
+                + sum(s.flops(n) for s in self.synth.values()))
+
+    def train_flops(self, n):
+        """Forward + backward (2 × forward) per token; a map with nothing to learn needs no dA = dY Vᵀ."""
+        frozen_map = not any(p.requires_grad for _, p in self.synthesizer_parameters()) and \
+            not any(s.input_dependent for s in self.synth.values())
+        return 3 * self.flops(n) - (2 * n * tp.full_shape(self.value.weight)[0] if frozen_map else 0)
+
+
+class SpatialGatingMixer(nn.Module):
+    """gMLP's spatial gating unit (Liu et al. 2021), causal and multi-head, as a token mixer.
+
+    Z = GELU(X U) (B, n, 2·d_in) split per head group into Z1, Z2 (B, n, H, c), c = d_in/H;
+    s(Z)_h = Z1_h ⊙ ((W^h ⊙ causal)[:n, :n] · LN(Z2_h) + b^h[:n]);  Y = s(Z) V.
+    `spatial` W (Hl, L, L) ~ U(−ε/L, ε/L) and `spatial_bias` b (Hl, L) = 1, so the unit starts near identity
+    gating; LN normalises each head group's channels (`norm_weight`, `norm_bias` (Hl, c)), which keeps every
+    head's computation on the rank that owns it. U: d → 2·d_in column-parallel, laid out per head as
+    (H, 2, c); V: d_in → d row-parallel. No softmax. Table 1: H·L² (+ H·L biases).
+    """
+
+    def __init__(self, cfg: ModelConfig, d_inner: int, n_layers_scale: float):
+        super().__init__()
+        d, L, H = cfg.d_model, cfg.max_seq_len, cfg.n_heads
+        self.c, self.impl, self.eps = d_inner // H, cfg.impl, cfg.norm_eps
+        self.in_proj = tp.column_linear(d, 2 * d_inner, cfg.bias, cfg.init_std)
+        self.spatial = per_head(H, L, L, init=tp.uniform(cfg.sgu_init_eps / L))
+        self.spatial_bias = per_head(H, L, init=tp.constant(1.0))
+        self.norm_weight = per_head(H, self.c, init=tp.constant(1.0))
+        self.norm_bias = per_head(H, self.c, init=tp.constant(0.0))
+        self.out = tp.row_linear(d_inner, d, cfg.bias, cfg.init_std * n_layers_scale)
+
+    def forward(self, x: torch.Tensor, return_map: bool = False):
+        B, n, _ = x.shape
+        z = F.gelu(self.in_proj(x)).view(B, n, -1, 2, self.c)           # (B, n, Hl, 2, c)
+        z1, z2 = z.unbind(-2)                                            # (B, n, Hl, c) each
+        z2 = F.layer_norm(z2, (self.c,), eps=self.eps) * self.norm_weight + self.norm_bias
+        if self.impl == "reference" or return_map:
+            W = self.spatial[:, :n, :n].tril()                           # (Hl, n, n): W ⊙ causal
+            gate = torch.einsum("hij,bjhc->bihc", W, z2)                 # (B, n, Hl, c)
+        else:   # one causal matmul per head with the batch folded into the columns (no per-sample copy of W)
+            Hl = z2.shape[2]
+            cols = z2.permute(2, 1, 0, 3).reshape(Hl, n, B * self.c)     # (Hl, n, B·c)
+            gate = kernels.causal_matmul(self.spatial, cols)             # (Hl, n, B·c)
+            gate = gate.view(Hl, n, B, self.c).permute(2, 1, 0, 3)       # (B, n, Hl, c)
+        gate = gate + self.spatial_bias[:, :n].T[None, :, :, None]       # + b^h[i]
+        out = self.out((z1 * gate).reshape(B, n, -1))                    # (B, n, d)
+        return (out, W.unsqueeze(0).expand(B, -1, -1, -1)) if return_map else out
+
+    def synthesizer_parameters(self):
+        yield "spatial", self.spatial
+
+    def flops(self, n):
+        Hl_c = self.norm_weight.numel() * tp.tp_world()                  # d_in
+        return linear_flops(self.in_proj) + linear_flops(self.out) + 2 * n * Hl_c
+
+    def train_flops(self, n):
+        return 3 * self.flops(n)

@@ -1,0 +1,274 @@
+"""Tensor-parallel building blocks: megatron-core layers under TP, plain torch layers without a process group.
+
+The model code asks this module for "a column-parallel linear", "a vocab-parallel embedding", … and never
+looks at ranks. With megatron-core's `parallel_state` initialised the layers are megatron's
+(`ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`);
+without it they are `nn.Linear` / `nn.Embedding` / `F.cross_entropy` with the same parameter names, so one state
+dict fits both.
+
+Every parameter carries how it is split (`tensor_model_parallel`, `partition_dim`, megatron's attribute names) and
+how it is initialised (`init`), so `init_from_seed` can draw the *full* tensor from one seed and keep this rank's
+slice: TP=k starts from exactly the TP=1 model.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import zlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ConfigError
+
+
+# ---- where am I -------------------------------------------------------------------------------------
+def _mcore():
+    """megatron.core, imported on first use (only under a process group). The import sits in a try block because
+    transformers' remote-code loader skips those when it checks that every imported package is installed: a Hugging
+    Face export (model/hf.py) ships this file and must load without megatron-core."""
+    try:
+        import megatron.core
+    except ImportError as e:
+        raise ImportError(f"tensor parallelism needs megatron-core (pip install -r requirements.txt): {e}") from e
+    return megatron.core
+
+
+def _parallel_state():
+    """megatron-core's parallel_state if it has been initialised, else None (plain TP=1)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    parallel_state = _mcore().parallel_state
+    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+
+
+def tp_world() -> int:
+    ps = _parallel_state()
+    return ps.get_tensor_model_parallel_world_size() if ps else 1
+
+
+def tp_rank() -> int:
+    ps = _parallel_state()
+    return ps.get_tensor_model_parallel_rank() if ps else 0
+
+
+def tp_group():
+    ps = _parallel_state()
+    return ps.get_tensor_model_parallel_group() if ps else None
+
+
+def split_size(total: int, what: str) -> int:
+    """total / TP, with a one-line error when it does not divide."""
+    tp = tp_world()
+    if total % tp:
+        raise ConfigError(f"{what}={total} is not divisible by the tensor-parallel size parallel.tp={tp}; "
+                          f"choose {what} as a multiple of {tp}")
+    return total // tp
+
+
+# ---- parameter annotations: how a tensor is split and initialised ------------------------------------
+def annotate(param: nn.Parameter, init: Callable, partition_dim: int | None = None) -> nn.Parameter:
+    """Record this parameter's init rule and, if sharded over TP, the dimension it is split along."""
+    param.init = init
+    if partition_dim is not None:
+        param.tensor_model_parallel = True
+        param.partition_dim = partition_dim
+        param.partition_stride = 1
+    return param
+
+
+def normal(std: float) -> Callable:
+    return lambda t, g: t.normal_(0.0, std, generator=g)
+
+
+def uniform(bound: float) -> Callable:
+    return lambda t, g: t.uniform_(-bound, bound, generator=g)
+
+
+def constant(value: float) -> Callable:
+    return lambda t, g: t.fill_(value)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def full_shape(param: torch.Tensor) -> list[int]:
+    """The TP=1 shape of a (possibly sharded) parameter."""
+    shape = list(param.shape)
+    if is_sharded(param):
+        shape[param.partition_dim] *= tp_world()
+    return shape
+
+
+@torch.no_grad()
+def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = lambda name: name) -> None:
+    """Draw every parameter's full tensor from (seed, its name) and keep this rank's slice.
+
+    The generator depends on the name only, so the result is the same whatever the TP layout or the order
+    in which modules were built; `rename` maps a wrapper's names (pipeline stages) to the canonical ones.
+    """
+    tp, rank = tp_world(), tp_rank()
+    for local_name, p in model.named_parameters():
+        name = rename(local_name)
+        init = getattr(p, "init", None)
+        if init is None:
+            raise RuntimeError(f"parameter {name} has no init rule (annotate it in its module)")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = init(torch.empty(full_shape(p), dtype=torch.float32), g)
+        local = full.chunk(tp, dim=p.partition_dim)[rank] if is_sharded(p) else full
+        p.copy_(local)
+
+
+# ---- layers ------------------------------------------------------------------------------------------
+def _megatron_config():
+    # Weights are filled by init_from_seed; megatron's own init would draw per-rank random numbers.
+    return _mcore().ModelParallelConfig(tensor_model_parallel_size=tp_world(), use_cpu_initialization=True,
+                                        perform_initialization=False, params_dtype=torch.float32)
+
+
+def _no_init(_):
+    return None
+
+
+def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
+    """y = x Wᵀ + b with W (d_out, d_in) split along d_out: each rank computes its own d_out/TP outputs."""
+    if tp_world() == 1 and _parallel_state() is None:
+        layer = nn.Linear(d_in, d_out, bias=bias)
+    else:
+        layer = _megatron_linear("column")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
+                              gather_output=False)
+    annotate(layer.weight, normal(std), partition_dim=0)
+    if bias:
+        annotate(layer.bias, constant(0.0), partition_dim=0)
+    return layer
+
+
+def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
+    """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once."""
+    if tp_world() == 1 and _parallel_state() is None:
+        layer = nn.Linear(d_in, d_out, bias=bias)
+    else:
+        layer = _megatron_linear("row")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
+                           input_is_parallel=True, skip_bias_add=False)
+    annotate(layer.weight, normal(std), partition_dim=1)
+    if bias:
+        annotate(layer.bias, constant(0.0))
+    return layer
+
+
+def vocab_embedding(vocab: int, d: int, std: float) -> nn.Module:
+    """Token embedding (V, d) split along V: each rank looks up its vocabulary range, results all-reduced."""
+    if tp_world() == 1 and _parallel_state() is None:
+        layer = nn.Embedding(vocab, d)
+    else:
+        layer = _mcore().tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=_no_init,
+                                                                config=_megatron_config())
+    annotate(layer.weight, normal(std), partition_dim=0)
+    return layer
+
+
+def layer_norm(d: int, eps: float) -> nn.LayerNorm:
+    norm = nn.LayerNorm(d, eps=eps)
+    annotate(norm.weight, constant(1.0))
+    annotate(norm.bias, constant(0.0))
+    return norm
+
+
+@functools.cache
+def _megatron_linear(kind: str):
+    """megatron's parallel linears return (output, bias); ours return the output with the bias added."""
+    tensor_parallel = _mcore().tensor_parallel
+    base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear}[kind]
+    return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0]})
+
+
+# ---- communication in the model's forward ----------------------------------------------------------
+def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel matmul)."""
+    if tp_world() == 1:
+        return x
+    return _mcore().tensor_parallel.copy_to_tensor_model_parallel_region(x)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim (forward), keep this rank's slice of the gradient (backward).
+
+    megatron's version allocates on `torch.cuda.current_device()`; this one follows the input's device.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(tp_world())]
+        dist.all_gather(parts, x.contiguous(), group=tp_group())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(tp_world(), dim=-1)[tp_rank()].contiguous()
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    return x if tp_world() == 1 else _GatherLastDim.apply(x)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token loss (B, n) from vocab-sharded logits (B, n, V/TP)."""
+    if tp_world() == 1 and _parallel_state() is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    return _mcore().tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+
+
+# ---- RNG for dropout on TP-sharded activations -------------------------------------------------------
+class RNGTracker:
+    """A named RNG stream that differs per TP rank, for dropout on sharded activations (per-head outputs).
+
+    megatron's CudaRNGStatesTracker works only on CUDA; this one swaps the default generator of whatever
+    device the activations live on (CPU or an accelerator), and leaves the default stream untouched, so
+    dropout on replicated activations stays identical across TP ranks.
+    """
+
+    def __init__(self):
+        self.states: dict[tuple[str, str], torch.Tensor] = {}
+        self.seed = None
+
+    def set_seed(self, seed: int) -> None:
+        self.seed, self.states = seed, {}
+
+    @staticmethod
+    def _generator_ops(device: torch.device):
+        """(get_state, set_state, seed) of the default generator of `device`'s type."""
+        if device.type == "cpu":
+            g = torch.default_generator
+            return g.get_state, g.set_state, g.manual_seed
+        mod = torch.get_device_module(device.type)  # cuda, xpu, … share this interface
+        return mod.get_rng_state, mod.set_rng_state, mod.manual_seed
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device, name: str = "tensor-parallel"):
+        get_state, set_state, seed = self._generator_ops(device)
+        saved = get_state()
+        key = (device.type, name)
+        if key in self.states:
+            set_state(self.states[key])
+        else:
+            # megatron's convention: the model-parallel stream is seeded with seed + 2718 + tp_rank.
+            base = self.seed if self.seed is not None else torch.initial_seed()
+            seed(int(base) + 2718 + tp_rank())
+        try:
+            yield
+        finally:
+            self.states[key] = get_state()
+            set_state(saved)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "states": dict(self.states)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.seed, self.states = sd["seed"], dict(sd["states"])
+
+
+rng_tracker = RNGTracker()

@@ -1,0 +1,218 @@
+"""The synthesizing functions of Tay et al. 2020: each one produces the logits S_h (n × n) of its heads.
+
+Legend: B batch, n sequence length (n ≤ L = max_seq_len), d model width, H heads, Hl = H/TP heads on this rank,
+d_h = d/H head size. X (B, n, d) is the block's normed input. Every per-head weight is stored as (Hl, …), split
+over TP along dim 0, so a head's synthesizer lives on the rank that owns the head.
+
+Each class gives S two ways, both from the same parameters:
+- `logits(x)`: the materialized map (B or 1, Hl, n, n) — the paper's formula, used by `impl: reference`;
+- `qk(x)` (input → query/key features with S = scale·q kᵀ) or `bias(n)` (input-independent S) — used by the
+  fused kernels of model/kernels.py.
+`flops(n)` counts forward multiply-adds ×2 per token of this function alone (projections and the n² terms).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import parallel as tp
+from .config import ModelConfig
+from .kernels import inv_sqrt
+
+
+def heads(x: torch.Tensor, d_h: int) -> torch.Tensor:
+    """(B, n, Hl·d_h) -> (B, Hl, n, d_h)."""
+    B, n, _ = x.shape
+    return x.view(B, n, -1, d_h).transpose(1, 2)
+
+
+def per_head(n_heads: int, *shape: int, init) -> nn.Parameter:
+    """A parameter of shape (H/TP, *shape) whose rows are heads: split over TP along the head dim."""
+    local = tp.split_size(n_heads, "model.n_heads")
+    return tp.annotate(nn.Parameter(torch.empty(local, *shape)), init, partition_dim=0)
+
+
+def linear_flops(layer: nn.Module) -> int:
+    d_out, d_in = tp.full_shape(layer.weight)
+    return 2 * d_out * d_in
+
+
+class Rotary(nn.Module):
+    """RoPE (Su et al.): rotates pairs (x_{2i}, x_{2i+1}) of q and k by angle t·base^(−2i/d_h) at position t."""
+
+    def __init__(self, d_h: int, max_len: int, base: float):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, d_h - d_h % 2, 2, dtype=torch.float32) / d_h)   # (d_h/2,)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)          # (L, d_h/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, Hl, n, d_h)
+        n, half = x.shape[-2], self.cos.shape[-1]
+        cos, sin = self.cos[:n].to(x.dtype), self.sin[:n].to(x.dtype)
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return torch.cat((rot, x[..., 2 * half:]), dim=-1)
+
+
+class DotProduct(nn.Module):
+    """Vanilla attention logits: S_h[i, j] = q_i · k_j / √d_h, q = X W_q^h, k = X W_k^h (optionally rotary).
+
+    W_q, W_k: d → d column-parallel (heads split over TP). Table 1: 2d².
+    """
+
+    kind, input_dependent = "qk", True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, self.d_h = cfg.d_model, cfg.head_dim
+        self.q = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.k = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.rope = Rotary(self.d_h, cfg.max_seq_len, cfg.rope_base) if cfg.position == "rope" else None
+
+    def qk(self, x):
+        q, k = heads(self.q(x), self.d_h), heads(self.k(x), self.d_h)    # (B, Hl, n, d_h) each
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
+        return q, k, inv_sqrt(self.d_h)
+
+    def logits(self, x):
+        q, k, scale = self.qk(x)
+        return q @ k.transpose(-1, -2) * scale                           # (B, Hl, n, n)
+
+    def flops(self, n):
+        return linear_flops(self.q) + linear_flops(self.k) + 2 * n * tp.full_shape(self.q.weight)[0]
+
+
+class Dense(nn.Module):
+    """Dense synthesizer: S_h[i, :] = W_2^h σ(W_1^h X_i + b_1^h) + b_2^h, σ = ReLU.
+
+    W_1: d → d column-parallel (head h owns d_h outputs); W_2^h = `w2` (Hl, L, d_h), b_2^h = `w2_bias` (Hl, L):
+    row j of W_2^h scores key position j; both sliced to the first n positions. Table 1: d² + dL.
+    Fused: q = [σ(W_1 X + b_1), 1], k_j = [W_2^h[j], b_2^h[j]] (the same for every sample), scale 1.
+    """
+
+    kind, input_dependent = "qk", True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, L, self.d_h = cfg.d_model, cfg.max_seq_len, cfg.head_dim
+        self.w1 = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.w2 = per_head(cfg.n_heads, L, self.d_h, init=tp.normal(cfg.init_std))
+        self.w2_bias = per_head(cfg.n_heads, L, init=tp.constant(0.0))
+
+    def hidden(self, x):
+        return torch.relu(heads(self.w1(x), self.d_h))                  # (B, Hl, n, d_h)
+
+    def qk(self, x):
+        h, n = self.hidden(x), x.shape[1]
+        q = torch.cat((h, h.new_ones(h.shape[:-1] + (1,))), dim=-1)      # (B, Hl, n, d_h+1)
+        k = torch.cat((self.w2[:, :n], self.w2_bias[:, :n, None]), -1)   # (Hl, n, d_h+1)
+        return q, k.unsqueeze(0), 1.0
+
+    def logits(self, x):
+        n = x.shape[1]
+        return self.hidden(x) @ self.w2[:, :n].transpose(-1, -2) + self.w2_bias[:, None, :n]  # (B, Hl, n, n)
+
+    def flops(self, n):
+        H_d_h = tp.full_shape(self.w1.weight)[0]
+        return linear_flops(self.w1) + 2 * n * H_d_h
+
+
+class Random(nn.Module):
+    """Random synthesizer: S_h = R^h[:n, :n], R^h ∈ ℝ^{L×L} — `R` (Hl, L, L), trainable or (`frozen`) fixed.
+
+    Table 1: H·L² trainable (0 when fixed; the frozen R is still a parameter, saved in checkpoints).
+    Fused: softmax(R + M) is the same for every sample, so it is computed once per forward.
+    """
+
+    kind, input_dependent = "bias", False
+
+    def __init__(self, cfg: ModelConfig, frozen: bool = False):
+        super().__init__()
+        L = cfg.max_seq_len
+        self.R = per_head(cfg.n_heads, L, L, init=tp.normal(cfg.random_init_std))
+        self.R.requires_grad_(not frozen)
+
+    def bias(self, n):   # at n = L, R itself: a full-size slice's backward would copy the whole (Hl, L, L) gradient
+        return self.R if n == self.R.shape[-1] else self.R[:, :n, :n]    # (Hl, n, n)
+
+    def logits(self, x):
+        return self.bias(x.shape[1]).unsqueeze(0)                         # (1, Hl, n, n)
+
+    def flops(self, n):
+        return 0
+
+
+class FactorizedRandom(nn.Module):
+    """Factorized random synthesizer: S_h = R_1^h[:n] (R_2^h[:n])ᵀ, R_1^h, R_2^h ∈ ℝ^{L×k}; no dependence on X.
+
+    `R1`, `R2`: (Hl, L, k). Table 1: 2·H·L·k. Fused: q = R_1, k = R_2 for every sample, scale 1.
+    """
+
+    kind, input_dependent = "qk", False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        L, k = cfg.max_seq_len, cfg.factorized_k
+        self.R1 = per_head(cfg.n_heads, L, k, init=tp.normal(cfg.random_init_std / k ** 0.25))
+        self.R2 = per_head(cfg.n_heads, L, k, init=tp.normal(cfg.random_init_std / k ** 0.25))
+
+    def qk(self, x):
+        n = x.shape[1]
+        return self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0   # (1, Hl, n, k) each
+
+    def logits(self, x):
+        q, k, _ = self.qk(x)
+        return q @ k.transpose(-1, -2)                                    # (1, Hl, n, n)
+
+    def flops(self, n):
+        H, _, k = tp.full_shape(self.R1)
+        return 2 * n * k * H
+
+
+class FactorizedDense(nn.Module):
+    """Factorized dense synthesizer, a·b = L: A_i = F_A^h(X_i) ∈ ℝ^a, B_i = F_B^h(X_i) ∈ ℝ^b,
+    S_h[i, j] = A_i[j mod a] · B_i[⌊j/a⌋] — all a·b products, one per key position j < L, then sliced to n.
+
+    F_A^h(X_i) = W_A^h σ(W_1^h X_i + b_1^h) + b_A^h with W_1: d → d column-parallel, `fa` (Hl, a, d_h),
+    `fa_bias` (Hl, a); likewise `fb`, `fb_bias` with b. Table 1: d² + d(a+b).
+    Fused: S has no q·k form; `factors(x)` feed a kernel that builds S one block of query rows at a time.
+    """
+
+    kind, input_dependent = "factors", True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, self.d_h, a, b = cfg.d_model, cfg.head_dim, cfg.factorized_a, cfg.factorized_b
+        self.w1 = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.fa = per_head(cfg.n_heads, a, self.d_h, init=tp.normal(cfg.init_std))
+        self.fa_bias = per_head(cfg.n_heads, a, init=tp.constant(0.0))
+        self.fb = per_head(cfg.n_heads, b, self.d_h, init=tp.normal(cfg.init_std))
+        self.fb_bias = per_head(cfg.n_heads, b, init=tp.constant(0.0))
+
+    def factors(self, x):
+        """A (B, Hl, n, a), B (B, Hl, n, b) — what the fused kernel builds S from, block by block."""
+        h = torch.relu(heads(self.w1(x), self.d_h))                       # (B, Hl, n, d_h)
+        A = h @ self.fa.transpose(-1, -2).unsqueeze(0) + self.fa_bias[:, None]   # (B, Hl, n, a)
+        Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
+        return A, Bf
+
+    def logits(self, x):
+        n = x.shape[1]
+        A, Bf = self.factors(x)
+        # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
+        S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, n, L)
+        return S[..., :n]                                                 # (B, Hl, n, n)
+
+    def flops(self, n):
+        H, a, d_h = tp.full_shape(self.fa)
+        b = self.fb.shape[1]
+        return linear_flops(self.w1) + 2 * H * d_h * (a + b) + H * n
+
+
+def build_synthesizer(name: str, cfg: ModelConfig) -> nn.Module:
+    if name == "random_fixed":
+        return Random(cfg, frozen=True)
+    return {"dot": DotProduct, "dense": Dense, "random": Random,
+            "factorized_random": FactorizedRandom, "factorized_dense": FactorizedDense}[name](cfg)

@@ -19,7 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .biased_attention import _block, _dot, _rows, _tile, _width
+from .flash import (block, causal, dot, exact, online_softmax, outputs, program, row_deltas, rows,
+                    softmax_start, store_output, tile, width)
+
+
+@triton.jit
+def _factor_rows(Af, Bf, b, h, s_ab, s_ah, s_bb, s_bh):
+    """Where sample b's head h starts in A and B."""
+    return Af + b * s_ab + h * s_ah, Bf + b * s_bb + h * s_bh
 
 
 @triton.jit
@@ -32,55 +39,36 @@ def _gathered(Arow, Brow, rows, cols, n, a, s_an, s_bn):
 
 
 @triton.jit
-def _causal(s, rows, cols, n):
-    keep = (rows[:, None] < n) & (cols[None, :] < n) & (cols[None, :] <= rows[:, None])
-    return tl.where(keep, s, float("-inf"))
-
-
-@triton.jit
 def _fwd(Af, Bf, V, O, L, n, H, a, dv, s_ab, s_ah, s_an, s_bb, s_bh, s_bn, s_vb, s_vh, s_vn, s_ob, s_oh, s_on,
          DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    i0, bh = tl.program_id(0) * BLOCK, tl.program_id(1)
-    b, h = bh // H, bh % H
+    """O and L of query block i of one (sample, head): the online softmax over the key blocks up to the diagonal."""
+    i0, b, h, bh = program(BLOCK, H)
     rows, vcol = i0 + tl.arange(0, BLOCK), tl.arange(0, DV)
-    Arow, Brow = Af + b * s_ab + h * s_ah, Bf + b * s_bb + h * s_bh
-    m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK,), tl.float32)
-    acc = tl.zeros((BLOCK, DV), tl.float32)
+    Arow, Brow = _factor_rows(Af, Bf, b, h, s_ab, s_ah, s_bb, s_bh)
+    m_i, l_i, acc = softmax_start(BLOCK, DV)
     for j0 in range(0, i0 + BLOCK, BLOCK):   # key blocks up to the diagonal block
         cols = j0 + tl.arange(0, BLOCK)
         ag, bg = _gathered(Arow, Brow, rows, cols, n, a, s_an, s_bn)
-        s = _causal(ag * bg, rows, cols, n)
-        v = _tile(V + b * s_vb + h * s_vh, cols, vcol, s_vn, n, dv)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        scale = tl.exp(m_i - m_safe)
-        l_i = l_i * scale + tl.sum(p, 1)
-        acc = acc * scale[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(O + b * s_ob + h * s_oh + rows[:, None] * s_on + vcol[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
-             mask=(rows[:, None] < n) & (vcol[None, :] < dv))
-    tl.store(L + bh * n + rows, m_i + tl.log(l_safe), mask=rows < n)
+        v = tile(V + b * s_vb + h * s_vh, cols, vcol, s_vn, n, dv)
+        m_i, l_i, acc = online_softmax(causal(ag * bg, rows, cols, n), v, m_i, l_i, acc, IEEE)
+    store_output(O + b * s_ob + h * s_oh, L + bh * n, acc, l_i, m_i, rows, vcol, s_on, n, dv)
 
 
 @triton.jit
 def _bwd_v(Af, Bf, DO, L, DVb, n, H, a, dv, s_ab, s_ah, s_an, s_bb, s_bh, s_bn, s_ob, s_oh, s_on, s_dvb, s_dvh, s_dvn,
            DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """dV of key block j of one (sample, head): Pᵀ dO over the query blocks at or below the diagonal."""
-    j0, bh = tl.program_id(0) * BLOCK, tl.program_id(1)
-    b, h = bh // H, bh % H
+    j0, b, h, bh = program(BLOCK, H)
     cols, vcol = j0 + tl.arange(0, BLOCK), tl.arange(0, DV)
-    Arow, Brow = Af + b * s_ab + h * s_ah, Bf + b * s_bb + h * s_bh
+    Arow, Brow = _factor_rows(Af, Bf, b, h, s_ab, s_ah, s_bb, s_bh)
     acc = tl.zeros((BLOCK, DV), tl.float32)
     for i0 in range(j0, n, BLOCK):
         rows = i0 + tl.arange(0, BLOCK)
         ag, bg = _gathered(Arow, Brow, rows, cols, n, a, s_an, s_bn)
         lse = tl.load(L + bh * n + rows, mask=rows < n, other=0.0)
-        p = tl.exp(_causal(ag * bg, rows, cols, n) - lse[:, None])
-        do = _tile(DO + b * s_ob + h * s_oh, rows, vcol, s_on, n, dv)
-        acc += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+        p = tl.exp(causal(ag * bg, rows, cols, n) - lse[:, None])
+        do = tile(DO + b * s_ob + h * s_oh, rows, vcol, s_on, n, dv)
+        acc += dot(tl.trans(p.to(do.dtype)), do, IEEE)
     tl.store(DVb + b * s_dvb + h * s_dvh + cols[:, None] * s_dvn + vcol[None, :], acc.to(DVb.dtype.element_ty),
              mask=(cols[:, None] < n) & (vcol[None, :] < dv))
 
@@ -90,11 +78,10 @@ def _bwd_factors(Af, Bf, V, DO, L, D, DA, DB, n, H, a, nb, dv, s_ab, s_ah, s_an,
                  s_ob, s_oh, s_on, s_dab, s_dah, s_dan, s_dbb, s_dbh, s_dbn,
                  AP: tl.constexpr, BP: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """dA, dB of query block i of one (sample, head), over the key blocks up to the diagonal."""
-    i0, bh = tl.program_id(0) * BLOCK, tl.program_id(1)
-    b, h = bh // H, bh % H
+    i0, b, h, bh = program(BLOCK, H)
     rows, vcol, pa, rb = i0 + tl.arange(0, BLOCK), tl.arange(0, DV), tl.arange(0, AP), tl.arange(0, BP)
-    Arow, Brow = Af + b * s_ab + h * s_ah, Bf + b * s_bb + h * s_bh
-    do = _tile(DO + b * s_ob + h * s_oh, rows, vcol, s_on, n, dv)
+    Arow, Brow = _factor_rows(Af, Bf, b, h, s_ab, s_ah, s_bb, s_bh)
+    do = tile(DO + b * s_ob + h * s_oh, rows, vcol, s_on, n, dv)
     lse = tl.load(L + bh * n + rows, mask=rows < n, other=0.0)
     delta = tl.load(D + bh * n + rows, mask=rows < n, other=0.0)
     da = tl.zeros((BLOCK, AP), tl.float32)
@@ -102,13 +89,13 @@ def _bwd_factors(Af, Bf, V, DO, L, D, DA, DB, n, H, a, nb, dv, s_ab, s_ah, s_an,
     for j0 in range(0, i0 + BLOCK, BLOCK):
         cols = j0 + tl.arange(0, BLOCK)
         ag, bg = _gathered(Arow, Brow, rows, cols, n, a, s_an, s_bn)
-        p = tl.exp(_causal(ag * bg, rows, cols, n) - lse[:, None])
-        v = _tile(V + b * s_vb + h * s_vh, cols, vcol, s_vn, n, dv)
-        ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None])        # dS = P ⊙ (dO vᵀ − D)
+        p = tl.exp(causal(ag * bg, rows, cols, n) - lse[:, None])
+        v = tile(V + b * s_vb + h * s_vh, cols, vcol, s_vn, n, dv)
+        ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])        # dS = P ⊙ (dO vᵀ − D)
         Ea = ((cols[:, None] % a) == pa[None, :]).to(tl.float32)        # (BLOCK, AP): key j feeds A's entry j mod a
         Eb = ((cols[:, None] // a) == rb[None, :]).to(tl.float32)       # (BLOCK, BP): and B's entry ⌊j/a⌋
-        da += _dot((ds * bg).to(do.dtype), Ea.to(do.dtype), IEEE)
-        db += _dot((ds * ag).to(do.dtype), Eb.to(do.dtype), IEEE)
+        da += dot((ds * bg).to(do.dtype), Ea.to(do.dtype), IEEE)
+        db += dot((ds * ag).to(do.dtype), Eb.to(do.dtype), IEEE)
     tl.store(DA + b * s_dab + h * s_dah + rows[:, None] * s_dan + pa[None, :], da.to(DA.dtype.element_ty),
              mask=(rows[:, None] < n) & (pa[None, :] < a))
     tl.store(DB + b * s_dbb + h * s_dbh + rows[:, None] * s_dbn + rb[None, :], db.to(DB.dtype.element_ty),
@@ -123,13 +110,11 @@ class FactorizedDenseFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, Bf, v):
         B, H, n, a = A.shape
-        block = _block(v)
-        o = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        lse = torch.empty((B, H, n), device=v.device, dtype=torch.float32)
-        c = dict(DV=_width(v.shape[-1]), BLOCK=block, IEEE=v.dtype == torch.float32 or v.device.type == "cpu")
-        _fwd[(triton.cdiv(n, block), B * H)](A, Bf, v, o, lse, n, H, a, v.shape[-1], *_rows(A, Bf, v, o), **c)
+        blk = block(v)
+        o, lse = outputs(v)                                                  # O, and the rows' logsumexp
+        ctx.c = c = dict(DV=width(v.shape[-1]), BLOCK=blk, IEEE=exact(v))
+        _fwd[(triton.cdiv(n, blk), B * H)](A, Bf, v, o, lse, n, H, a, v.shape[-1], *rows(A, Bf, v, o), **c)
         ctx.save_for_backward(A, Bf, v, o, lse)
-        ctx.c = c
         return o
 
     @staticmethod
@@ -138,11 +123,11 @@ class FactorizedDenseFlash(torch.autograd.Function):
         B, H, n, a = A.shape
         c, grid, dv_width = ctx.c, (triton.cdiv(n, ctx.c["BLOCK"]), B * H), v.shape[-1]
         do = do if do.stride(-1) == 1 else do.contiguous()
-        D = (do.float() * o.float()).sum(-1).contiguous()                    # (B, Hl, n): D_i = dO_i · O_i
+        D = row_deltas(do, o)                                                # (B, Hl, n)
         dA, dB, dv = torch.empty_like(A), torch.empty_like(Bf), torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        _bwd_v[grid](A, Bf, do, lse, dv, n, H, a, dv_width, *_rows(A, Bf, do, dv), **c)
+        _bwd_v[grid](A, Bf, do, lse, dv, n, H, a, dv_width, *rows(A, Bf, do, dv), **c)
         _bwd_factors[grid](A, Bf, v, do, lse, D, dA, dB, n, H, a, Bf.shape[-1], dv_width,
-                           *_rows(A, Bf, v, do, dA, dB), AP=_width(a), BP=_width(Bf.shape[-1]), **c)
+                           *rows(A, Bf, v, do, dA, dB), AP=width(a), BP=width(Bf.shape[-1]), **c)
         return dA, dB, dv
 
 

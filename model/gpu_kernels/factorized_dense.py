@@ -59,9 +59,9 @@ def _bwd_v(Af, Bf, DO, L, DVb, n, H, a, dv, s_ab, s_ah, s_an, s_bb, s_bh, s_bn, 
            DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """dV of key block j of one (sample, head): Pᵀ dO over the query blocks at or below the diagonal."""
     j0, b, h, bh = program(BLOCK, H)
-    cols, vcol = j0 + tl.arange(0, BLOCK), tl.arange(0, DV)
     Arow, Brow = _factor_rows(Af, Bf, b, h, s_ab, s_ah, s_bb, s_bh)
     acc = tl.zeros((BLOCK, DV), tl.float32)
+    cols, vcol = j0 + tl.arange(0, BLOCK), tl.arange(0, DV)
     for i0 in range(j0, n, BLOCK):
         rows = i0 + tl.arange(0, BLOCK)
         ag, bg = _gathered(Arow, Brow, rows, cols, n, a, s_an, s_bn)

@@ -57,7 +57,7 @@ class SynthformerConfig(PreTrainedConfig):
     seed: int = _DEFAULTS["seed"]
 
     # Hugging Face side. Tying the embedding to the head happens inside SynthesizerLM (no head tensor when tied),
-    # so transformers must never tie anything itself; and there is no KV cache: generation recomputes the prefix.
+    # so transformers must never tie anything itself; and generation recomputes the prefix (no cache is wired yet).
     tie_word_embeddings: bool = False
     use_cache: bool = False
     bos_token_id: int | None = None
@@ -73,7 +73,3 @@ class SynthformerConfig(PreTrainedConfig):
     def to_model_config(self) -> ModelConfig:
         """The ModelConfig these fields describe (a ConfigError names the first bad one)."""
         return ModelConfig.from_dict({name: getattr(self, name) for name in _DEFAULTS}, key="config.json")
-
-    @classmethod
-    def from_model_config(cls, cfg: ModelConfig, **kwargs) -> "SynthformerConfig":
-        return cls(**cfg.to_dict(), **kwargs)

@@ -1,4 +1,5 @@
-"""Sampling from a SynthesizerLM (no cache: every step re-reads the last ≤ max_seq_len tokens).
+"""Sampling from a SynthesizerLM: every step hands the model the last ≤ max_seq_len tokens (a CachedLM of
+model/decoding.py computes only the new position of them).
 
 Works under TP: each rank computes its vocabulary slice and the logits of the last position are gathered, so
 every rank draws the same token from the same seeded generator.

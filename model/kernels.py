@@ -23,6 +23,7 @@ contiguous inputs, one batched GEMM for a batch-shared map, Triton kernels where
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -35,6 +36,16 @@ def on_gpu_path(t: torch.Tensor) -> bool:
     SYNTHFORMER_KERNELS=gpu sends CPU tensors down the GPU path too, its Triton kernels then under
     TRITON_INTERPRET=1: how the tests check the GPU kernels on a machine without one."""
     return t.is_cuda or os.environ.get("SYNTHFORMER_KERNELS") == "gpu"
+
+
+def triton_kernel(name: str):
+    """The module model/gpu_kernels/<name>.py, or None where it cannot load: without triton, or in a Hugging Face
+    export, which carries model/'s own files but not that package (imported by name, so that transformers' loader
+    does not require it). The caller then runs its CPU form, which is correct on a GPU too, only slower."""
+    try:
+        return importlib.import_module(f"{__package__}.gpu_kernels.{name}")
+    except ImportError:
+        return None
 
 
 def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -191,10 +202,9 @@ class BiasedQKAttention(torch.autograd.Function):
 def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
     """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)
     -> (B, Hl, n, d_h)."""
-    if on_gpu_path(v):   # a Triton flash kernel adding R's tiles (any widths; no padding needed)
-        from .gpu_kernels.biased_attention import biased_flash_attention
-
-        return biased_flash_attention(q, k, R, w, v)
+    gpu = on_gpu_path(v) and triton_kernel("biased_attention")
+    if gpu:   # a Triton flash kernel adding R's tiles (any widths; no padding needed)
+        return gpu.biased_flash_attention(q, k, R, w, v)
     B, d_h = v.shape[0], v.shape[-1]
     width = _common_width(q, d_h)
     q = _pad_last(q, width).expand(B, -1, -1, -1)
@@ -253,10 +263,9 @@ class FactorizedDenseAttention(torch.autograd.Function):
 
 def factorized_dense_attention(A, Bf, v, block: int = 128) -> torch.Tensor:
     """softmax(S + M) v, S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋]; A (B, Hl, n, a), Bf (B, Hl, n, b), v (B, Hl, n, d_h)."""
-    if on_gpu_path(v):   # a Triton flash kernel that builds S's tiles from the factors
-        from .gpu_kernels.factorized_dense import factorized_dense_flash
-
-        return factorized_dense_flash(A, Bf, v)
+    gpu = on_gpu_path(v) and triton_kernel("factorized_dense")
+    if gpu:   # a Triton flash kernel that builds S's tiles from the factors
+        return gpu.factorized_dense_flash(A, Bf, v)
     return FactorizedDenseAttention.apply(A, Bf, v, block)
 
 

@@ -1,6 +1,7 @@
 """A GPT-style causal language model whose token mixers are Synthesizers — read it top to bottom.
 
-Legend: B batch, n length, d width, V vocabulary, V/TP the vocabulary slice of this tensor-parallel rank.
+Legend: B batch, n length (m positions t0 … t0+m−1 of it when decoding), d width, V vocabulary, V/TP the vocabulary
+slice of this tensor-parallel rank.
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
@@ -34,11 +34,11 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm block: x + Mixer(LN(x)), then x + MLP(LN(x)) — or, with `block: gmlp`, the gMLP block
-    x + SGU-Mixer(LN(x)) with the d → d_ffn → d_ffn/2 → d projections inside the mixer and no MLP."""
+    x + SGU-Mixer(LN(x)) with the d → d_ffn → d_ffn/2 → d projections inside the mixer and no MLP.
+    forward(x (B, m, d) at positions t0…, cache of the positions before t0 when decoding) → (B, m, d)."""
 
-    def __init__(self, cfg: ModelConfig, mixer: str, checkpoint: bool = False):
+    def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
-        self.checkpoint = checkpoint   # activation checkpointing: keep only the input, recompute in backward
         scale = 1 / math.sqrt(2 * cfg.n_layers)   # GPT-2: residual projections shrink with depth
         self.ln_1 = tp.layer_norm(cfg.d_model, cfg.norm_eps)
         if cfg.block == "gmlp":
@@ -50,77 +50,116 @@ class Block(nn.Module):
             self.ln_2, self.mlp = tp.layer_norm(cfg.d_model, cfg.norm_eps), MLP(cfg, scale)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
-        if self.checkpoint and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
-
-    def _forward(self, x):
-        x = x + self.drop(self.mixer(self.ln_1(x)))
-        if self.mlp is not None:
-            x = x + self.drop(self.mlp(self.ln_2(x)))
-        return x
-
-    def attention_map(self, x):
-        """(output, map (B, Hl, n, n)) computed on the materialized path."""
-        y, A = self.mixer(self.ln_1(x), return_map=True)
+    def forward(self, x, t0: int = 0, cache=None, return_map: bool = False):
+        y = self.mixer(self.ln_1(x), return_map=return_map, t0=t0, cache=cache)
+        y, A = y if return_map else (y, None)
         x = x + self.drop(y)
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
-        return x, A
+        return (x, A) if return_map else x
+
+    def attention_map(self, x):
+        """(output, map (B, Hl, n, n)) computed on the materialized path."""
+        return self(x, return_map=True)
 
     def train_flops(self, n):
         """Forward + backward FLOPs per token of this block."""
         return self.mixer.train_flops(n) + (3 * self.mlp.flops(n) if self.mlp is not None else 0)
 
 
-class SynthesizerLM(nn.Module):
-    """Token embedding (vocab-parallel) [+ learned positions] → blocks → LN → output head (vocab-parallel).
+class Embedding(nn.Module):
+    """x = dropout(E[tokens] + P[t0 : t0+m]): tokens (B, m) at positions t0 … t0+m−1 → (B, m, d).
 
-    forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → mean cross-entropy (scalar),
-    computed by vocab_parallel_cross_entropy without gathering the vocabulary.
+    E `wte` (V, d): vocabulary-parallel; P `wpe` (L, d): learned positions (`position: learned`, else none).
+    A pipeline runs the two halves as two stages (the token half's weight is tied to the head on the last one):
+    `Embedding(cfg, positions=False)` takes tokens, `Embedding(cfg, tokens=False)` takes embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, tokens: bool = True, positions: bool = True):
+        super().__init__()
+        self.max_seq_len = cfg.max_seq_len
+        self.wte = tp.vocab_embedding(cfg.vocab_size, cfg.d_model, cfg.init_std) if tokens else None
+        self.wpe = None
+        if positions and cfg.position == "learned":
+            self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            tp.annotate(self.wpe.weight, tp.normal(cfg.init_std))
+        self.drop = nn.Dropout(cfg.dropout) if positions else None
+
+    def forward(self, x, t0: int = 0):
+        if self.wte is not None:                                         # token ids (B, m)
+            end = t0 + x.shape[1]
+            if end > self.max_seq_len:
+                raise ValueError(f"sequence length n={end} exceeds model.max_seq_len L={self.max_seq_len}; "
+                                 "shorten the input or train a model with a larger max_seq_len")
+            x = self.wte(x)                                              # (B, m, d)
+        if self.drop is not None:
+            if self.wpe is not None:
+                x = x + self.wpe.weight[t0:t0 + x.shape[1]]
+            x = self.drop(x)
+        return x
+
+
+class Head(nn.Module):
+    """logits = LN(x) Wᵀ (B, n, V/TP), W (V/TP, d) the vocabulary slice of a column-parallel head or of the tied
+    token embedding; `loss` the mean cross-entropy, computed on vocabulary shards without gathering them.
+    A pipeline runs the final norm (`Head(cfg, projection=False)`) and the projection as two stages."""
+
+    def __init__(self, cfg: ModelConfig, norm: bool = True, projection: bool = True):
+        super().__init__()
+        self.ln_f = tp.layer_norm(cfg.d_model, cfg.norm_eps) if norm else None
+        own = projection and not cfg.tie_embeddings
+        self.head = tp.column_linear(cfg.d_model, cfg.vocab_size, False, cfg.init_std) if own else None
+
+    def forward(self, x, tied_weight=None):
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        weight = self.head.weight if self.head is not None else tied_weight
+        return x if weight is None else Head.project(x, weight)
+
+    @staticmethod
+    def project(x, weight):
+        return tp.copy_to_tp(x) @ weight.T                               # grads of x all-reduced over TP
+
+    @staticmethod
+    def loss(logits, targets, ignore_index: int = -100):
+        """Mean over the targets that are not `ignore_index` (Hugging Face labels pad with -100) of
+        −log softmax(logits)[target]."""
+        keep = targets != ignore_index
+        per_token = tp.cross_entropy(logits, targets.masked_fill(~keep, 0))   # (B, n)
+        return (per_token * keep).sum() / keep.sum()
+
+
+class SynthesizerLM(nn.Module):
+    """Embedding → blocks → Head.
+
+    forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → the mean cross-entropy (scalar).
+    The Embedding's and Head's layers are this module's own (`wte`, `wpe`, `ln_f`, `head`), so that parameters keep
+    the names of every checkpoint, release and export; `embed` and `logits` run those classes' forward on them.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
-        d, V, L = cfg.d_model, cfg.vocab_size, cfg.max_seq_len
-        tp.split_size(V, "model.vocab_size")
+        self.cfg, self.max_seq_len = cfg, cfg.max_seq_len
+        tp.split_size(cfg.vocab_size, "model.vocab_size")
         tp.split_size(cfg.n_heads, "model.n_heads")
         tp.split_size(cfg.d_ffn, "model.d_ffn")
-        self.wte = tp.vocab_embedding(V, d, cfg.init_std)
-        self.wpe = None
-        if cfg.position == "learned":
-            self.wpe = nn.Embedding(L, d)
-            tp.annotate(self.wpe.weight, tp.normal(cfg.init_std))
-        self.drop = nn.Dropout(cfg.dropout)
+        embedding, head = Embedding(cfg), Head(cfg)
+        self.wte, self.wpe, self.drop = embedding.wte, embedding.wpe, embedding.drop
         self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.layer_mixers())
-        self.ln_f = tp.layer_norm(d, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else tp.column_linear(d, V, False, cfg.init_std)
+        self.ln_f, self.head = head.ln_f, head.head
 
-    def embed(self, tokens):
-        n = tokens.shape[1]
-        if n > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length n={n} exceeds model.max_seq_len L={self.cfg.max_seq_len}; "
-                             "shorten the input or train a model with a larger max_seq_len")
-        x = self.wte(tokens)                                             # (B, n, d)
-        if self.wpe is not None:
-            x = x + self.wpe.weight[:n]
-        return self.drop(x)
+    def embed(self, tokens, t0: int = 0):
+        return Embedding.forward(self, tokens, t0)                       # (B, m, d)
 
     def logits(self, x):
-        x = tp.copy_to_tp(self.ln_f(x))                                  # (B, n, d), grads all-reduced over TP
-        weight = self.wte.weight if self.head is None else self.head.weight   # (V/TP, d)
-        return x @ weight.T                                              # (B, n, V/TP)
+        return Head.forward(self, x, self.wte.weight)                    # (B, n, V/TP)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         logits = self.logits(x)
-        if targets is None:
-            return logits
-        return tp.cross_entropy(logits, targets).mean()
+        return logits if targets is None else Head.loss(logits, targets)
 
     @torch.no_grad()
     def attention_maps(self, tokens: torch.Tensor) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from . import kernels, parallel as tp
 from .config import ModelConfig, parse_mixer
-from .synthesizers import build_synthesizer, heads, linear_flops, per_head
+from .synthesizers import build_synthesizer, linear_flops, per_head
 
 
 class SynthesizedAttention(nn.Module):
@@ -19,7 +19,8 @@ class SynthesizedAttention(nn.Module):
     S_m^h are the logits of the synthesizers named in `mixer` ('dense', 'random+dot', …); with several,
     α^h = softmax(θ^h), θ `theta` (Hl, m) learnable per head, initialised to 0 (equal weights).
     W_v: d → d column-parallel (heads split over TP), W_o: d → d row-parallel (partial sums all-reduced).
-    `impl='fused'` runs the kernels of model/kernels.py; `impl='reference'` materializes A and can return it.
+    `impl='fused'` runs the kernels of model/kernels.py; `impl='reference'` materializes A and can return it, also
+    for the rows of positions t0… of a sequence whose earlier positions are in a decoding `cache` (model/decoding.py).
     """
 
     def __init__(self, cfg: ModelConfig, mixer: str, n_layers_scale: float):
@@ -36,30 +37,34 @@ class SynthesizedAttention(nn.Module):
         """α (Hl, m) = softmax(θ) over the mixture's members, or None for a single synthesizer."""
         return None if self.theta is None else torch.softmax(self.theta, dim=-1)
 
-    def forward(self, x: torch.Tensor, return_map: bool = False):
-        B, n, _ = x.shape
-        v = self.value(x).view(B, n, -1, self.d_h)                       # (B, n, Hl, d_h)
-        if self.impl == "reference" or return_map:
-            y, A = self._reference(x, v)                                 # (B, n, Hl, d_h)
+    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None):
+        B, m, _ = x.shape
+        v = self.value(x).view(B, m, -1, self.d_h)                       # (B, m, Hl, d_h)
+        if self.impl == "reference" or return_map or cache is not None:
+            y, A = self._materialized(x, v, t0, cache)                   # (B, m, Hl, d_h)
         else:
             y, A = self._fused(x, v), None
         if self.dropout and self.training:
             with tp.rng_tracker.fork(y.device):                          # heads differ per TP rank
                 y = F.dropout(y, self.dropout)
-        out = self.out(y.reshape(B, n, -1))                              # (B, n, d)
+        out = self.out(y.reshape(B, m, -1))                              # (B, m, d)
         return (out, A) if return_map else out
 
-    def _reference(self, x, v):
-        """Materialized: S = Σ α_m S_m (B, Hl, n, n), A = softmax(S + M), Y_h = A_h V_h."""
-        alpha = self._weights()
-        S = 0
-        for m, synth in enumerate(self.synth.values()):
-            S_m = synth.logits(x)                                        # (B or 1, Hl, n, n)
-            S = S + (S_m if alpha is None else alpha[:, m, None, None] * S_m)
-        n = x.shape[1]
-        A = torch.softmax(S + kernels.causal_mask(n, x.device, S.dtype), dim=-1).expand(x.shape[0], -1, -1, -1)
-        y = A @ v.transpose(1, 2)                                        # (B, Hl, n, d_h)
-        return y.transpose(1, 2), A
+    def _materialized(self, x, v, t0=0, cache=None):
+        """Rows i = t0 … t1−1 of S = Σ α_m S_m (B, Hl, m, t1), A = softmax(S + M), Y_h = A_h V_h over keys j < t1;
+        a cache holds the values (and dot keys) of positions < t0 and takes those of x's."""
+        t1 = t0 + x.shape[1]
+        v = v.transpose(1, 2)                                            # (B, Hl, m, d_h)
+        if cache is not None:
+            v = cache.extend("v", v, t0)                                 # (B, Hl, t1, d_h)
+        alpha, S = self._weights(), 0
+        for k, (name, synth) in enumerate(self.synth.items()):
+            keys = cache.extend(name, synth.keys(x, t0), t0) if cache is not None and synth.cached else None
+            S_k = synth.logits(x, t0, keys)                              # (B or 1, Hl, m, t1)
+            S = S + (S_k if alpha is None else alpha[:, k, None, None] * S_k)
+        causal = kernels.causal_mask(t1, x.device, S.dtype)[t0:]         # rows i: keys j ≤ i
+        A = torch.softmax(S + causal, dim=-1).expand(x.shape[0], -1, -1, -1)
+        return (A @ v).transpose(1, 2), A                                # (B, m, Hl, d_h), (B, Hl, m, t1)
 
     def _fused(self, x, v):
         """Group the members by form: q·k features are concatenated (scaled by α), input-free maps summed."""
@@ -148,21 +153,26 @@ class SpatialGatingMixer(nn.Module):
         self.norm_bias = per_head(H, self.c, init=tp.constant(0.0))
         self.out = tp.row_linear(d_inner, d, cfg.bias, cfg.init_std * n_layers_scale)
 
-    def forward(self, x: torch.Tensor, return_map: bool = False):
-        B, n, _ = x.shape
-        z = F.gelu(self.in_proj(x)).view(B, n, -1, 2, self.c)           # (B, n, Hl, 2, c)
-        z1, z2 = z.unbind(-2)                                            # (B, n, Hl, c) each
+    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None):
+        """Positions t0 … t1−1 (x: (B, m, d)); a decoding cache holds LN(Z2) of the positions before t0."""
+        B, m, _ = x.shape
+        t1 = t0 + m
+        z = F.gelu(self.in_proj(x)).view(B, m, -1, 2, self.c)           # (B, m, Hl, 2, c)
+        z1, z2 = z.unbind(-2)                                            # (B, m, Hl, c) each
         z2 = F.layer_norm(z2, (self.c,), eps=self.eps) * self.norm_weight + self.norm_bias
-        if self.impl == "reference" or return_map:
-            W = self.spatial[:, :n, :n].tril()                           # (Hl, n, n): W ⊙ causal
-            gate = torch.einsum("hij,bjhc->bihc", W, z2)                 # (B, n, Hl, c)
+        if self.impl == "reference" or return_map or cache is not None:
+            z2 = z2.transpose(1, 2)                                      # (B, Hl, m, c)
+            if cache is not None:
+                z2 = cache.extend("z2", z2, t0)                          # (B, Hl, t1, c)
+            W = self.spatial[:, t0:t1, :t1].tril(t0)                     # (Hl, m, t1): W ⊙ causal, rows i ≥ j
+            gate = (W @ z2).transpose(1, 2)                              # (B, m, Hl, c)
         else:   # one causal matmul per head with the batch folded into the columns (no per-sample copy of W)
             Hl = z2.shape[2]
-            cols = z2.permute(2, 1, 0, 3).reshape(Hl, n, B * self.c)     # (Hl, n, B·c)
-            gate = kernels.causal_matmul(self.spatial, cols)             # (Hl, n, B·c)
-            gate = gate.view(Hl, n, B, self.c).permute(2, 1, 0, 3)       # (B, n, Hl, c)
-        gate = gate + self.spatial_bias[:, :n].T[None, :, :, None]       # + b^h[i]
-        out = self.out((z1 * gate).reshape(B, n, -1))                    # (B, n, d)
+            cols = z2.permute(2, 1, 0, 3).reshape(Hl, m, B * self.c)     # (Hl, m, B·c)
+            gate = kernels.causal_matmul(self.spatial, cols)             # (Hl, m, B·c)
+            gate = gate.view(Hl, m, B, self.c).permute(2, 1, 0, 3)       # (B, m, Hl, c)
+        gate = gate + self.spatial_bias[:, t0:t1].T[None, :, :, None]    # + b^h[i]
+        out = self.out((z1 * gate).reshape(B, m, -1))                    # (B, m, d)
         return (out, W.unsqueeze(0).expand(B, -1, -1, -1)) if return_map else out
 
     def synthesizer_parameters(self):

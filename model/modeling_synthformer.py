@@ -4,10 +4,10 @@ The wrapper owns one `SynthesizerLM` as `self.model`, so its state-dict keys are
 weights of a release load unchanged. It adds nothing to the math:
 
     logits = SynthesizerLM(input_ids)                                     (B, n, V)
-    loss   = mean over t of  −log softmax(logits[:, t])[labels[:, t+1]]   (labels == −100 ignored)
+    loss   = Head.loss(logits[:, :-1], labels[:, 1:])                     (labels == −100 ignored)
 
-Generation has no KV cache: a synthesized map (dense, random, factorized, SGU) is indexed by absolute position and
-has no keys to cache, so every step recomputes the last ≤ max_seq_len tokens — the same window as model/generate.py.
+`generate()` here recomputes the last ≤ max_seq_len tokens at every step, the window of model/generate.py; the
+incremental decoding of model/decoding.py (tools/generate.py) is not wired to transformers' cache interface yet.
 This file ships inside every export (model/hf.py). transformers' loader copies the model files it reaches through
 `from .x import` statements and does not see `from . import x`: parallel.py, which the model files import only that
 way, is therefore imported here by name.
@@ -15,12 +15,11 @@ way, is therefore imported here by name.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_synthformer import SynthformerConfig
-from .lm import SynthesizerLM
+from .lm import Head, SynthesizerLM
 from .parallel import init_from_seed
 from .synthesizers import Rotary
 
@@ -77,7 +76,7 @@ class SynthformerForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False   # nothing to cache (see the module docstring)
+        return False   # each step recomputes the window (see the module docstring)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
         """The whole prefix every step, cut to the last max_seq_len tokens (position-indexed weights stop there)."""
@@ -96,9 +95,7 @@ class SynthformerForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("Synthformer supports right padding only (attention_mask must not go 0 → 1); "
                              "use tokenizer.padding_side='right' or batch prompts of equal length")
         logits = self.model(input_ids)                                     # (B, n, V)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = None if labels is None else Head.loss(logits[:, :-1], labels[:, 1:])
         if return_dict is False:
             return (logits,) if loss is None else (loss, logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -5,9 +5,12 @@ d_h = d/H head size. X (B, n, d) is the block's normed input. Every per-head wei
 over TP along dim 0, so a head's synthesizer lives on the rank that owns the head.
 
 Each class gives S two ways, both from the same parameters:
-- `logits(x)`: the materialized map (B or 1, Hl, n, n) — the paper's formula, used by `impl: reference`;
-- `qk(x)` (input → query/key features with S = scale·q kᵀ) or `bias(n)` (input-independent S) — used by the
-  fused kernels of model/kernels.py.
+- `logits(x, t0, keys)`: rows t0 … t1−1 of the materialized map, (B or 1, Hl, m, t1) for the m = t1 − t0 positions
+  of x — the paper's formula, used by `impl: reference`, attention maps and cached decoding (t0 > 0). A dot-product
+  member's keys of positions < t1 come from the decoding cache (`keys(x, t0)` is what it caches per position);
+  the whole map is `logits(x)`;
+- `qk(x)` (input → query/key features with S = scale·q kᵀ), `bias(n)` (input-independent S) or `factors(x)` — the
+  forms the fused kernels of model/kernels.py take, over all n positions.
 `flops(n)` counts forward multiply-adds ×2 per token of this function alone (projections and the n² terms).
 """
 from __future__ import annotations
@@ -47,9 +50,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, Hl, n, d_h)
-        n, half = x.shape[-2], self.cos.shape[-1]
-        cos, sin = self.cos[:n].to(x.dtype), self.sin[:n].to(x.dtype)
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # x (B, Hl, m, d_h) at positions offset…
+        m, half = x.shape[-2], self.cos.shape[-1]
+        cos, sin = self.cos[offset:offset + m].to(x.dtype), self.sin[offset:offset + m].to(x.dtype)
         x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
         rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return torch.cat((rot, x[..., 2 * half:]), dim=-1)
@@ -61,7 +64,7 @@ class DotProduct(nn.Module):
     W_q, W_k: d → d column-parallel (heads split over TP). Table 1: 2d².
     """
 
-    kind, input_dependent = "qk", True
+    kind, input_dependent, cached = "qk", True, True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -70,15 +73,20 @@ class DotProduct(nn.Module):
         self.k = tp.column_linear(d, d, cfg.bias, cfg.init_std)
         self.rope = Rotary(self.d_h, cfg.max_seq_len, cfg.rope_base) if cfg.position == "rope" else None
 
-    def qk(self, x):
-        q, k = heads(self.q(x), self.d_h), heads(self.k(x), self.d_h)    # (B, Hl, n, d_h) each
-        if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
-        return q, k, inv_sqrt(self.d_h)
+    def _project(self, linear, x, t0):
+        y = heads(linear(x), self.d_h)                                   # (B, Hl, m, d_h)
+        return y if self.rope is None else self.rope(y, t0)              # rotated by the absolute positions
 
-    def logits(self, x):
-        q, k, scale = self.qk(x)
-        return q @ k.transpose(-1, -2) * scale                           # (B, Hl, n, n)
+    def keys(self, x, t0=0):
+        """k_j of x's positions t0…: what a decoding cache keeps."""
+        return self._project(self.k, x, t0)
+
+    def qk(self, x):
+        return self._project(self.q, x, 0), self.keys(x), inv_sqrt(self.d_h)
+
+    def logits(self, x, t0=0, keys=None):
+        k = self.keys(x) if keys is None else keys                       # (B, Hl, t1, d_h)
+        return self._project(self.q, x, t0) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
 
     def flops(self, n):
         return linear_flops(self.q) + linear_flops(self.k) + 2 * n * tp.full_shape(self.q.weight)[0]
@@ -92,7 +100,7 @@ class Dense(nn.Module):
     Fused: q = [σ(W_1 X + b_1), 1], k_j = [W_2^h[j], b_2^h[j]] (the same for every sample), scale 1.
     """
 
-    kind, input_dependent = "qk", True
+    kind, input_dependent, cached = "qk", True, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,9 +118,9 @@ class Dense(nn.Module):
         k = torch.cat((self.w2[:, :n], self.w2_bias[:, :n, None]), -1)   # (Hl, n, d_h+1)
         return q, k.unsqueeze(0), 1.0
 
-    def logits(self, x):
-        n = x.shape[1]
-        return self.hidden(x) @ self.w2[:, :n].transpose(-1, -2) + self.w2_bias[:, None, :n]  # (B, Hl, n, n)
+    def logits(self, x, t0=0, keys=None):
+        t1 = t0 + x.shape[1]                                             # keys j < t1: the rows W_2[j]
+        return self.hidden(x) @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]  # (B, Hl, m, t1)
 
     def flops(self, n):
         H_d_h = tp.full_shape(self.w1.weight)[0]
@@ -126,7 +134,7 @@ class Random(nn.Module):
     Fused: softmax(R + M) is the same for every sample, so it is computed once per forward.
     """
 
-    kind, input_dependent = "bias", False
+    kind, input_dependent, cached = "bias", False, False
 
     def __init__(self, cfg: ModelConfig, frozen: bool = False):
         super().__init__()
@@ -137,8 +145,9 @@ class Random(nn.Module):
     def bias(self, n):   # at n = L, R itself: a full-size slice's backward would copy the whole (Hl, L, L) gradient
         return self.R if n == self.R.shape[-1] else self.R[:, :n, :n]    # (Hl, n, n)
 
-    def logits(self, x):
-        return self.bias(x.shape[1]).unsqueeze(0)                         # (1, Hl, n, n)
+    def logits(self, x, t0=0, keys=None):
+        t1 = t0 + x.shape[1]
+        return (self.bias(t1) if t0 == 0 else self.R[:, t0:t1, :t1]).unsqueeze(0)   # (1, Hl, m, t1)
 
     def flops(self, n):
         return 0
@@ -150,7 +159,7 @@ class FactorizedRandom(nn.Module):
     `R1`, `R2`: (Hl, L, k). Table 1: 2·H·L·k. Fused: q = R_1, k = R_2 for every sample, scale 1.
     """
 
-    kind, input_dependent = "qk", False
+    kind, input_dependent, cached = "qk", False, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,9 +171,9 @@ class FactorizedRandom(nn.Module):
         n = x.shape[1]
         return self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0   # (1, Hl, n, k) each
 
-    def logits(self, x):
-        q, k, _ = self.qk(x)
-        return q @ k.transpose(-1, -2)                                    # (1, Hl, n, n)
+    def logits(self, x, t0=0, keys=None):
+        t1 = t0 + x.shape[1]
+        return (self.R1[:, t0:t1] @ self.R2[:, :t1].transpose(-1, -2)).unsqueeze(0)   # (1, Hl, m, t1)
 
     def flops(self, n):
         H, _, k = tp.full_shape(self.R1)
@@ -180,7 +189,7 @@ class FactorizedDense(nn.Module):
     Fused: S has no q·k form; `factors(x)` feed a kernel that builds S one block of query rows at a time.
     """
 
-    kind, input_dependent = "factors", True
+    kind, input_dependent, cached = "factors", True, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -198,12 +207,11 @@ class FactorizedDense(nn.Module):
         Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
         return A, Bf
 
-    def logits(self, x):
-        n = x.shape[1]
+    def logits(self, x, t0=0, keys=None):
         A, Bf = self.factors(x)
         # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
-        S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, n, L)
-        return S[..., :n]                                                 # (B, Hl, n, n)
+        S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, m, L)
+        return S[..., :t0 + x.shape[1]]                                   # (B, Hl, m, t1)
 
     def flops(self, n):
         H, a, d_h = tp.full_shape(self.fa)

@@ -18,6 +18,7 @@ import io
 import os
 import re
 import tempfile
+from functools import partial
 
 import torch
 import yaml
@@ -93,7 +94,7 @@ def _module_weights(tag_dir: str, cfg: TrainConfig) -> dict[tuple[str, int], tor
 
 def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, torch.Tensor]]:
     """(the run's config, full fp32 tensors by canonical name) of a checkpoint tag directory."""
-    from pretrain.pipeline import canonical_name, layer_specs
+    from pretrain.pipeline import canonical_name, stage_prefixes
 
     cfg = read_config(tag_dir)
     p = cfg.parallel
@@ -101,8 +102,7 @@ def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, to
         if not glob.glob(os.path.join(tag_dir, f"*mp_rank_{m:02d}_model_states.pt")):
             raise ConfigError(f"{tag_dir} lacks the files of model-parallel rank {m} (config.yaml says tp={p.tp}, "
                               f"pp={p.pp}): the checkpoint is incomplete")
-    prefixes = layer_specs(cfg.model, 0)[1] if p.pp > 1 else None
-    rename = (lambda name: canonical_name(name, prefixes)) if p.pp > 1 else (lambda name: name)
+    rename = partial(canonical_name, prefixes=stage_prefixes(cfg.model)) if p.pp > 1 else (lambda name: name)
     weights = _module_weights(tag_dir, cfg)                      # frozen tensors (random_fixed's R) live only here
     if p.zero_stage >= 1 and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_optim_states.pt")):
         ranks = range(p.tp * p.pp)

@@ -14,13 +14,16 @@ every node, compiles for minutes on a first run, and fails to build for TORCH_CU
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from model import SynthesizerLM, build_model
 from model.accounting import model_stats
 from model import release
+from model.lm import Block
 from pretrain import distributed
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.health import GuardedAdamW
@@ -98,17 +101,32 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
 def build_engine(cfg: TrainConfig, lay):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
     TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
-    every = cfg.parallel.activation_checkpointing
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
-        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, every), None
+        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
         model, mpu = build_model(cfg.model), distributed.MegatronMPU()
-        for i, block in enumerate(model.blocks):
-            block.checkpoint = every > 0 and i % every == 0
+    rename = getattr(model, "canonical_name", lambda name: name)
+    checkpoint_activations(model, cfg.parallel.activation_checkpointing, rename)
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
-        release.load_into(model, release.read_release(cfg.train.init_from)[1],
-                          rename=getattr(model, "canonical_name", lambda name: name))
+        release.load_into(model, release.read_release(cfg.train.init_from)[1], rename=rename)
     return initialize(model, cfg, lay, mpu)
+
+
+def checkpoint_activations(model: torch.nn.Module, every: int, rename=lambda name: name) -> None:
+    """Activation checkpointing, applied from outside the model: blocks 0, k, 2k, … (k = `every`, canonical layer
+    numbers, so a pipeline stage counts as the whole model does) keep only their input in forward and recompute
+    in backward. Each such block's forward is wrapped in place, so parameter names do not change."""
+    if every <= 0:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, Block) and int(rename(name + ".").split(".")[1]) % every == 0:
+            module.forward = partial(_recomputed, module.forward)
+
+
+def _recomputed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():   # evaluation: nothing to save, nothing to recompute
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None):

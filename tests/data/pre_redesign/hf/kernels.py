@@ -15,26 +15,13 @@ Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `FactorizedDenseAttention`: S_i[j] = A_i[j mod a]·B_i[⌊j/a⌋] has no q·k form; its logits are built from the
   factors one block of query rows at a time (causal keys only) and recomputed in backward.
 And one without a softmax, for gMLP's spatial gating: `CausalMatmul`, Y = (W ⊙ causal)[:n, :n] X in causal blocks.
-
-These are the CPU kernels: blocks of rows walked in Python suit a CPU, while on a GPU each block is a handful of
-tiny kernel launches. Each op below therefore asks `on_gpu_path` once and, on a GPU, runs its GPU form: SDPA on
-contiguous inputs, one batched GEMM for a batch-shared map, Triton kernels where no library kernel fits
-(model/gpu_kernels/). Both forms compute the same formula and are tested against the materialized reference.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
-
-
-def on_gpu_path(t: torch.Tensor) -> bool:
-    """The one place a kernel is chosen by device: CUDA tensors take the GPU forms, every other device the CPU ones.
-    SYNTHFORMER_KERNELS=gpu sends CPU tensors down the GPU path too, its Triton kernels then under
-    TRITON_INTERPRET=1: how the tests check the GPU kernels on a machine without one."""
-    return t.is_cuda or os.environ.get("SYNTHFORMER_KERNELS") == "gpu"
 
 
 def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -61,8 +48,6 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     width = _common_width(q, d_h)
     q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
     k = _pad_last(k, width).expand(B, -1, -1, -1)
-    if on_gpu_path(v):   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
-        q, k = q.contiguous(), k.contiguous()
     v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
     out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
     return out[..., :d_h]
@@ -122,12 +107,7 @@ def shared_map_attention(logits, v: torch.Tensor, q=None, k=None, block: int = 1
     v (B, n, Hl, d_h) -> (B, n, Hl, d_h)."""
     B, n, Hl, d_h = v.shape
     v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
-    if on_gpu_path(v):   # softmax once, then one batched GEMM: A (Hl, n, n) is kept for backward, shared by B
-        S = causal_mask(n, v.device, v.dtype) if logits is None else logits + causal_mask(n, v.device, v.dtype)
-        S = S if q is None else torch.baddbmm(S.expand(Hl, n, n), q, k.transpose(-1, -2))
-        y = torch.softmax(S, dim=-1) @ v_cols                                        # (Hl, n, B·d_h)
-    else:
-        y = SharedMapAttention.apply(logits, q, k, v_cols, block)                    # (Hl, n, B·d_h)
+    y = SharedMapAttention.apply(logits, q, k, v_cols, block)                        # (Hl, n, B·d_h)
     return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
 
 
@@ -191,10 +171,6 @@ class BiasedQKAttention(torch.autograd.Function):
 def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
     """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)
     -> (B, Hl, n, d_h)."""
-    if on_gpu_path(v):   # a Triton flash kernel adding R's tiles (any widths; no padding needed)
-        from .gpu_kernels.biased_attention import biased_flash_attention
-
-        return biased_flash_attention(q, k, R, w, v)
     B, d_h = v.shape[0], v.shape[-1]
     width = _common_width(q, d_h)
     q = _pad_last(q, width).expand(B, -1, -1, -1)
@@ -253,10 +229,6 @@ class FactorizedDenseAttention(torch.autograd.Function):
 
 def factorized_dense_attention(A, Bf, v, block: int = 128) -> torch.Tensor:
     """softmax(S + M) v, S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋]; A (B, Hl, n, a), Bf (B, Hl, n, b), v (B, Hl, n, d_h)."""
-    if on_gpu_path(v):   # a Triton flash kernel that builds S's tiles from the factors
-        from .gpu_kernels.factorized_dense import factorized_dense_flash
-
-        return factorized_dense_flash(A, Bf, v)
     return FactorizedDenseAttention.apply(A, Bf, v, block)
 
 
@@ -301,9 +273,6 @@ class CausalMatmul(torch.autograd.Function):
 
 def causal_matmul(W: torch.Tensor, x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """(W ⊙ causal)[:n, :n] @ x for W (Hl, L, L) and x (Hl, n, m) -> (Hl, n, m)."""
-    if on_gpu_path(x):   # one batched GEMM on the masked map (Hl·n², small beside B·n·m activations)
-        n = x.shape[1]
-        return W[:, :n, :n].tril() @ x
     return CausalMatmul.apply(W, x, block)
 
 

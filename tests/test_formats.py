@@ -1,0 +1,56 @@
+"""Files written by earlier code still load, to the same numbers: tests/data/pre_redesign holds a 2-rank ZeRO-1
+checkpoint (mixers random+dot and factorized_dense), its release and its Hugging Face export, all written before the
+one-formula-per-place redesign, with the logits that code computed for a fixed input."""
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from model.release import load_model
+from pretrain.ds_checkpoint import load_any
+from tests.runs import PY, ROOT, launch, losses, write_config
+
+DATA = os.path.join(ROOT, "tests", "data", "pre_redesign")
+EXPECTED = torch.load(os.path.join(DATA, "logits.pt"))
+
+
+def close_to_expected(logits: torch.Tensor) -> None:
+    assert logits.shape == EXPECTED["logits"].shape
+    assert (logits - EXPECTED["logits"]).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_release_and_checkpoint_give_the_logits_they_gave():
+    close_to_expected(load_model(os.path.join(DATA, "release")).eval()(EXPECTED["tokens"]))
+    model, tokenizer, info = load_any(os.path.join(DATA, "checkpoints"))
+    assert info["step"] == 2 and tokenizer.endswith("tokenizer.model")
+    close_to_expected(model(EXPECTED["tokens"]))
+
+
+@torch.no_grad()
+def test_hugging_face_export_gives_the_logits_it_gave(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    export = shutil.copytree(os.path.join(DATA, "hf"), tmp_path / "hf")   # transformers may write beside it
+    model = AutoModelForCausalLM.from_pretrained(str(export), trust_remote_code=True).eval()
+    close_to_expected(model(EXPECTED["tokens"]).logits)
+    r = subprocess.run([PY, "tools/convert.py", "from-hf", str(export), str(tmp_path / "release")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    close_to_expected(load_model(str(tmp_path / "release")).eval()(EXPECTED["tokens"]))
+
+
+@pytest.mark.slow
+def test_the_trainer_resumes_the_old_checkpoint(shards, tmp_path):
+    """Its engine, optimizer and data position load into today's trainer, which trains on from step 2."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(DATA, "checkpoints"), run / "checkpoints")
+    cfg = write_config(tmp_path / "c.yaml", shards, run,
+                       model={"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
+                              "mixer": ["random+dot", "factorized_dense"]},
+                       parallel={"zero_stage": 1}, train={"max_steps": 4, "warmup_steps": 1})
+    r = launch(cfg, 2)
+    assert "resumed at step 2" in r.stdout
+    assert sorted(losses(run)) == [3, 4]

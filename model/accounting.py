@@ -1,5 +1,8 @@
 """Parameter and FLOP accounting read off the real modules (TP-sharded tensors counted at full size).
 
+Everything here comes from a ModelConfig alone, through one shape-only (meta-device) build of the whole model per
+config (`shape_model`): the parameters' canonical names, full shapes, TP split dims (`parameters`, what releases,
+checkpoint readers and converters check and merge by), and
 - trainable / frozen: numel of the parameters with / without requires_grad;
 - Table 1 (Tay et al. 2020): the trainable parameters of each layer's synthesizing function, excluding the
   value/output projections and biases (each mixer lists them in `synthesizer_parameters()`);
@@ -8,12 +11,41 @@
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
+from typing import NamedTuple
 
+import torch
 import torch.nn as nn
 
 from . import parallel as tp
+from .config import ModelConfig
 from .lm import SynthesizerLM
+
+
+class Param(NamedTuple):
+    shape: list[int]        # the full (TP=1) shape
+    split_dim: int | None   # the dimension TP ranks split it along, None where every rank holds all of it
+    trainable: bool
+
+
+def shape_model(cfg: ModelConfig) -> SynthesizerLM:
+    """The whole model on the meta device (shapes only: no memory, no init), built once per config."""
+    return _meta_model(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(config: str) -> SynthesizerLM:
+    with torch.device("meta"):
+        return SynthesizerLM(ModelConfig.from_dict(json.loads(config)))
+
+
+def parameters(cfg: ModelConfig) -> dict[str, Param]:
+    """Canonical name → (full shape, TP split dim, trainable) of every parameter of the model `cfg` describes."""
+    return {name: Param(tp.full_shape(p), getattr(p, "partition_dim", None), p.requires_grad)
+            for name, p in shape_model(cfg).named_parameters()}
+
 
 def full_numel(p) -> int:
     return math.prod(tp.full_shape(p))
@@ -34,9 +66,15 @@ def table1_count(mixer: nn.Module) -> int:
     return sum(full_numel(p) for _, p in mixer.synthesizer_parameters() if p.requires_grad)
 
 
-def model_stats(model: SynthesizerLM, n: int | None = None) -> dict:
+def train_flops_per_token(cfg: ModelConfig, n: int | None = None) -> int:
+    """Forward + backward FLOPs per token of the whole model at length n (default L): the numerator of MFU, in the
+    trainer's log and in tools/bench.py."""
+    return model_stats(cfg, n)["total"]["train_flops_per_token"]
+
+
+def model_stats(cfg: ModelConfig, n: int | None = None) -> dict:
     """Per layer and in total: parameters (trainable, frozen), Table-1 count, training FLOPs per token at n."""
-    cfg = model.cfg
+    model = shape_model(cfg)
     n = n or cfg.max_seq_len
     flops = model.train_flops_per_token(n)
     layers = []

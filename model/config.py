@@ -10,13 +10,12 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .fields import ConfigError, build, check_types
+
 # Synthesizing functions (DESIGN.md §1). Mixtures are 2-3 distinct names of MIXABLE joined by '+'.
 SINGLE_MIXERS = ("dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu")
 MIXABLE = ("dot", "dense", "random", "factorized_random")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the key and the fix."""
+__all__ = ["ConfigError", "ModelConfig", "parse_mixer", "default_factorization"]
 
 
 def valid_mixer_names() -> str:
@@ -72,6 +71,8 @@ class ModelConfig:
     seed: int = field(default=1234, metadata={"help": "init seed: the full model is drawn from it, each TP rank keeps its slice"})
 
     def __post_init__(self):
+        check_types(self, "model")
+
         def positive_int(name):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -132,18 +133,10 @@ class ModelConfig:
         return list(self.mixer) if isinstance(self.mixer, list) else [self.mixer] * self.n_layers
 
     @classmethod
-    def from_dict(cls, d: dict, key: str = "model") -> "ModelConfig":
-        """Build from a YAML `model:` mapping; an unknown key names the nearest valid one."""
-        names = [f.name for f in fields(cls)]
-        for k in d:
-            if k not in names:
-                guess = difflib.get_close_matches(k, names, n=1)
-                hint = f"; did you mean '{key}.{guess[0]}'?" if guess else f"; valid keys: {', '.join(names)}"
-                raise ConfigError(f"unknown config key '{key}.{k}'{hint}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # a required field is absent
-            raise ConfigError(f"{key}: {e}".replace("ModelConfig.__init__() ", "")) from None
+    def from_dict(cls, d: dict, source: str = "the config") -> "ModelConfig":
+        """Build from a `model:` mapping (YAML, a release's or an export's config.json); an unknown key names the
+        nearest valid one, a missing one what it is."""
+        return build(cls, d, "model", source)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

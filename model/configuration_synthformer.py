@@ -72,4 +72,4 @@ class SynthformerConfig(PreTrainedConfig):
 
     def to_model_config(self) -> ModelConfig:
         """The ModelConfig these fields describe (a ConfigError names the first bad one)."""
-        return ModelConfig.from_dict({name: getattr(self, name) for name in _DEFAULTS}, key="config.json")
+        return ModelConfig.from_dict({name: getattr(self, name) for name in _DEFAULTS}, "config.json")

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_TYPE = "synthformer"
 # The remote code of an export: modeling_synthformer.py and every model file it reaches (transformers' loader copies
 # them from the export into its module cache, so the list must be complete; tests/test_hf.py loads it in isolation).
-CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "lm.py", "mixers.py",
+CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "fields.py", "lm.py", "mixers.py",
               "synthesizers.py", "kernels.py", "parallel.py")
 TOKENIZER_FILE = "tokenization_synthformer.py"
 AUTO_MAP = {"AutoConfig": "configuration_synthformer.SynthformerConfig",
@@ -124,7 +124,7 @@ def hf_to_release(hf_dir: str, out_dir: str) -> None:
 
     config = read_hf_config(hf_dir)
     names = [f.name for f in fields(ModelConfig)]   # the HF-only keys (auto_map, dtype, …) are left out
-    cfg = ModelConfig.from_dict({k: config[k] for k in names if k in config}, key=f"{hf_dir}/config.json")
+    cfg = ModelConfig.from_dict({k: config[k] for k in names if k in config}, f"{hf_dir}/config.json")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     if dtype not in DTYPES:
         raise ConfigError(f"{hf_dir}/config.json: dtype={dtype!r} is not one of {sorted(DTYPES)}")

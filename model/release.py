@@ -19,6 +19,7 @@ import shutil
 import torch
 
 from . import parallel as tp
+from .accounting import parameters
 from .config import ConfigError, ModelConfig
 from .lm import SynthesizerLM
 
@@ -26,22 +27,14 @@ FORMAT, FORMAT_VERSION = "synthformer-release", 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[list[int], int | None]]:
-    """name → (full shape, TP partition dim or None) of every tensor of the model, from a shape-only (meta) copy."""
-    with torch.device("meta"):
-        model = SynthesizerLM(cfg)
-    return {name: (tp.full_shape(p), getattr(p, "partition_dim", None))
-            for name, p in model.named_parameters()}
-
-
 def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
     """ConfigError naming the first tensor that the config does not expect, lacks, or shapes differently."""
-    expected = canonical_shapes(cfg)
+    expected = parameters(cfg)
     for name in tensors:
         if name not in expected:
             raise ConfigError(f"{where}: tensor '{name}' is not part of the model its config describes "
                               f"(mixer={cfg.mixer}, n_layers={cfg.n_layers}); the weights and config.json do not match")
-    for name, (shape, _) in expected.items():
+    for name, (shape, _, _) in expected.items():
         if name not in tensors:
             raise ConfigError(f"{where}: tensor '{name}' is missing; the weights and config.json do not match")
         if list(tensors[name].shape) != shape:
@@ -100,7 +93,7 @@ def read_release(directory: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
                           f"make one with tools/convert.py to-release")
     with open(os.path.join(directory, "config.json")) as f:
         meta = json.load(f)
-    cfg = ModelConfig.from_dict(meta["model"], key=f"{directory}/config.json:model")
+    cfg = ModelConfig.from_dict(meta["model"], f"{directory}/config.json")
     weights = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(weights):
         raise ConfigError(f"{weights} is missing; the release directory is incomplete")

@@ -19,104 +19,60 @@ import math
 import os
 import re
 import sys
-import types
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, NamedTuple, get_type_hints
 
 import yaml
 
 from model.config import ConfigError, ModelConfig
-
-
-def _f(help: str, default: Any = MISSING) -> Any:
-    """A field with its docstring; no default means the config must set it."""
-    return field(default=default, metadata={"help": help})
-
-
-def _check_types(section: Any, prefix: str) -> None:
-    """Check each field against its annotation, naming the key; ints are widened to floats where a float is declared
-    (YAML `lr: 1` is an int), tuples accept YAML lists. Range checks stay with each section."""
-    hints = get_type_hints(type(section))
-    for f in fields(section):
-        key, value, want = f"{prefix}.{f.name}", getattr(section, f.name), hints[f.name]
-        if want is Any:
-            continue
-        options = get_args(want) if get_origin(want) in (Union, types.UnionType) else (want,)
-        if value is None:
-            if type(None) in options:
-                continue
-            raise ConfigError(f"{key} must be set: {f.metadata.get('help', '')}")
-        want = next(t for t in options if t is not type(None))
-        if get_origin(want) is tuple and get_args(want)[-1] is Ellipsis:        # tuple[str, ...]: any length
-            kind = get_args(want)[0]
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) for v in value):
-                raise ConfigError(f"{key}={value!r} must be a list of {kind.__name__}")
-            setattr(section, f.name, tuple(value))
-        elif get_origin(want) is tuple:
-            n = len(get_args(want))
-            if not isinstance(value, (list, tuple)) or len(value) != n or not all(_is_number(v) for v in value):
-                raise ConfigError(f"{key}={value!r} must be a list of {n} numbers")
-            setattr(section, f.name, tuple(float(v) for v in value))
-        elif want is float and _is_number(value):
-            setattr(section, f.name, float(value))
-        elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"{key}={value!r} must be of type {want.__name__}")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is out of range; allowed: {allowed}")
+from model.fields import build, check_keys, check_types, described, need
 
 
 # ---- sections ------------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class DataSection:
     """Where the token shards are and how they are read."""
-    shard_dir: str = _f("directory of the shards written by tools/make_shards.py (holds manifest.json)")
-    tokenizer: str | None = _f("path of the sentencepiece tokenizer.model; default <shard_dir>/tokenizer.model", None)
-    num_workers: int = _f("DataLoader worker processes per rank (0 = read in the training process)", 2)
-    seed: int = _f("seed of the shard/sample order", 1234)
-    val_batches: int = _f("validation micro-batches per evaluation (the same batches every time)", 20)
-    bad_shards: str = _f("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
+    shard_dir: str = described("directory of the shards written by tools/make_shards.py (holds manifest.json)")
+    tokenizer: str | None = described("path of the sentencepiece tokenizer.model; default <shard_dir>/tokenizer.model", None)
+    num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process)", 2)
+    seed: int = described("seed of the shard/sample order", 1234)
+    val_batches: int = described("validation micro-batches per evaluation (the same batches every time)", 20)
+    bad_shards: str = described("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
                          "(train without it; logged and counted)", "fail")
 
     def __post_init__(self):
-        _check_types(self, "data")
-        _need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
+        check_types(self, "data")
+        need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
         if self.tokenizer is None:
             self.tokenizer = os.path.join(self.shard_dir, "tokenizer.model")
-        _need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
-        _need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
-        _need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
+        need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
+        need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
+        need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
 
 
 @dataclass(kw_only=True)
 class ParallelSection:
     """How ranks are split: world = tp × pp × dp, dp derived from the world size at launch (`dp()`)."""
-    tp: int = _f("tensor-parallel size: heads (and every per-head synthesizer weight) are split over tp ranks", 1)
-    pp: int = _f("pipeline stages (DeepSpeed PipelineModule); layers are split over them", 1)
-    zero_stage: int = _f("DeepSpeed ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer states), "
+    tp: int = described("tensor-parallel size: heads (and every per-head synthesizer weight) are split over tp ranks", 1)
+    pp: int = described("pipeline stages (DeepSpeed PipelineModule); layers are split over them", 1)
+    zero_stage: int = described("DeepSpeed ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer states), "
                          "2 (+ gradients), 3 (+ parameters)", 1)
-    partition: str = _f("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
+    partition: str = described("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
                         "'uniform' (balance layer counts)", "parameters")
-    activation_checkpointing: int = _f("recompute activations in backward: 0 = off, 1 = every layer, "
+    activation_checkpointing: int = described("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
-    cpu_keep_freed_memory: bool = _f("CPU runs: malloc keeps freed memory in the process (faster steps, no page "
+    cpu_keep_freed_memory: bool = described("CPU runs: malloc keeps freed memory in the process (faster steps, no page "
                                      "faults; resident memory grows by what the heap fragments)", True)
 
     def __post_init__(self):
-        _check_types(self, "parallel")
-        _need(self.tp >= 1, "parallel.tp", self.tp, "≥ 1")
-        _need(self.pp >= 1, "parallel.pp", self.pp, "≥ 1")
-        _need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "0, 1, 2 or 3")
-        _need(self.partition in ("parameters", "uniform"), "parallel.partition", self.partition,
+        check_types(self, "parallel")
+        need(self.tp >= 1, "parallel.tp", self.tp, "≥ 1")
+        need(self.pp >= 1, "parallel.pp", self.pp, "≥ 1")
+        need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        need(self.partition in ("parameters", "uniform"), "parallel.partition", self.partition,
               "parameters, uniform")
-        _need(self.activation_checkpointing >= 0, "parallel.activation_checkpointing",
+        need(self.activation_checkpointing >= 0, "parallel.activation_checkpointing",
               self.activation_checkpointing, "0 (off) or k ≥ 1 (every k-th layer)")
         # Within one section, so checked here rather than at launch: DeepSpeed's PipelineEngine refuses ZeRO-2/3.
         if self.pp > 1 and self.zero_stage > 1:
@@ -134,68 +90,68 @@ class ParallelSection:
 @dataclass(kw_only=True)
 class TrainSection:
     """Optimizer (AdamW), schedule (warmup + decay, see `lr_lambda`), batch sizes, length and numerics of the run."""
-    lr: float = _f("peak learning rate, reached at the end of warmup", 3e-4)
-    min_lr: float = _f("learning rate at train.max_steps and after (GPT-3: lr/10)", 3e-5)
-    warmup_steps: int = _f("linear warmup from 0 to lr over this many optimizer steps", 100)
-    decay: str = _f("after warmup: 'cosine' (to min_lr at max_steps), 'linear', or 'constant' (stay at lr)", "cosine")
-    weight_decay: float = _f("AdamW decoupled weight decay", 0.1)
-    betas: tuple[float, float] = _f("AdamW (beta1, beta2)", (0.9, 0.95))
-    eps: float = _f("AdamW epsilon", 1e-8)
-    grad_clip: float = _f("clip the global gradient norm to this (0 = no clipping)", 1.0)
-    global_batch_size: int = _f("sequences per optimizer step summed over all data-parallel ranks")
-    micro_batch_size: int = _f("sequences per rank per forward/backward pass")
-    max_steps: int = _f("optimizer steps of the run (the cosine reaches min_lr here)")
-    max_tokens: int | None = _f("optional token budget (global_batch_size × max_seq_len per step); the run stops "
+    lr: float = described("peak learning rate, reached at the end of warmup", 3e-4)
+    min_lr: float = described("learning rate at train.max_steps and after (GPT-3: lr/10)", 3e-5)
+    warmup_steps: int = described("linear warmup from 0 to lr over this many optimizer steps", 100)
+    decay: str = described("after warmup: 'cosine' (to min_lr at max_steps), 'linear', or 'constant' (stay at lr)", "cosine")
+    weight_decay: float = described("AdamW decoupled weight decay", 0.1)
+    betas: tuple[float, float] = described("AdamW (beta1, beta2)", (0.9, 0.95))
+    eps: float = described("AdamW epsilon", 1e-8)
+    grad_clip: float = described("clip the global gradient norm to this (0 = no clipping)", 1.0)
+    global_batch_size: int = described("sequences per optimizer step summed over all data-parallel ranks")
+    micro_batch_size: int = described("sequences per rank per forward/backward pass")
+    max_steps: int = described("optimizer steps of the run (the cosine reaches min_lr here)")
+    max_tokens: int | None = described("optional token budget (global_batch_size × max_seq_len per step); the run stops "
                                 "at whichever of max_steps / max_tokens comes first", None)
-    precision: str = _f("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
+    precision: str = described("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
                         "fp32")
-    seed: int = _f("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
-    stop_after_steps: int | None = _f("end this invocation after this many more optimizer steps, with a checkpoint; "
+    seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
+    stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
                                       None)
-    run_dir: str = _f("output directory of the run; checkpoints and TensorBoard go under it by default")
-    max_wall_minutes: float | None = _f("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
+    run_dir: str = described("output directory of the run; checkpoints and TensorBoard go under it by default")
+    max_wall_minutes: float | None = described("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
                                         "time-limited jobs; relaunch to continue", None)
-    preempt_signals: tuple[str, ...] = _f("signals that stop the run cleanly after the current step with a "
+    preempt_signals: tuple[str, ...] = described("signals that stop the run cleanly after the current step with a "
                                           "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
                                           ("SIGTERM", "SIGUSR1"))
-    init_from: str | None = _f("release directory (tools/convert.py) whose weights start a fresh run, in any layout; "
+    init_from: str | None = described("release directory (tools/convert.py) whose weights start a fresh run, in any layout; "
                                "its training step carries on (LR schedule, data position). A checkpoint of this run "
                                "takes precedence when resuming", None)
-    max_consecutive_skips: int = _f("stop with an error after this many optimizer steps in a row were skipped "
+    max_consecutive_skips: int = described("stop with an error after this many optimizer steps in a row were skipped "
                                     "(non-finite loss or gradient, loss spike); 0 = never stop", 8)
-    spike_z: float | None = _f("skip a step whose loss exceeds mean + spike_z × std of the last spike_window kept "
+    spike_z: float | None = described("skip a step whose loss exceeds mean + spike_z × std of the last spike_window kept "
                                "steps (null = no spike rule; not with parallel.pp > 1)", None)
-    spike_window: int = _f("steps in the window of the loss-spike rule", 100)
+    spike_window: int = described("steps in the window of the loss-spike rule", 100)
 
     def __post_init__(self):
-        _check_types(self, "train")
-        _need(self.lr > 0, "train.lr", self.lr, "> 0")
-        _need(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"0 ≤ min_lr ≤ train.lr={self.lr}")
-        _need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
-        _need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
+        check_types(self, "train")
+        need(self.lr > 0, "train.lr", self.lr, "> 0")
+        need(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"0 ≤ min_lr ≤ train.lr={self.lr}")
+        need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
+        need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
               f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
-        _need(self.decay in ("cosine", "linear", "constant"), "train.decay", self.decay, "cosine, linear, constant")
-        _need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
-        _need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
-        _need(self.eps > 0, "train.eps", self.eps, "> 0")
-        _need(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "≥ 0 (0 = off)")
-        _need(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "≥ 1")
-        _need(1 <= self.micro_batch_size <= self.global_batch_size, "train.micro_batch_size",
+        need(self.decay in ("cosine", "linear", "constant"), "train.decay", self.decay, "cosine, linear, constant")
+        need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
+        need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
+        need(self.eps > 0, "train.eps", self.eps, "> 0")
+        need(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "≥ 0 (0 = off)")
+        need(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "≥ 1")
+        need(1 <= self.micro_batch_size <= self.global_batch_size, "train.micro_batch_size",
               self.micro_batch_size, f"1 … train.global_batch_size={self.global_batch_size}")
-        _need(self.stop_after_steps is None or self.stop_after_steps >= 1, "train.stop_after_steps",
+        need(self.stop_after_steps is None or self.stop_after_steps >= 1, "train.stop_after_steps",
               self.stop_after_steps, "null or ≥ 1")
-        _need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
-        _need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
-        _need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
-        _need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
+        need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
+        need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
+        need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
+        need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")
-        _need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
+        need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
               "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
-        _need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,
+        need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,
               "≥ 0 (0 = never stop)")
-        _need(self.spike_z is None or self.spike_z > 0, "train.spike_z", self.spike_z, "null or > 0")
-        _need(self.spike_window >= 2, "train.spike_window", self.spike_window, "≥ 2")
+        need(self.spike_z is None or self.spike_z > 0, "train.spike_z", self.spike_z, "null or > 0")
+        need(self.spike_window >= 2, "train.spike_window", self.spike_window, "≥ 2")
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""
@@ -210,39 +166,39 @@ class TrainSection:
 @dataclass(kw_only=True)
 class CheckpointSection:
     """DeepSpeed checkpoints (model, optimizer, scheduler, data position, this config)."""
-    every: int = _f("save every this many optimizer steps (and at the end of the run)", 1000)
-    keep: int = _f("keep the last this many checkpoints, delete older ones", 3)
-    dir: str | None = _f("checkpoint directory; default <train.run_dir>/checkpoints", None)
-    resume: str = _f("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
+    every: int = described("save every this many optimizer steps (and at the end of the run)", 1000)
+    keep: int = described("keep the last this many checkpoints, delete older ones", 3)
+    dir: str | None = described("checkpoint directory; default <train.run_dir>/checkpoints", None)
+    resume: str = described("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
 
     def __post_init__(self):
-        _check_types(self, "checkpoint")
-        _need(self.every >= 1, "checkpoint.every", self.every, "≥ 1")
-        _need(self.keep >= 1, "checkpoint.keep", self.keep, "≥ 1")
-        _need(bool(self.resume), "checkpoint.resume", self.resume, "auto, none, or a path")
+        check_types(self, "checkpoint")
+        need(self.every >= 1, "checkpoint.every", self.every, "≥ 1")
+        need(self.keep >= 1, "checkpoint.keep", self.keep, "≥ 1")
+        need(bool(self.resume), "checkpoint.resume", self.resume, "auto, none, or a path")
 
 
 @dataclass(kw_only=True)
 class LoggingSection:
     """What goes to the console and TensorBoard, and how often."""
-    every: int = _f("log loss, lr, grad norm, tokens/s and MFU every this many steps", 10)
-    val_every: int = _f("validate every this many steps (0 = only at the end)", 500)
-    image_every: int = _f("attention-map images and a text sample every this many steps (0 = never)", 1000)
-    tensorboard_dir: str | None = _f("TensorBoard event directory; default <train.run_dir>/tensorboard", None)
-    peak_tflops_per_device: float | None = _f(
+    every: int = described("log loss, lr, grad norm, tokens/s and MFU every this many steps", 10)
+    val_every: int = described("validate every this many steps (0 = only at the end)", 500)
+    image_every: int = described("attention-map images and a text sample every this many steps (0 = never)", 1000)
+    tensorboard_dir: str | None = described("TensorBoard event directory; default <train.run_dir>/tensorboard", None)
+    peak_tflops_per_device: float | None = described(
         "peak dense TFLOP/s of one device at train.precision, the denominator of MFU; null = from the device's name "
         "(pretrain/engine.py PEAK_TFLOPS: H100 bf16 989, A100 312, ...); on a CPU or an unknown GPU MFU is then n/a",
         None)
-    sample_prompt: str = _f("prompt of the text sample", "It is a truth universally acknowledged")
-    sample_tokens: int = _f("tokens generated for the text sample", 64)
-    sample_ids: bool = _f("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
+    sample_prompt: str = described("prompt of the text sample", "It is a truth universally acknowledged")
+    sample_tokens: int = described("tokens generated for the text sample", 64)
+    sample_ids: bool = described("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
 
     def __post_init__(self):
-        _check_types(self, "logging")
+        check_types(self, "logging")
         for name in ("every", "val_every", "image_every", "sample_tokens"):
             low = 1 if name == "every" else 0
-            _need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
-        _need(self.peak_tflops_per_device is None or self.peak_tflops_per_device > 0,
+            need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
+        need(self.peak_tflops_per_device is None or self.peak_tflops_per_device > 0,
               "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
 
 
@@ -256,17 +212,16 @@ class Runtime(NamedTuple):
 @dataclass(kw_only=True)
 class TrainConfig:
     """A whole run; YAML top-level keys are these section names."""
-    model: ModelConfig = _f("the Synthesizer LM (model/config.py)")
-    data: DataSection = _f("token shards and their reading")
+    model: ModelConfig = described("the Synthesizer LM (model/config.py)")
+    data: DataSection = described("token shards and their reading")
     parallel: ParallelSection = field(default_factory=ParallelSection, metadata={"help": "TP × PP × DP layout"})
-    train: TrainSection = _f("optimizer, schedule, batch, length, precision")
+    train: TrainSection = described("optimizer, schedule, batch, length, precision")
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"help": "saving and resuming"})
     logging: LoggingSection = field(default_factory=LoggingSection, metadata={"help": "console and TensorBoard"})
 
     SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging")
 
     def __post_init__(self):
-        _check_types(self.model, "model")  # ModelConfig checks ranges; the types (bool, float, ...) are checked here
         # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.
         if self.checkpoint.dir is None:
             self.checkpoint.dir = os.path.join(self.train.run_dir, "checkpoints")
@@ -312,17 +267,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, tree: dict, source: str = "the config") -> "TrainConfig":
         """Build from a nested dict (a merged YAML tree, or `to_dict()` saved in a checkpoint)."""
-        _check_keys(tree, source)
+        _check_sections(tree, source)
         types = get_type_hints(cls)
-        built = {}
-        for name in cls.SECTIONS:
-            sub = tree.get(name) or {}
-            for f in fields(types[name]):  # name a missing required key before the dataclass's TypeError would
-                if f.name not in sub and f.default is MISSING and f.default_factory is MISSING:
-                    raise ConfigError(f"missing required config key '{name}.{f.name}' "
-                                      f"({f.metadata.get('help', '')}) in {source}")
-            built[name] = ModelConfig.from_dict(sub) if name == "model" else types[name](**sub)
-        return cls(**built)
+        return cls(**{name: build(types[name], tree.get(name) or {}, name, source, _suggest)
+                      for name in cls.SECTIONS})
 
     def to_dict(self) -> dict:
         """Plain nested dict (lists, no tuples): YAML-dumpable and `from_dict`-loadable."""
@@ -376,9 +324,10 @@ def _valid_keys() -> dict[str, list[str]]:
     return {s: [f.name for f in fields(types[s])] for s in TrainConfig.SECTIONS}
 
 
-def _suggest(key: str, valid: list[str]) -> str | None:
+def _suggest(key: str) -> str | None:
     """The nearest valid dotted key: the same field in another section (train.tp → parallel.tp), an acronym
     (learning_rate → lr), else by spelling (difflib)."""
+    valid = [s for s in TrainConfig.SECTIONS] + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks]
     section, _, leaf = key.rpartition(".")
 
     def acronym(s: str) -> str:
@@ -396,27 +345,27 @@ def _suggest(key: str, valid: list[str]) -> str | None:
 
 
 def _unknown(key: str, source: str) -> ConfigError:
-    valid = [s for s in TrainConfig.SECTIONS] + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks]
-    guess = _suggest(key, valid)
+    guess = _suggest(key)
     hint = f"did you mean '{guess}'?" if guess else "valid sections: " + ", ".join(TrainConfig.SECTIONS)
     return ConfigError(f"unknown config key '{key}' in {source}; {hint}")
 
 
-def _check_keys(tree: Any, source: str) -> None:
-    """Every key must be `section` or `section.field`: typos fail loudly instead of being silently ignored."""
+def _check_sections(tree: Any, source: str) -> None:
+    """The top level holds sections only."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{source} must be a mapping of sections ({', '.join(TrainConfig.SECTIONS)})")
+    for name in tree:
+        if name not in TrainConfig.SECTIONS:
+            raise _unknown(str(name), source)
+
+
+def _check_keys(tree: Any, source: str) -> None:
+    """Every key must be `section` or `section.field`: typos fail loudly instead of being silently ignored."""
+    _check_sections(tree, source)
     valid = _valid_keys()
     for name, sub in tree.items():
-        if name not in valid:
-            raise _unknown(str(name), source)
-        if sub is None:
-            continue
-        if not isinstance(sub, dict):
-            raise ConfigError(f"config section '{name}' in {source} must be a mapping, got {sub!r}")
-        for k in sub:
-            if k not in valid[name]:
-                raise _unknown(f"{name}.{k}", source)
+        if sub is not None:
+            check_keys(sub, name, valid[name], source, _suggest)
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from model import ConfigError
-from model.release import canonical_shapes
+from model.accounting import parameters
 from pretrain.config import TrainConfig
 
 
@@ -118,7 +118,7 @@ def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, to
 def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where: str) -> dict[str, torch.Tensor]:
     """Concatenate each tensor's TP shards in rank order along its split dimension; replicated ones must agree."""
     out = {}
-    for name, (shape, dim) in canonical_shapes(cfg.model).items():
+    for name, (shape, dim, _) in parameters(cfg.model).items():
         parts = shards.get(name)
         if not parts or len(parts) != cfg.parallel.tp:
             raise ConfigError(f"{where}: no complete set of tensor-parallel shards of '{name}' "

@@ -4,8 +4,8 @@
                                 pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR schedule)
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
-    train_flops_per_token(cfg)  the project's FLOP count, and peak_tflops(device, precision): MFU = their use of the
-                                device, for the trainer's log and tools/bench.py alike
+    peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
+                                trainer's log and tools/bench.py alike
 
 The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
 kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
-from model import SynthesizerLM, build_model
-from model.accounting import model_stats
+from model import build_model
 from model import release
 from model.lm import Block
 from pretrain import distributed
@@ -143,14 +142,7 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None):
     return engine
 
 
-# ---- what speed is measured against --------------------------------------------------------------------------------
-def train_flops_per_token(cfg: TrainConfig) -> int:
-    """Forward + backward FLOPs per token of the whole model (model/accounting.py), from a shape-only (meta) copy:
-    no memory, no init. The numerator of MFU, in the trainer's log and in tools/bench.py."""
-    with torch.device("meta"):
-        return model_stats(SynthesizerLM(cfg.model))["total"]["train_flops_per_token"]
-
-
+# ---- what speed is measured against (the FLOP count: model/accounting.py train_flops_per_token) -------------------
 # Dense peak TFLOP/s per device (no sparsity), by a part of torch's device name: (bf16/fp16 tensor cores, fp32).
 # The longest matching name wins ("H100 PCIe" before "H100"). From the vendors' data sheets.
 PEAK_TFLOPS = {

@@ -19,12 +19,13 @@ import torch
 
 from model import ConfigError
 from model import parallel as tp, release
+from model.accounting import train_flops_per_token
 from model.generate import sample
 from pretrain import distributed, faults
 from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
-from pretrain.engine import build_engine, peak_tflops, train_flops_per_token
+from pretrain.engine import build_engine, peak_tflops
 from pretrain.health import LossGuard, TrainingStopped
 from pretrain.metrics import Logger, attention_grid, memory_mb
 
@@ -41,7 +42,7 @@ class Trainer:
                                   seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
                                   pin_memory=lay.device.type == "cuda")
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
-        self.flops_per_token = train_flops_per_token(cfg)
+        self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         self.engine = build_engine(cfg, lay)
         self.pipeline = cfg.parallel.pp > 1

@@ -5,7 +5,6 @@ import subprocess
 
 import pytest
 
-from model import build_model
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tests.runs import PY, ROOT, write_config
@@ -29,7 +28,7 @@ def test_ablate_trains_evaluates_and_reports(shards, tmp_path):
         val = evaluate.evaluate_shards(model, shards, "val", batch_size=16)
         assert row["val_ppl"] == pytest.approx(val["ppl"], rel=1e-9)
         cfg = load_config(base, [f"model.mixer={variant}"]).model
-        assert row["synth_params"] == model_stats(build_model(cfg))["total"]["table1"]
+        assert row["synth_params"] == model_stats(cfg)["total"]["table1"]
     table = (out / "results.md").read_text()
     assert "| dot |" in table and "| random |" in table and (out / "loss_curves.png").stat().st_size > 10_000
     # finished variants are not trained again

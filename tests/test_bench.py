@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from model import build_model
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tools.bench import PARTS, build_parser
@@ -109,7 +108,7 @@ def test_flop_ratios_match_model_stats(run):
                           [f"model.vocab_size={s['vocab']}", f"model.d_model={s['d_model']}",
                            f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}",
                            f"model.max_seq_len={s['seq_len']}"])
-        return model_stats(build_model(cfg.model), s["seq_len"])["total"]["train_flops_per_token"]
+        return model_stats(cfg.model, s["seq_len"])["total"]["train_flops_per_token"]
 
     dot, rnd = flops("dot"), flops("random")
     assert by_id["throughput:dot"]["train_flops_per_token"] == dot

@@ -3,7 +3,6 @@ Face, each checked by the logits of a fixed input against the training-time mode
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

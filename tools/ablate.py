@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tqdm import tqdm  # noqa: E402
 
-from model import ConfigError, build_model  # noqa: E402
+from model import ConfigError  # noqa: E402
 from model.accounting import model_stats  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 
@@ -73,7 +73,7 @@ def evaluate(variant: str, args, run_dir: str, shard_dir: str) -> dict:
     from tools import evaluate as ev
 
     cfg = load_config(args.config, [*args.overrides, f"model.mixer={variant}"]).model
-    stats = model_stats(build_model(cfg))["total"]
+    stats = model_stats(cfg)["total"]
     model, _, _ = ev.load(run_dir, need_tokenizer=False)
     val = ev.evaluate_shards(model, shard_dir, "val", batch_size=16)
     row = {"variant": variant, "params": stats["trainable"] + stats["frozen"], "trainable": stats["trainable"],

@@ -138,18 +138,14 @@ def fitting_layers(a, config: str) -> tuple[int, str | None]:
     """The most layers (≤ --layers) whose training state at the longest n fits in --mem-budget-gb: parameters ×
     BYTES_PER_PARAM (frozen ones × 4) plus a rough activation estimate, 4 bytes × (16·B·n·d + H·n²) a layer and
     3·B·n·V for the logits (about 2× what `dot` was measured to take at d=512, n=4096 on CPU: a safe side)."""
-    import torch
-
-    from model.accounting import count
-    from model.lm import SynthesizerLM
+    from model.accounting import model_stats
     from pretrain.config import load_config
 
     n = max(a.lengths)
 
     def state_bytes(layers):
-        with torch.device("meta"):
-            model = SynthesizerLM(load_config(config, shape(a, n, layers)).model)
-        trainable, frozen = count(model.parameters())
+        total = model_stats(load_config(config, shape(a, n, layers)).model)["total"]
+        trainable, frozen = total["trainable"], total["frozen"]
         act = 4 * (layers * (16 * a.batch * n * a.d_model + a.heads * n * n) + 3 * a.batch * n * a.vocab)
         return BYTES_PER_PARAM * trainable + 4 * frozen + act
 

@@ -228,7 +228,8 @@ def run_train(spec: dict) -> dict:
 
     from pretrain import distributed
     from pretrain.config import load_config
-    from pretrain.engine import build_engine, train_flops_per_token
+    from model.accounting import train_flops_per_token
+    from pretrain.engine import build_engine
 
     cfg = load_config(spec["config"], spec["overrides"])
     lay = distributed.init(cfg)
@@ -266,7 +267,7 @@ def run_train(spec: dict) -> dict:
     out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),
                world=lay.world, tp=lay.tp, dp=lay.dp, grad_accum=lay.grad_accum, tokens_per_step=cfg.tokens_per_step)
     if spec["kind"] in ("train", "loop"):
-        out["train_flops_per_token"] = train_flops_per_token(cfg)
+        out["train_flops_per_token"] = train_flops_per_token(cfg.model)
     out["rank"] = lay.rank
     distributed.shutdown()
     return out

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import ConfigError, ModelConfig, build_model  # noqa: E402
+from model import ConfigError, ModelConfig  # noqa: E402
 from model.accounting import model_stats  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stats = model_stats(build_model(cfg), args.seq_len)
+    stats = model_stats(cfg, args.seq_len)
     stats["config"] = args.config
     if args.json:
         print(json.dumps(stats, indent=2))

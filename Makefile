@@ -9,10 +9,11 @@ TORCH   := torch==2.13.0
 setup: $(VENV)/.installed
 
 # torch first: a plain `pip install torch` (or a package that needs it) would pull a multi-GB CUDA build.
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r requirements.txt
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .   # the project itself: tools/ import it
 	touch $@
 
 test: setup

@@ -16,6 +16,8 @@ tokens, which shifts every position (learned embeddings, W_2, R and W rows): not
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .lm import SynthesizerLM
@@ -35,6 +37,11 @@ class LayerCache:
         buffer = self.buffers[name]
         buffer[..., t0:t1, :] = rows
         return buffer[..., :t1, :]
+
+
+def decodes_incrementally(model) -> bool:
+    """Whether the model's blocks take a cache (an export carries the model code of its day)."""
+    return all("cache" in inspect.signature(block.forward).parameters for block in model.blocks)
 
 
 class IncrementalDecoder:
@@ -78,7 +85,9 @@ class CachedLM:
     def __init__(self, model: SynthesizerLM, use_cache: bool = True, on_call=None):
         self.model, self.cfg, self.on_call = model, model.cfg, on_call
         self.reason = None if use_cache else "disabled"
-        self.decoder = IncrementalDecoder(model) if use_cache else None
+        if use_cache and not decodes_incrementally(model):
+            self.reason = "the model's code predates incremental decoding (a Hugging Face export made before it)"
+        self.decoder = None if self.reason else IncrementalDecoder(model)
         self.seen, self.recomputes = None, 0
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

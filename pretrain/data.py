@@ -1,10 +1,6 @@
 """Streaming, resumable token batches from the WebDataset shards that tools/make_shards.py writes.
 
-Public API
-    DataError(ValueError)                      every data problem, as one line naming the path/value and the fix
-    read_manifest(shard_dir) -> dict           the validated manifest.json, plus "shard_dir"
-    check_vocab(manifest, model_vocab_size)    DataError unless the tokenizer and the model agree on the vocabulary size
-    tokenizer_path(manifest) -> str            the tokenizer.model copy inside the shard directory
+Public API (the shard format, the manifest and DataError: pretrain/shards.py)
     TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail")
         iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
@@ -48,9 +44,7 @@ Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), 
 """
 
 import functools
-import glob
 import itertools
-import json
 import math
 import os
 import random
@@ -61,67 +55,11 @@ import torch
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
-MANIFEST_FORMAT = 1
-DTYPES = {"uint16": ("<u2", "tokens.u16"), "int32": ("<i4", "tokens.i32")}  # manifest dtype -> (numpy, tar member)
+from pretrain.shards import DTYPES, MAKE, DataError, need, read_manifest
+
 # Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".
 STATE_KEYS = ("dp_rank", "dp_world", "num_workers", "micro_batch_size", "seq_len", "seed", "mix_shards")
-MAKE = "tools/make_shards.py"
 BAD_SHARDS = ("fail", "skip")
-
-
-class DataError(ValueError):
-    """A problem with the shard data or its settings; the message is one line that names the path/value and the fix."""
-
-
-def _need(cond, msg):
-    if not cond:
-        raise DataError(msg)
-
-
-def read_manifest(shard_dir):
-    """Load and validate shard_dir/manifest.json; the result also carries "shard_dir"."""
-    _need(os.path.isdir(shard_dir), f"shard directory {shard_dir} does not exist: build it with {MAKE} --out ...")
-    path = os.path.join(shard_dir, "manifest.json")
-    if not os.path.isfile(path):
-        tars = glob.glob(os.path.join(shard_dir, "*.tar"))
-        _need(tars, f"shard directory {shard_dir} is empty (no manifest.json, no .tar shards): build it with {MAKE}")
-        raise DataError(f"{shard_dir} has {len(tars)} shards but no manifest.json (an unfinished {MAKE} run?): "
-                        "rebuild it")
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DataError(f"malformed manifest {path}: {e.msg} at line {e.lineno}: rebuild it with {MAKE}") from None
-    bad = f"malformed manifest {path}:"
-    _need(isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT,
-          f"{bad} expected a JSON object with \"format\": {MANIFEST_FORMAT}: rebuild it with {MAKE}")
-    for key in ("seq_len", "vocab_size"):
-        _need(isinstance(m.get(key), int) and m[key] > 0,
-              f"{bad} \"{key}\" must be a positive integer, got {m.get(key)!r}")
-    _need(m.get("dtype") in DTYPES, f"{bad} \"dtype\" must be one of {sorted(DTYPES)}, got {m.get('dtype')!r}")
-    _need(isinstance(m.get("tokenizer"), str), f"{bad} \"tokenizer\" must be a file name, got {m.get('tokenizer')!r}")
-    _need(isinstance(m.get("splits"), dict) and "train" in m["splits"], f"{bad} no \"splits\" with a \"train\" entry")
-    for name, split in m["splits"].items():
-        ok = isinstance(split, dict) and isinstance(split.get("shards"), list) and all(
-            isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("samples"), int)
-            and s["samples"] > 0 and isinstance(s.get("bytes", 1), int) for s in split["shards"])
-        _need(ok, f"{bad} split \"{name}\" needs \"shards\": [{{\"name\": str, \"samples\": int > 0, "
-                  f"\"bytes\": int (optional)}}, ...]")
-        total = sum(s["samples"] for s in split["shards"])
-        _need(split.get("samples") == total,
-              f"{bad} split \"{name}\" says {split.get('samples')} samples but its shards hold {total}")
-    return dict(m, shard_dir=shard_dir)
-
-
-def tokenizer_path(manifest):
-    return os.path.join(manifest["shard_dir"], manifest["tokenizer"])
-
-
-def check_vocab(manifest, model_vocab_size):
-    v = manifest["vocab_size"]
-    _need(v == model_vocab_size,
-          f"data {manifest['shard_dir']} has vocab_size={v} (tokenizer {tokenizer_path(manifest)}) but "
-          f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} or rebuild the shards")
 
 
 # ---- pipeline stages (module level, so DataLoader workers can pickle them under any start method) ----
@@ -155,10 +93,10 @@ def _read_tar(path, count, member, nbytes):
         cause = str(e.args[0]).split(" @ ")[0] if e.args else ""
         raise DataError(f"shard {path} is unreadable ({type(e).__name__}: {cause}): {fix}") from None
     # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
-    _need(len(samples) == count, f"shard {path} holds {len(samples)} samples but manifest.json says {count}: {fix}")
+    need(len(samples) == count, f"shard {path} holds {len(samples)} samples but manifest.json says {count}: {fix}")
     for s in samples:
         size = len(s.get(member, b""))
-        _need(size == nbytes, f"shard {path}: sample {s.get('__key__')} has {size} bytes of {member}, not "
+        need(size == nbytes, f"shard {path}: sample {s.get('__key__')} has {size} bytes of {member}, not "
                               f"{nbytes} (seq_len+1 tokens): {fix}")
     return samples
 
@@ -184,7 +122,7 @@ class ShardReader:
             print(f"warning: {what}; skipping it (data.bad_shards=skip)", file=sys.stderr, flush=True)
         self.bad.add(path)
         self.skipped.append(path)
-        _need(len(self.bad) < self.n_shards,  # else the reader would go round for ever without a sample
+        need(len(self.bad) < self.n_shards,  # else the reader would go round for ever without a sample
               f"every {self.split} shard in {os.path.dirname(path)} is bad (see the warnings above): rebuild it "
               f"with {MAKE}")
         return []
@@ -265,7 +203,7 @@ def collate(samples, dtype, member):
 
 def _one_line(e):
     """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line."""
-    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{__name__}.DataError: "
+    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{DataError.__module__}.DataError: "
     return DataError(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
@@ -274,18 +212,18 @@ class TokenStream:
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
                  mix_shards=4, bad_shards="fail", pin_memory=False):
-        _need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        _need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
-        _need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
+        need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
+        need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self.manifest = m = read_manifest(shard_dir)
-        _need(m["seq_len"] == seq_len,
+        need(m["seq_len"] == seq_len,
               f"shards in {shard_dir} have seq_len={m['seq_len']} but seq_len={seq_len} was requested: "
               f"train with seq_len={m['seq_len']} or rebuild them with --seq-len {seq_len}")
         self.shard_dir, self.micro_batch_size, self.seq_len = shard_dir, micro_batch_size, seq_len
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
-        _need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
+        need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
         self.mix_shards = mix_shards
-        _need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
+        need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
         self.bad_shards = bad_shards
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
@@ -293,12 +231,12 @@ class TokenStream:
         self.skipped_shards = []  # (path, reason) of the shards the size check dropped
         self.shards = {split: self._checked(split) for split in m["splits"]}
         self.train = self._split("train")
-        need = dp_world * max(1, num_workers)
+        needed = dp_world * max(1, num_workers)
         dropped = len(m["splits"]["train"]["shards"]) - len(self.train)
-        _need(len(self.train) >= need,
+        need(len(self.train) >= needed,
               f"{shard_dir} has {len(self.train)} train shards" + (f" ({dropped} skipped as bad)" if dropped else "")
               + f" but dp_world={dp_world} x num_workers={num_workers} "
-              f"needs at least {need}: rebuild with a smaller --samples-per-shard or use fewer data workers")
+              f"needs at least {needed}: rebuild with a smaller --samples-per-shard or use fewer data workers")
         self._consumed = 0  # batches handed to the trainer: the whole resumable position
         self._live = 0  # id of the one live iterator
 
@@ -317,7 +255,7 @@ class TokenStream:
             else:
                 good.append((s["name"], s["samples"]))
                 continue
-            _need(self.bad_shards == "skip", f"shard {path} {reason}: {_fix(self.shard_dir)}")
+            need(self.bad_shards == "skip", f"shard {path} {reason}: {_fix(self.shard_dir)}")
             self.skipped_shards.append((path, reason))
         return sorted(good)
 
@@ -326,11 +264,11 @@ class TokenStream:
         if not shards and self.manifest["splits"].get(split, {}).get("shards"):
             raise DataError(f"every {split} shard in {self.shard_dir} is bad (skipped: data.bad_shards=skip): "
                             f"rebuild it with {MAKE}")
-        _need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
+        need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
                       f"{MAKE}" + (" --val-fraction > 0" if split == "val" else ""))
         for name, _ in shards:
             path = os.path.join(self.shard_dir, name)
-            _need(os.path.isfile(path), f"shard {path} listed in manifest.json is missing: rebuild {self.shard_dir}")
+            need(os.path.isfile(path), f"shard {path} listed in manifest.json is missing: rebuild {self.shard_dir}")
         return shards
 
     # ---- train stream ----
@@ -383,9 +321,9 @@ class TokenStream:
 
     def load_state_dict(self, sd):
         for key in ("consumed_batches",) + STATE_KEYS:
-            _need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
+            need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
         for key in STATE_KEYS:
-            _need(sd[key] == getattr(self, key),
+            need(sd[key] == getattr(self, key),
                   f"cannot resume the data stream: the checkpoint has {key}={sd[key]} but this run has "
                   f"{key}={getattr(self, key)}; the sample order depends on it, so an explicit remap of the data "
                   f"position is needed (not supported): run with {key}={sd[key]}")

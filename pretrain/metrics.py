@@ -14,11 +14,29 @@ import time
 import torch
 
 
-def memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: allocator peak on an accelerator, peak RSS on CPU."""
+def memory_mb(device: torch.device, peak: bool = True) -> float:
+    """This process's memory in MB — CUDA: the caching allocator's live tensors; CPU: the resident set — at its
+    highest since the start or the last `reset_peak_memory` (`peak`), or now. The one reader of the trainer's log,
+    tools/bench.py and tools/bench_mixer.py."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return (torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated)(device) / 2**20
+    if peak:   # the kernel's high-water mark (VmHWM), which reset_peak_memory lowers to now
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's counters, or on CPU the kernel's VmHWM (/proc/self/clear_refs "5"); where that is
+    refused, the CPU peak stays the process's highest so far."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def attention_grid(maps: list[torch.Tensor], max_heads: int = 4) -> list[torch.Tensor]:

@@ -24,7 +24,8 @@ from model.generate import sample
 from pretrain import distributed, faults
 from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, load_config
-from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
+from pretrain.data import TokenStream
+from pretrain.shards import DataError, check_vocab, read_manifest
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.health import LossGuard, TrainingStopped
 from pretrain.metrics import Logger, attention_grid, memory_mb

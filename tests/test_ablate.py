@@ -8,7 +8,8 @@ import pytest
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tests.runs import PY, ROOT, write_config
-from tools import evaluate
+from evaluation.cli import load
+from evaluation.perplexity import evaluate_shards
 
 
 @pytest.mark.slow
@@ -23,9 +24,9 @@ def test_ablate_trains_evaluates_and_reports(shards, tmp_path):
     assert sorted(rows) == ["dot", "random"]
     for variant, row in rows.items():
         run_dir = out / variant
-        model, _, info = evaluate.load(str(run_dir), need_tokenizer=False)
+        model, _, info = load(str(run_dir), need_tokenizer=False)
         assert info["step"] == 6                                        # the budget, not the config's max_steps
-        val = evaluate.evaluate_shards(model, shards, "val", batch_size=16)
+        val = evaluate_shards(model, shards, "val", batch_size=16)
         assert row["val_ppl"] == pytest.approx(val["ppl"], rel=1e-9)
         cfg = load_config(base, [f"model.mixer={variant}"]).model
         assert row["synth_params"] == model_stats(cfg)["total"]["table1"]

@@ -20,7 +20,8 @@ import sentencepiece as spm
 
 from model.config import ConfigError
 from pretrain.config import load_config
-from pretrain.data import DataError, TokenStream, check_vocab, read_manifest
+from pretrain.data import TokenStream
+from pretrain.shards import DataError, check_vocab, read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")

@@ -18,6 +18,10 @@ from model.generate import sample
 from model.hf import release_to_hf
 from model.release import save_release
 from tests.runs import CORPUS, PY, ROOT, write_config
+from evaluation import perplexity
+from evaluation.cli import load
+from evaluation.prompts import prompt_ids
+from pretrain.corpus import documents
 from tools import evaluate, generate, plot_attention
 
 L = 16
@@ -69,7 +73,7 @@ def reference_nll(model, ids, t, start):
 def test_text_windows_match_a_per_token_loop(sp, text, stride):
     model = tiny(max_seq_len=L)
     ids = [sp.eos_id()]
-    for doc in evaluate.documents(text):
+    for doc in documents(text):
         ids += sp.encode(doc) + [sp.eos_id()]
     T, first_end = len(ids) - 1, min(L, len(ids) - 1)
     nll = 0.0
@@ -79,23 +83,23 @@ def test_text_windows_match_a_per_token_loop(sp, text, stride):
         nll += reference_nll(model, ids, t, max(0, end - L))
         if stride == 1:
             assert max(0, end - L) == max(0, t - L)   # stride 1: every token sees the full L − 1 earlier tokens
-    r = evaluate.evaluate_text(model, sp, [text], stride=stride, batch_size=3)
+    r = perplexity.evaluate_text(model, sp, [text], stride=stride, batch_size=3)
     assert r["tokens"] == T
     assert r["loss"] * T == pytest.approx(nll, rel=1e-5)
     assert r["bits_per_byte"] == pytest.approx(nll / math.log(2) / r["bytes"], rel=1e-5)
 
 
 def test_bits_per_byte_hand_built(sp):
-    r = evaluate.summarize(12 * math.log(2), tokens=4, n_bytes=6)
+    r = perplexity.summarize(12 * math.log(2), tokens=4, n_bytes=6)
     assert (r["bits_per_token"], r["bits_per_byte"], r["ppl"]) == pytest.approx((3.0, 2.0, 8.0))
     text = "Hello world\n\n  Émile ça va\n"                 # 11 + 1 and 13 + 1 bytes (É, ç take 2 each)
     model = tiny()
-    r = evaluate.evaluate_text(model, sp, [text])
+    r = perplexity.evaluate_text(model, sp, [text])
     assert r["bytes"] == 26
     # The shard rule (bytes from the pieces) counts the same bytes on the same stream.
     ids = [sp.eos_id()] + sp.encode("Hello world") + [sp.eos_id()] + sp.encode("Émile ça va") + [sp.eos_id()]
     prev, tgt = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
-    assert evaluate.target_bytes(evaluate.piece_bytes(sp), prev, tgt, sp.eos_id(), True) == 26
+    assert perplexity.target_bytes(perplexity.piece_bytes(sp), prev, tgt, sp.eos_id(), True) == 26
     assert r["tokens"] == len(ids) - 1
 
 
@@ -137,11 +141,11 @@ def test_shards_match_direct_reading(shards, sp):
         nll += float((logits.logsumexp(-1) - logits[torch.arange(len(s) - 1), torch.from_numpy(s[1:])]).sum())
     n_bytes = sum(decoded_bytes(sp, s) for s in samples)
     bs = next(b for b in (5, 7, 11) if len(samples) % b)   # a partial last batch: val_batches wraps round to fill it
-    r = evaluate.evaluate_shards(model, shards, "val", batch_size=bs)
+    r = perplexity.evaluate_shards(model, shards, "val", batch_size=bs)
     assert r["samples"] == len(samples) and r["tokens"] == len(samples) * 32
     assert r["loss"] * r["tokens"] == pytest.approx(nll, rel=1e-5)
     assert r["bytes"] == n_bytes
-    assert evaluate.evaluate_shards(model, shards, "val", max_samples=2)["tokens"] == 64
+    assert perplexity.evaluate_shards(model, shards, "val", max_samples=2)["tokens"] == 64
 
 
 def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text, tmp_path):
@@ -159,9 +163,9 @@ def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text
     release_to_hf(str(tmp_path / "release"), str(tmp_path / "hf"))
     results = []
     for path in (tmp_path / "run", tmp_path / "release", tmp_path / "hf"):
-        m, s, info = evaluate.load(str(path))
+        m, s, info = load(str(path))
         assert info["step"] == 7
-        results.append((evaluate.evaluate_shards(m, shards, max_samples=5), evaluate.evaluate_text(m, s, [text])))
+        results.append((perplexity.evaluate_shards(m, shards, max_samples=5), perplexity.evaluate_text(m, s, [text])))
     assert results[0] == results[1]
     for native, hf in zip(results[0], results[2]):      # the HF export, run by transformers: the same perplexity
         assert native["tokens"] == hf["tokens"] and abs(hf["ppl"] - native["ppl"]) <= 1e-4 * native["ppl"]
@@ -173,7 +177,7 @@ DEMO = [os.path.join(ROOT, "runs", "demo"), os.path.join(ROOT, "runs", "demo-rel
 @pytest.mark.skipif(not all(map(os.path.isdir, DEMO)), reason="make demo + convert to-release not run")
 def test_demo_release_equals_demo_checkpoint():
     shard_dir = os.path.join(ROOT, "build", "demo", "shards")
-    a, b = (evaluate.evaluate_shards(evaluate.load(p)[0], shard_dir, max_samples=4) for p in DEMO)
+    a, b = (perplexity.evaluate_shards(load(p)[0], shard_dir, max_samples=4) for p in DEMO)
     assert a == b
 
 
@@ -214,7 +218,7 @@ def test_generate_is_reproducible_per_seed(sp):
 # ---- plot_attention ---------------------------------------------------------------------------------------------
 def test_attention_plot_data_and_png(sp, tmp_path):
     model = tiny(mixer=["dense", "sgu"], max_seq_len=32)
-    ids = generate.prompt_ids(sp, "It is a truth universally acknowledged")
+    ids = prompt_ids(sp, "It is a truth universally acknowledged")
     data = plot_attention.attention_data(model, torch.tensor([ids]))
     assert [name for name, _, _ in data] == ["dense", "sgu"] and [s for _, s, _ in data] == [True, False]
     n = len(ids)

@@ -35,6 +35,8 @@ TEXT = "Emma Woodhouse, handsome, clever — Tschüß 日本 42\n  and rich."
 LOADER = r"""
 import glob, importlib.util, sys
 sys.modules["megatron"] = None          # the export must not need megatron-core
+# nor this repository, which `make setup` installs in editable mode: drop that install's import finder
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 assert importlib.util.find_spec("model") is None, "the repository is importable: the check would prove nothing"
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -68,7 +70,6 @@ def train_tokenizer(path):
     """A 384-piece tokenizer from the start of the Austen corpus, made by the project's own tool."""
     import gzip
 
-    sys.path.insert(0, ROOT)
     from tools.train_tokenizer import train
 
     with gzip.open(os.path.join(ROOT, "data", "austen.txt.gz"), "rt", encoding="utf-8") as f:

@@ -1,5 +1,5 @@
 """lm-eval 0.4.13 adapter (evaluation/lm_eval_adapter.py), local tasks (tools/make_tasks.py, tasks/) and the CLI
-wrapper (tools/lm_eval.py), on a tiny model with random weights saved as a release in the test.
+wrapper (tools/run_lm_eval.py), on a tiny model with random weights saved as a release in the test.
 
 Every number the harness reports is recomputed by hand from the model: the log-likelihood of a continuation is the
 sum of its tokens' log-softmax from one unpadded forward pass; the rolling log-likelihood covers every token once in
@@ -242,7 +242,7 @@ def test_make_tasks_rebuilds_the_shipped_files(tmp_path):
 def test_cli_wrapper_runs_the_shipped_tasks_offline_from_another_cwd(tiny, tmp_path):
     release = tiny[0]
     env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf")}
-    run = [PY, os.path.join(ROOT, "tools", "lm_eval.py"), "--model", "synthformer", "--device", "cpu"]
+    run = [PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--device", "cpu"]
     r = subprocess.run(run + ["--model_args", f"path={release}", "--batch_size", "8", "--tasks",
                               "austen_cloze,austen_mc4", "--limit", "3", "--output_path", str(tmp_path / "out")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

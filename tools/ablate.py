@@ -20,18 +20,15 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# tools/ is first on sys.path when run as a script, and tools/lm_eval.py would shadow the lm_eval package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # the tasks are local files: never reach for the Hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from model import ConfigError  # noqa: E402
-from model.accounting import model_stats  # noqa: E402
-from pretrain.config import load_config  # noqa: E402
+from model import ConfigError
+from model.accounting import model_stats
+from pretrain.config import load_config
 
 VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot"
 TASKS = "austen_cloze,austen_mc4"
@@ -70,12 +67,13 @@ def metrics(run_dir: str) -> tuple[dict, dict]:
 
 def evaluate(variant: str, args, run_dir: str, shard_dir: str) -> dict:
     """Parameters (Table 1 too), validation ppl and bits/byte of the final checkpoint, lm-eval task accuracies."""
-    from tools import evaluate as ev
+    from evaluation.cli import load
+    from evaluation.perplexity import evaluate_shards
 
     cfg = load_config(args.config, [*args.overrides, f"model.mixer={variant}"]).model
     stats = model_stats(cfg)["total"]
-    model, _, _ = ev.load(run_dir, need_tokenizer=False)
-    val = ev.evaluate_shards(model, shard_dir, "val", batch_size=16)
+    model, _, _ = load(run_dir, need_tokenizer=False)
+    val = evaluate_shards(model, shard_dir, "val", batch_size=16)
     row = {"variant": variant, "params": stats["trainable"] + stats["frozen"], "trainable": stats["trainable"],
            "synth_params": stats["table1"], "val_ppl": val["ppl"], "bits_per_byte": val["bits_per_byte"]}
     if args.tasks:

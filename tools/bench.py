@@ -52,11 +52,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from tools.bench_lib import (RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown,  # noqa: E402
-                             paired_ratio, summary)
-from tools.bench_mixer import GOAL_MEM  # noqa: E402
+from tools.bench_lib import (GOAL_MEM, RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown, paired_ratio,
+                             summary)
 
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"

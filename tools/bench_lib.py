@@ -22,12 +22,12 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.bench_mixer import rss_mb  # noqa: E402
+from pretrain.metrics import memory_mb, reset_peak_memory
 
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
 READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up; one repetition's rate
+# Memory at 4 × the first n ÷ at the first: the goals of tools/bench.py's memory part and tools/bench_mixer.py
+GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "random": 5, "random+dot": 5}
 def machine_info() -> dict:
     import torch
 
@@ -58,16 +58,13 @@ class Memory:
     closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins."""
 
     def __init__(self, device):
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.torch = torch
+        self.device = device
         self.after_init = self.now()   # after imports and the process group's start
         self.after_engine = self.at_rest = None
         self.phases = {}
 
     def now(self) -> float:
-        return self.torch.cuda.memory_allocated() / 2**20 if self.cuda else rss_mb()
+        return memory_mb(self.device, peak=False)
 
     def engine_built(self) -> None:
         self.after_engine = self.now()
@@ -77,32 +74,15 @@ class Memory:
 
     def reset_peak(self) -> None:
         self.phases = {}
-        self._reset()
-
-    def _reset(self) -> None:
-        if self.cuda:
-            self.torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-    def _peak(self) -> float:
-        if self.cuda:
-            return self.torch.cuda.max_memory_allocated() / 2**20
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        reset_peak_memory(self.device)
 
     def phase(self, name: str) -> None:
-        self.phases[name] = max(self.phases.get(name, 0.0), self._peak())
-        self._reset()
+        self.phases[name] = max(self.phases.get(name, 0.0), memory_mb(self.device))
+        reset_peak_memory(self.device)
 
     def peak(self) -> float:
         """Since reset_peak(): the highest of the phases' peaks and of what came after the last phase."""
-        return max([self._peak(), *self.phases.values()])
+        return max([memory_mb(self.device), *self.phases.values()])
 
 
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
@@ -275,7 +255,8 @@ def run_train(spec: dict) -> dict:
 
 def run_data(spec: dict) -> dict:
     """Batches of pretrain.data.TokenStream read from the shards on disk by its DataLoader workers, nothing else."""
-    from pretrain.data import TokenStream, read_manifest
+    from pretrain.data import TokenStream
+    from pretrain.shards import read_manifest
 
     seq_len = read_manifest(spec["shard_dir"])["seq_len"]
     stream = TokenStream(spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"], seed=0)

@@ -13,20 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain.metrics import memory_mb, reset_peak_memory
+from tools.bench_lib import GOAL_MEM
 
 VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot,sgu"
-GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "random": 5, "random+dot": 5}
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def kernel_name(events) -> str:
@@ -58,9 +52,8 @@ def worker(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    base = rss_mb()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    base = 0.0 if device.type == "cuda" else memory_mb(device, peak=False)   # CPU: what the block itself adds
+    reset_peak_memory(device)
     step()                                                # warm-up (also the first, honest peak)
     times, deadline = [], time.perf_counter() + args.budget_s
     for _ in range(args.repeats):
@@ -69,10 +62,7 @@ def worker(args) -> dict:
         times.append(time.perf_counter() - t0)
         if time.perf_counter() > deadline:
             break
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    peak = memory_mb(device) - base
     with profile() as prof:
         step()
     return {"variant": args.variant, "impl": args.impl, "n": args.n, "time_ms": 1e3 * min(times),

@@ -23,13 +23,12 @@ import socket
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
+from model import ConfigError
+from model import release
 
-from model import ConfigError  # noqa: E402
-from model import release  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where to_deepspeed's ranks run
 
 
 def to_release(args) -> str:

@@ -18,38 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from model.decoding import CachedLM  # noqa: E402
-from model.generate import sample  # noqa: E402
-from tools.evaluate import UsageError, load  # noqa: E402
+from evaluation.cli import UsageError, load, one_line_errors
+from evaluation.prompts import decode, prompt_ids
+from model.decoding import CachedLM
+from model.generate import sample
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
-
-
-def prompt_ids(sp, text: str) -> list[int]:
-    """[eos] + the prompt's pieces: generation starts where a training document would."""
-    return [sp.eos_id()] + sp.encode(text)
-
-
-def decode(sp, ids: list[int]) -> str:
-    """Text of generated ids, an eos as the newline that ended its document."""
-    eos, parts, current = sp.eos_id(), [], []
-    for i in ids:
-        if i == eos:
-            parts.append(current)
-            current = []
-        else:
-            current.append(i)
-    return "\n".join(sp.decode(p) for p in parts + [current])
 
 
 def check(args) -> None:
@@ -99,14 +79,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        check(args)
-        model, sp, info = load(args.checkpoint, args.tokenizer)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check(args)
+    model, sp, info = load(args.checkpoint, args.tokenizer)
     t0 = time.perf_counter()
     samples = generate(model, sp, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        args.seed, args.num_samples, not args.no_cache, progress=not args.quiet)

@@ -30,7 +30,6 @@ a directory without one is an unfinished run.
 import argparse
 import glob
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -39,13 +38,10 @@ import time
 
 import numpy as np
 
-try:  # run as `python tools/make_shards.py` (tools/ on sys.path) or imported as `tools.make_shards`
-    from train_tokenizer import UsageError, check_inputs, iter_documents
-except ImportError:
-    from tools.train_tokenizer import UsageError, check_inputs, iter_documents
+from pretrain.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_manifest
 
-MANIFEST_FORMAT = 1
-
+from evaluation.cli import UsageError, one_line_errors
+from pretrain.corpus import check_inputs, iter_documents
 
 def sha256_file(path):
     h = hashlib.sha256()
@@ -53,41 +49,6 @@ def sha256_file(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-class SplitWriter:
-    """Writes one split's samples into numbered tar shards, opening the next shard when one is full."""
-
-    def __init__(self, out_dir, split, samples_per_shard, member):
-        self.out_dir, self.split, self.per_shard, self.member = out_dir, split, samples_per_shard, member
-        self.shards = []  # manifest records of the shards written so far
-        self.samples = 0
-        self.tar = self.path = None
-
-    def write(self, payload):
-        if self.tar is None:
-            import webdataset as wds  # loaded already by make_shards(); not at the top, so --help and errors are quick
-
-            index = len(self.shards)
-            name = f"{self.split}-{index:06d}.tar"
-            # mtime fixed and no encoder: the same input gives byte-identical shards
-            self.path = os.path.join(self.out_dir, name)
-            self.tar = wds.TarWriter(self.path, encoder=False, mtime=0.0)
-            self.shards.append({"name": name, "samples": 0, "first_id": f"{self.split}-{index:06d}-000000",
-                                "first_index": self.samples})
-        record = self.shards[-1]
-        key = f"{self.split}-{len(self.shards) - 1:06d}-{record['samples']:06d}"
-        self.tar.write({"__key__": key, self.member: payload})
-        record["samples"] += 1
-        self.samples += 1
-        if record["samples"] == self.per_shard:
-            self.close()
-
-    def close(self):
-        if self.tar is not None:
-            self.tar.close()
-            self.shards[-1]["bytes"] = os.path.getsize(self.path)  # after close: the tar's end blocks are written
-            self.tar = None
 
 
 def prepare_out_dir(out, force):
@@ -121,11 +82,11 @@ def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fra
     vocab, eos = sp.vocab_size(), sp.eos_id()
     if eos < 0:
         raise UsageError(f"tokenizer {tokenizer} has no eos id: retrain it with tools/train_tokenizer.py")
-    dtype, member = ("<u2", "tokens.u16") if vocab <= 65535 else ("<i4", "tokens.i32")
+    dtype = dtype_for(vocab)
     prepare_out_dir(out, force)
     import webdataset  # noqa: F401 -- imports torch (~2 s): here, after the checks, and before the clock starts
 
-    writers = {s: SplitWriter(out, s, samples_per_shard, member) for s in ("train", "val")}
+    writers = {s: SplitWriter(out, s, samples_per_shard, dtype) for s in ("train", "val")}
     coin = random.Random(seed)  # one draw per sample, in stream order: the split depends only on (input, seed, seq_len)
     leftover = np.zeros(0, dtype=np.int64)
     n_docs = n_bytes = n_tokens = 0
@@ -144,7 +105,7 @@ def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fra
         for i in range(count):
             window = stream[i * seq_len : i * seq_len + seq_len + 1]
             split = "val" if coin.random() < val_fraction else "train"
-            writers[split].write(window.astype(dtype).tobytes())
+            writers[split].write(window.astype(DTYPES[dtype][0]).tobytes())
         leftover = stream[count * seq_len :]  # >= 1 token: the last window's end is the next window's start
 
     batch, size = [], 0
@@ -172,15 +133,12 @@ def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fra
         "format": MANIFEST_FORMAT, "seq_len": seq_len, "vocab_size": vocab, "eos_id": eos,
         "tokenizer": "tokenizer.model", "tokenizer_sha256": sha256_file(tok_copy),
         "tokenizer_source": os.path.abspath(tokenizer),
-        "dtype": "uint16" if dtype == "<u2" else "int32", "seed": seed, "val_fraction": val_fraction,
+        "dtype": dtype, "seed": seed, "val_fraction": val_fraction,
         "inputs": [os.path.abspath(p) for p in inputs],
         "splits": {s: {"samples": w.samples, "tokens": w.samples * seq_len, "shards": w.shards}
                    for s, w in writers.items()},
     }
-    tmp = os.path.join(out, "manifest.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(out, "manifest.json"))
+    write_manifest(out, manifest)
     manifest["stats"] = {"documents": n_docs, "text_bytes": n_bytes, "stream_tokens": n_tokens, "seconds": seconds,
                          "dropped_tokens": max(0, len(leftover) - 1)}
     return manifest
@@ -205,14 +163,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
-                        args.seed, threads=args.threads, force=args.force, progress=not args.quiet)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
+                    args.seed, threads=args.threads, force=args.force, progress=not args.quiet)
     st, tr, va = m["stats"], m["splits"]["train"], m["splits"]["val"]
     secs = max(st["seconds"], 1e-9)
     print(f"wrote {args.out}: train {tr['samples']} samples in {len(tr['shards'])} shards, "

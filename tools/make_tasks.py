@@ -24,7 +24,7 @@ Each needs ≥ --min-context-words words of context; at most --per-passage items
 
 Writes into --out: <prefix>_cloze.jsonl, <prefix>_mc4.jsonl, <prefix>_cloze.yaml, <prefix>_mc4.yaml (the source and
 this command in their header) and local_data.py, a copy of tasks/local_data.py that loads the JSONL files relative
-to the yaml from any working directory. Use them with lm-eval's --include_path DIR (tools/lm_eval.py includes tasks/).
+to the yaml from any working directory. Use them with lm-eval's --include_path DIR (tools/run_lm_eval.py includes tasks/).
 """
 import argparse
 import json
@@ -40,10 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-try:  # run as `python tools/make_tasks.py` (tools/ on sys.path) or imported as `tools.make_tasks`
-    from train_tokenizer import UsageError, check_inputs, iter_documents
-except ImportError:
-    from tools.train_tokenizer import UsageError, check_inputs, iter_documents
+from evaluation.cli import UsageError, one_line_errors
+from pretrain.corpus import check_inputs, iter_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEIGHBOURS = 12   # distractors are drawn from this many sentences closest in length to the true one
@@ -299,13 +297,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        counts = make_tasks(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    counts = make_tasks(args)
     print(f"wrote {args.out}: " + ", ".join(f"{task} ({n} items)" for task, n in counts.items()))
     return 0
 

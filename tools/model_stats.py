@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from model import ConfigError, ModelConfig  # noqa: E402
-from model.accounting import model_stats  # noqa: E402
+from model import ConfigError, ModelConfig
+from model.accounting import model_stats
 
 
 def load_model_config(path: str, overrides: list[str]) -> ModelConfig:

@@ -17,14 +17,11 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tools.evaluate import UsageError, load  # noqa: E402
-from tools.generate import prompt_ids  # noqa: E402
+from evaluation.cli import UsageError, load, one_line_errors
+from evaluation.prompts import prompt_ids
 
 TICK_LABELS_UP_TO = 40   # beyond this many tokens the axis labels would overlap
 DEFAULT_PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -91,20 +88,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        if not args.out.lower().endswith(".png"):
-            raise UsageError(f"--out {args.out} must name a .png file")
-        model, sp, info = load(args.checkpoint, args.tokenizer)
-        ids = prompt_ids(sp, args.prompt)
-        L = model.cfg.max_seq_len
-        if len(ids) > L:
-            raise UsageError(f"the prompt has {len(ids)} tokens (with the leading eos) but the model sees at most "
-                             f"max_seq_len={L}: shorten --prompt")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not args.out.lower().endswith(".png"):
+        raise UsageError(f"--out {args.out} must name a .png file")
+    model, sp, info = load(args.checkpoint, args.tokenizer)
+    ids = prompt_ids(sp, args.prompt)
+    L = model.cfg.max_seq_len
+    if len(ids) > L:
+        raise UsageError(f"the prompt has {len(ids)} tokens (with the leading eos) but the model sees at most "
+                         f"max_seq_len={L}: shorten --prompt")
     data = attention_data(model, torch.tensor([ids], dtype=torch.int64))
     labels = [sp.id_to_piece(i) for i in ids]
     plot(data, labels, args.out, f"{info['source']} (step {info['step']}): {len(data)} layers × "

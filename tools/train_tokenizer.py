@@ -17,53 +17,19 @@ Ids: unk=0, bos=1, eos=2, no pad (-1); make_shards.py appends eos after every do
 """
 
 import argparse
-import gzip
 import io
 import os
 import random
 import sys
 
-from tqdm import tqdm
+from evaluation.cli import UsageError, one_line_errors
+from pretrain.corpus import check_inputs, iter_documents
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MAX_SENTENCE_BYTES = 1 << 16
 # A longer line is cut into pieces of this many characters (4 bytes per char at most in UTF-8): sentencepiece would
 # otherwise drop the whole line, and for learning a vocabulary a paragraph split in two loses nothing.
 CHUNK_CHARS = MAX_SENTENCE_BYTES // 4
-
-
-class UsageError(Exception):
-    """A mistake in the command line or the inputs: printed as one `error: ...` line, exit status 2."""
-
-
-def check_inputs(paths):
-    for path in paths:
-        if not os.path.isfile(path):
-            raise UsageError(f"input file not found: {path}")
-
-
-def open_text(raw):
-    """A text stream over a binary file object, gunzipping when the file starts with the gzip magic bytes."""
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.open(raw, "rt", encoding="utf-8", errors="replace")
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-
-
-def iter_documents(paths, desc="reading", progress=True):
-    """Yield the non-empty lines (stripped) of all files in turn, with a tqdm bar over the bytes read from disk."""
-    total = sum(os.path.getsize(p) for p in paths)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, file=sys.stderr) as bar:
-        for path in paths:
-            with open(path, "rb") as raw:
-                done = 0
-                for line in open_text(raw):
-                    pos = raw.tell()  # position in the file on disk: compressed bytes for .gz, so the total is right
-                    if pos != done:
-                        bar.update(pos - done)
-                        done = pos
-                    line = line.strip()
-                    if line:
-                        yield line
 
 
 def sample_sentences(paths, max_sentences, seed, progress=True):
@@ -147,14 +113,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        out = train(args.input, args.vocab_size, args.out, args.model_type, args.seed, args.max_sentences,
-                    args.threads, progress=not args.quiet, verbose=args.verbose)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = train(args.input, args.vocab_size, args.out, args.model_type, args.seed, args.max_sentences,
+                args.threads, progress=not args.quiet, verbose=args.verbose)
     print(f"wrote {out} (vocab_size={args.vocab_size}, {args.model_type}, seed={args.seed})")
     return 0
 

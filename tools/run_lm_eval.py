@@ -1,9 +1,9 @@
 """lm-evaluation-harness's own CLI, with the `synthformer` model registered and the repository's tasks/ included.
 
-    python tools/lm_eval.py --model synthformer --model_args path=runs/demo-release --tasks austen_cloze,austen_mc4
-    python tools/lm_eval.py --model synthformer --model_args path=runs/demo,batch_size=32 --tasks austen_cloze \\
+    python tools/run_lm_eval.py --model synthformer --model_args path=runs/demo-release --tasks austen_cloze,austen_mc4
+    python tools/run_lm_eval.py --model synthformer --model_args path=runs/demo,batch_size=32 --tasks austen_cloze \\
         --device cpu --output_path runs/demo/eval        # a DeepSpeed run directory works too (newest checkpoint)
-    python tools/lm_eval.py ls tasks                      # lm-eval's other subcommands pass through
+    python tools/run_lm_eval.py ls tasks                      # lm-eval's other subcommands pass through
 
 Every argument goes to lm-eval 0.4.13's CLI unchanged (`lm-eval run --help` lists them). The plain `lm_eval` command
 cannot see this model: lm-eval looks models up in an in-process registry filled by imports (it reads no entry points,
@@ -17,7 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# `python tools/lm_eval.py` puts tools/ first on sys.path, where this file would shadow the lm_eval package itself
+# `python tools/run_lm_eval.py` puts tools/ first on sys.path, where this file would shadow the lm_eval package itself
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 TASKS = os.path.join(ROOT, "tasks")
 SUBCOMMANDS_WITH_TASKS = ("run", "ls", "validate")
@@ -49,13 +49,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        print("lm-eval's own help follows (`python tools/lm_eval.py run --help` for the evaluation options).\n")
+        print("lm-eval's own help follows (`python tools/run_lm_eval.py run --help` for the evaluation options).\n")
     for path in model_paths(argv):   # fail in a second, not after lm-eval has indexed its thousands of tasks
         if not os.path.exists(path):
             print(f"error: model_args path={path} does not exist; give a release directory or a DeepSpeed "
                   f"checkpoint (run directory, its checkpoints/ or a step_* directory)", file=sys.stderr)
             return 2
-    sys.path.insert(0, ROOT)
     from model import ConfigError
 
     import evaluation.lm_eval_adapter  # noqa: F401 -- registers "synthformer"

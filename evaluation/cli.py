@@ -1,0 +1,84 @@
+"""What the command-line tools share: one-line errors, and a model from any form it is kept in.
+
+    UsageError                   a bad argument or input file
+    one_line_errors(main)        a tool's main(argv): UsageError, ConfigError and DataError become one `error: …`
+                                 line on stderr and exit status 2, never a traceback
+    load(path, tokenizer=None)   (model at TP=1 in eval mode, SentencePieceProcessor, {"source", "step"}) from a
+                                 release, a DeepSpeed run / checkpoints / step_* directory, or a Hugging Face export
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+
+from model import ConfigError
+from pretrain.shards import DataError
+
+
+class UsageError(Exception):
+    """A bad argument or input file: printed as one `error: ...` line, exit status 2."""
+
+
+def is_hf_export(path: str) -> bool:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "synthformer"
+
+
+def load_hf(path: str):
+    """(SynthesizerLM, tokenizer path, info) of a Hugging Face export, loaded by transformers itself (remote code)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    tokenizer = os.path.join(path, "tokenizer.model")
+    step = (getattr(hf.config, "synthformer_training", None) or {}).get("step", 0)
+    # The SynthesizerLM inside, in the export's own code and with the weights transformers loaded: the tools need
+    # its parts (cached decoding), not only its logits.
+    return hf.model, tokenizer if os.path.isfile(tokenizer) else None, {"source": path, "step": step}
+
+
+def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
+    """(model in eval mode at TP=1, SentencePieceProcessor or None, info {"source", "step"}); UsageError otherwise."""
+    import sentencepiece as spm
+
+    from pretrain.ds_checkpoint import load_any
+
+    if not os.path.exists(path):
+        raise UsageError(f"checkpoint {path} does not exist: pass a release directory or a DeepSpeed run/checkpoint")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's import banner must not corrupt --json output
+            model, found, info = load_hf(path) if is_hf_export(path) else load_any(path)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, RuntimeError, ValueError, KeyError) as e:   # a truncated or foreign file
+        raise UsageError(f"cannot read checkpoint {path}: {str(e).strip().splitlines()[0]}") from None
+    tokenizer = tokenizer or found
+    if tokenizer is None:
+        if need_tokenizer:
+            raise UsageError(f"{info['source']} holds no tokenizer.model: pass --tokenizer PATH")
+        return model, None, info
+    try:
+        sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"cannot load tokenizer {tokenizer}: {str(e).strip().splitlines()[0]}") from None
+    if sp.vocab_size() != model.cfg.vocab_size:
+        raise UsageError(f"tokenizer {tokenizer} has {sp.vocab_size()} ids but the model's vocab_size is "
+                         f"{model.cfg.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
+    return model, sp, info
+
+
+def one_line_errors(main):
+    """Wrap a tool's main(argv) -> exit status: a known mistake is one `error: …` line and status 2."""
+    @functools.wraps(main)
+    def wrapped(argv=None) -> int:
+        try:
+            return main(argv)
+        except (UsageError, ConfigError, DataError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return wrapped

@@ -15,7 +15,7 @@ from .fields import ConfigError, build, check_types
 # Synthesizing functions (DESIGN.md §1). Mixtures are 2-3 distinct names of MIXABLE joined by '+'.
 SINGLE_MIXERS = ("dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu")
 MIXABLE = ("dot", "dense", "random", "factorized_random")
-__all__ = ["ConfigError", "ModelConfig", "parse_mixer", "default_factorization"]
+__all__ = ["ConfigError", "ModelConfig", "architecture_difference", "default_factorization", "parse_mixer", "plain"]
 
 
 def valid_mixer_names() -> str:
@@ -140,3 +140,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Fields that may differ between a release and the run it starts: they change no tensor's meaning or shape.
+FREE_MODEL_FIELDS = {"impl", "dropout", "mixer_dropout", "seed", "init_std", "random_init_std", "sgu_init_eps"}
+
+
+def architecture_difference(theirs: dict, ours: dict) -> str | None:
+    """The first model key (other than FREE_MODEL_FIELDS) whose value differs between two model-section dicts."""
+    return next((k for k in ours if k not in FREE_MODEL_FIELDS and plain(theirs.get(k)) != plain(ours[k])), None)
+
+
+def plain(v: Any) -> Any:
+    """Lists for tuples, at any depth: what a config looks like after a round trip through YAML or JSON."""
+    return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v

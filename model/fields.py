@@ -85,3 +85,22 @@ def is_number(v: Any) -> bool:
 def need(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is out of range; allowed: {allowed}")
+
+
+def nearest_key(key: str, valid: list[str]) -> str | None:
+    """The valid dotted key nearest to a mistyped one: the same field in another section (train.tp → parallel.tp), an
+    acronym (learning_rate → lr), else by spelling (difflib); None when nothing is close."""
+    section, _, leaf = key.rpartition(".")
+
+    def acronym(s: str) -> str:
+        return "".join(w[0] for w in s.split("_") if w)
+
+    def score(cand: str) -> float:
+        c_section, _, c_leaf = cand.rpartition(".")
+        s = difflib.SequenceMatcher(None, key, cand).ratio()
+        s += c_leaf == leaf and c_section != section
+        s += c_section == section and len(leaf) > 1 and (acronym(leaf) == c_leaf or acronym(c_leaf) == leaf)
+        return s
+
+    best = max(valid, key=score)
+    return best if score(best) >= 0.6 else None

@@ -26,7 +26,7 @@ import yaml
 
 from model import ConfigError
 from model import parallel as tp
-from pretrain.faults import maybe_kill_in_save
+from pretrain.faults import NO_FAULTS, Faults
 
 
 class CheckpointError(RuntimeError):
@@ -54,9 +54,10 @@ class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
     def __init__(self, engine, directory: str, keep: int, stateful: dict, config: dict, tokenizer: str, rank: int,
-                 world: int):
+                 world: int, faults: Faults = NO_FAULTS):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
+        self.faults = faults
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
 
     def save(self, step: int) -> str:
@@ -72,7 +73,7 @@ class Checkpointer:
         try:
             self._write(partial, tag, step)
             dist.barrier()                                        # every rank's files are written
-            maybe_kill_in_save("written", step, self.rank)
+            self.faults.saving("written", step)
             if self.rank == 0:
                 self._commit(partial, final, tag, step)
                 self._prune()
@@ -92,9 +93,9 @@ class Checkpointer:
     def _write(self, partial: str, tag: str, step: int) -> None:
         """This rank's files: DeepSpeed's (collective), the trainer state, and on rank 0 the config and tokenizer."""
         os.makedirs(partial, exist_ok=True)                       # also for ranks DeepSpeed gives nothing to write
-        maybe_kill_in_save("begin", step, self.rank)
+        self.faults.saving("begin", step)
         self.engine.save_checkpoint(self.dir, tag=tag + ".partial", save_latest=False)
-        maybe_kill_in_save("engine", step, self.rank)
+        self.faults.saving("engine", step)
         own = {name: obj.state_dict() for name, obj in self.stateful.items()}
         torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own},
                    os.path.join(partial, f"trainer_rank{self.rank}.pt"))
@@ -117,7 +118,7 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_dir(self.dir)
-        maybe_kill_in_save("renamed", step, self.rank)
+        self.faults.saving("renamed", step)
         _write_durably(os.path.join(self.dir, "latest"), tag)
 
     def _prune(self) -> None:
@@ -150,7 +151,7 @@ class Checkpointer:
 
     def check_compatible(self, path: str) -> None:
         """One-line errors, before DeepSpeed reads a tensor, for a checkpoint of another model or parallel layout."""
-        from pretrain.config import architecture_difference
+        from model.config import architecture_difference
 
         saved_file = os.path.join(path, "config.yaml")
         if not os.path.exists(saved_file) or not self.config:

@@ -13,11 +13,9 @@ Paths inside a config (shard_dir, run_dir, ...) are relative to the working dire
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,8 +23,9 @@ from typing import Any, ClassVar, NamedTuple, get_type_hints
 
 import yaml
 
-from model.config import ConfigError, ModelConfig
-from model.fields import build, check_keys, check_types, described, need
+from pretrain import config_files
+from model.config import ConfigError, ModelConfig, architecture_difference, plain
+from model.fields import build, check_keys, check_types, described, nearest_key, need
 
 
 # ---- sections ------------------------------------------------------------------------------------------------------
@@ -277,12 +276,8 @@ class TrainConfig:
         out = {}
         for name in self.SECTIONS:
             section = getattr(self, name)
-            out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+            out[name] = {f.name: plain(getattr(section, f.name)) for f in fields(section)}
         return out
-
-
-# Fields that may differ between a release and the run it starts: they change no tensor's meaning or shape.
-FREE_MODEL_FIELDS = {"impl", "dropout", "mixer_dropout", "seed", "init_std", "random_init_std", "sgu_init_eps"}
 
 
 def check_release(path: str, model: ModelConfig) -> None:
@@ -301,47 +296,15 @@ def check_release(path: str, model: ModelConfig) -> None:
                           f"config has {ours[key]!r}; set model.{key}={theirs.get(key)!r}")
 
 
-def architecture_difference(theirs: dict, ours: dict) -> str | None:
-    """The first model key (other than FREE_MODEL_FIELDS) whose value differs between two model-section dicts."""
-    return next((k for k in ours if k not in FREE_MODEL_FIELDS and _plain(theirs.get(k)) != _plain(ours[k])), None)
-
-
-def _plain(v: Any) -> Any:
-    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
-
-
-# ---- loading -------------------------------------------------------------------------------------------------------
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `3e-4` as a float: YAML 1.1 insists on `3.0e-4`, and LRs are written the short way."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"), list("-+.0123456789"))
-
-
+# ---- reading -------------------------------------------------------------------------------------------------------
 def _valid_keys() -> dict[str, list[str]]:
     types = get_type_hints(TrainConfig)
     return {s: [f.name for f in fields(types[s])] for s in TrainConfig.SECTIONS}
 
 
 def _suggest(key: str) -> str | None:
-    """The nearest valid dotted key: the same field in another section (train.tp → parallel.tp), an acronym
-    (learning_rate → lr), else by spelling (difflib)."""
-    valid = [s for s in TrainConfig.SECTIONS] + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks]
-    section, _, leaf = key.rpartition(".")
-
-    def acronym(s: str) -> str:
-        return "".join(w[0] for w in s.split("_") if w)
-
-    def score(cand: str) -> float:
-        c_section, _, c_leaf = cand.rpartition(".")
-        s = difflib.SequenceMatcher(None, key, cand).ratio()
-        s += c_leaf == leaf and c_section != section
-        s += c_section == section and len(leaf) > 1 and (acronym(leaf) == c_leaf or acronym(c_leaf) == leaf)
-        return s
-
-    best = max(valid, key=score)
-    return best if score(best) >= 0.6 else None
+    """The nearest valid dotted key of any section (train.tp → parallel.tp, learning_rate → lr)."""
+    return nearest_key(key, list(TrainConfig.SECTIONS) + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks])
 
 
 def _unknown(key: str, source: str) -> ConfigError:
@@ -368,64 +331,14 @@ def _check_keys(tree: Any, source: str) -> None:
             check_keys(sub, name, valid[name], source, _suggest)
 
 
-def _merge(base: dict, over: dict) -> dict:
-    """`over` on top of `base`: mappings merge recursively, anything else (lists, null) replaces."""
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):  # an empty `train:` changes nothing
-            out[k] = _merge(out[k], v or {})
-        else:
-            out[k] = v
-    return out
-
-
-def _read(path: str, chain: tuple[str, ...] = ()) -> dict:
-    """One YAML file with its `base:` chain merged underneath; keys are checked per file so errors name the file."""
-    path = os.path.normpath(path)
-    if path in chain:
-        raise ConfigError(f"config 'base' cycle: {' -> '.join(chain + (path,))}")
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    try:
-        tree = yaml.load(text, Loader=_Loader) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    base = tree.pop("base", None) if isinstance(tree, dict) else None
-    _check_keys(tree, path)
-    if base is None:
-        return tree
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base={base!r} must be the path of one YAML file")
-    return _merge(_read(os.path.join(os.path.dirname(path), base), chain + (path,)), tree)
-
-
-def _override(tree: dict, item: str) -> dict:
-    """Apply one `section.key=value`; the value is parsed as YAML (3e-4, true, null, [random, dot])."""
-    key, eq, text = item.partition("=")
-    source = f"override '{item}'"
-    section, _, name = key.partition(".")
-    if not eq or (section in TrainConfig.SECTIONS and not name):
-        raise ConfigError(f"{source} must look like section.key=value (e.g. train.lr=3e-4)")
-    if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
-        raise _unknown(key, source)
-    try:
-        value = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        raise ConfigError(f"{source}: the value is not a YAML scalar or list") from None
-    return _merge(tree, {section: {name: value}})
-
-
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Defaults, then the YAML file (with its `base:` chain), then `section.key=value` overrides; validated."""
-    tree = _read(str(path))
+    tree = config_files.read(str(path), _check_keys)
     for item in overrides:
-        tree = _override(tree, item)
+        section, name, value = config_files.override(item)
+        if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
+            raise _unknown(item.partition("=")[0], f"override '{item}'")
+        tree = config_files.merge(tree, {section: {name: value}})
     return TrainConfig.from_dict(tree, source=str(path))
 
 

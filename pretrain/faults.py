@@ -1,4 +1,5 @@
-"""Fault injection for the fault-tolerance tests; inert unless the environment variable SYNTHFORMER_FAULTS is set.
+"""Fault injection for the fault-tolerance tests: one hook object the trainer and the checkpointer are given, which
+does nothing unless the environment variable SYNTHFORMER_FAULTS names faults.
 
 SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults to 0):
     nan@7                 the loss of step 7 on that rank is NaN (as an overflow would make it), before backward
@@ -16,18 +17,28 @@ import signal
 SAVE_PHASES = ("begin", "engine", "written", "renamed")
 
 
-def _armed(kind: str, step: int, rank: int) -> bool:
-    for item in filter(None, os.environ.get("SYNTHFORMER_FAULTS", "").split(",")):
-        name, at, *who = item.strip().split("@")
-        if name == kind and int(at) == step and int(who[0] if who else 0) == rank:
-            return True
-    return False
+class Faults:
+    """The faults armed for this rank, as {(kind, step)}; empty (the default) means every hook returns at once."""
+
+    def __init__(self, spec: str = "", rank: int = 0):
+        self.armed = set()
+        for item in filter(None, spec.split(",")):
+            kind, step, *who = item.strip().split("@")
+            if int(who[0] if who else 0) == rank:
+                self.armed.add((kind, int(step)))
+
+    @classmethod
+    def from_environment(cls, rank: int) -> "Faults":
+        return cls(os.environ.get("SYNTHFORMER_FAULTS", ""), rank)
+
+    def loss(self, loss, step: int):
+        """The loss of `step`, or NaN times it where a `nan` fault is armed."""
+        return loss * float("nan") if ("nan", step) in self.armed else loss
+
+    def saving(self, phase: str, step: int) -> None:
+        """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""
+        if (f"kill-save-{phase}", step) in self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def poison_loss(loss, step: int, rank: int):
-    return loss * float("nan") if _armed("nan", step, rank) else loss
-
-
-def maybe_kill_in_save(phase: str, step: int, rank: int) -> None:
-    if _armed(f"kill-save-{phase}", step, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+NO_FAULTS = Faults()

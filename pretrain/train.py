@@ -21,12 +21,13 @@ from model import ConfigError
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed, faults
+from pretrain import distributed
 from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
 from pretrain.shards import DataError, check_vocab, read_manifest
 from pretrain.engine import build_engine, peak_tflops
+from pretrain.faults import Faults
 from pretrain.health import LossGuard, TrainingStopped
 from pretrain.metrics import Logger, attention_grid, memory_mb
 
@@ -46,13 +47,15 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         self.engine = build_engine(cfg, lay)
-        self.pipeline = cfg.parallel.pp > 1
-        self.forward_backward = self.pipeline_forward_backward if self.pipeline else self.plain_forward_backward
+        self.pipeline = cfg.parallel.pp > 1   # one module per rank, or this rank's stage of a PipelineEngine
+        self.forward_backward, self.val_loss = ((self.pipeline_forward_backward, self.pipeline_val_loss)
+                                                if self.pipeline else (self.plain_forward_backward, self.plain_val_loss))
         self.host_reads = 0   # device values the trainer has waited for (one per step outside logging steps)
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
+        self.faults = Faults.from_environment(lay.rank)   # the fault-tolerance tests' hooks; none by default
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), cfg.data.tokenizer,
-                                         lay.rank, lay.world)
+                                         lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
@@ -168,7 +171,7 @@ class Trainer:
         losses, spike = [], False
         for _ in range(self.layout.grad_accum):
             inputs, targets = next(micro_batches)
-            loss = faults.poison_loss(self.engine(inputs, targets), self.step + 1, self.layout.rank)
+            loss = self.faults.loss(self.engine(inputs, targets), self.step + 1)
             this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.read(
                 distributed.dp_mean(loss, self.layout))[0])   # opt-in: a host read per micro-batch
             spike |= this_spike
@@ -181,6 +184,12 @@ class Trainer:
         """The PipelineEngine schedules all micro-batches and returns their loss, already averaged over DP ranks
         (the same on every rank, so averaging it again changes nothing)."""
         return self.engine.train_batch(micro_batches), False
+
+    def plain_val_loss(self, batches) -> torch.Tensor:
+        return distributed.dp_mean(torch.stack([self.engine(x, y) for x, y in batches]).mean(), self.layout)
+
+    def pipeline_val_loss(self, batches) -> torch.Tensor:   # averaged over DP ranks by the PipelineEngine
+        return self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
 
     def guarded_skips(self) -> torch.Tensor:
         """Steps GuardedAdamW (ZeRO-0 fp32) dropped, counted on the device; zero under DeepSpeed's optimizers."""
@@ -246,11 +255,7 @@ class Trainer:
         dev = self.layout.device
         val = [(b["tokens"][:, :-1].to(dev), b["tokens"][:, 1:].to(dev))
                for b in self.stream.val_batches(self.cfg.data.val_batches)]
-        if self.pipeline:   # averaged over DP ranks by the PipelineEngine
-            loss = self.engine.eval_batch(iter(val), num_micro_batches=len(val))
-        else:
-            loss = distributed.dp_mean(torch.stack([self.engine(x, y) for x, y in val]).mean(), self.layout)
-        loss = self.read(loss.reshape(1))[0]
+        loss = self.read(self.val_loss(val).reshape(1))[0]
         result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
         self.log.scalars(self.step, result)
         self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}")

@@ -147,7 +147,8 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot in
     the plain loop and under the engine, with the GPU-kernels issue's goals, and memory at the longest n ÷ the
     shortest."""
-    from tools.bench import GPU_GOAL_MEM, GPU_GOALS, Plan, parse_args, plan_gpu_variants
+    from tools.bench import parse_args
+    from tools.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_variants
 
     a = parse_args(["--quick"])
     p = Plan(a)

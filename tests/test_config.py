@@ -140,7 +140,8 @@ def test_base_cycle_and_missing_files_are_one_line_errors(tmp_path):
     assert "cycle" in error_of(load_config, tmp_path / "x.yaml")
     assert error_of(load_config, tmp_path / "nope.yaml") == f"config file not found: {tmp_path / 'nope.yaml'}"
     write(tmp_path, "z.yaml", "base: gone.yaml\n")
-    assert error_of(load_config, tmp_path / "z.yaml") == f"config file not found: {tmp_path / 'gone.yaml'}"
+    assert error_of(load_config, tmp_path / "z.yaml") == (f"config file not found: {tmp_path / 'gone.yaml'} "
+                                                          f"(the base: of {tmp_path / 'z.yaml'})")   # who names it
     bad = write(tmp_path, "bad.yaml", "train: [1,\n")
     assert error_of(load_config, bad).startswith(f"{bad}: invalid YAML at line")
 

@@ -1,0 +1,242 @@
+"""What tools/bench.py measures: its parts' points (one measuring process each) and the entries read off them, with
+their goals. The parts and their goals are described in tools/bench.py's docstring."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from tools.bench_lib import GOAL_MEM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu")
+DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
+PRESETS = {   # the issue's sizes, and tiny ones for tests
+    "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
+                    reps=3, steps=3, warmup=2, data_batches=100),
+    "quick": dict(d_model=64, layers=2, heads=4, seq_len=64, lengths="64,128,256", batch=2, vocab=512,
+                  reps=2, steps=2, warmup=1, data_batches=20, threads=1),
+}
+QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
+FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
+GOAL_ENGINE, GOAL_MFU = 1.05, 0.55   # engine step ÷ plain-loop step; MFU of synth-1.3b dot under the engine
+# On a GPU (the GPU-kernels issue): every variant's whole-model throughput ÷ dot's, at d 2048, 16 heads, 8 layers,
+# n 2048, batch 4, vocabulary 32000, bf16, in the plain loop and under the engine; memory at n 4096 ÷ 1024 (d 1024,
+# 4 layers); the MFU of the flagship synth-1.3b (dense+dot) under the engine.
+GPU_THROUGHPUT = dict(d=2048, layers=8, heads=16, n=2048, batch=4, vocab=32000, precision="bf16")
+GPU_THROUGHPUT_QUICK = dict(d=256, layers=2, heads=4, n=256, batch=2, vocab=4096, precision="bf16")
+GPU_GOALS = {"dense": 1.0, "random": 1.10, "random_fixed": 1.10, "factorized_random": 1.05,
+             "factorized_dense": 0.95, "sgu": 1.0, "gmlp": 1.3, "random+dot": 0.90, "dense+dot": 0.80}
+GPU_MEMORY = dict(d=1024, layers=4, heads=16, batch=4, vocab=32000, precision="bf16")
+GPU_GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "factorized_dense": 3, "random": 5,
+                "random+dot": 5}
+GOAL_MFU_FLAGSHIP = 0.40
+# Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
+# of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
+# (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
+LIVE_MEMORY = ["parallel.cpu_keep_freed_memory=false"]
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
+BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 4 + Adam 8 + gradient 4
+
+
+def variant_configs() -> dict[str, str]:
+    """{variant label: config path} of configs/variants/, `dot` first; the label is the mixer name (gMLP: 'gmlp')."""
+    from pretrain.config import load_config
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "variants", "*.yaml"))):
+        m = load_config(path).model
+        out["gmlp" if m.block == "gmlp" else m.mixer] = os.path.relpath(path, ROOT)
+    return dict(sorted(out.items(), key=lambda kv: kv[0] != "dot"))
+
+
+def shape(a, n: int, layers: int) -> list[str]:
+    """Overrides that turn a variant config into the benchmark's model, one micro-batch per 1-process ZeRO-1 step."""
+    return sized(a.d_model, layers, a.heads, n, a.batch, a.vocab, a.precision)
+
+
+def sized(d: int, layers: int, heads: int, n: int, batch: int, vocab: int, precision: str) -> list[str]:
+    return [f"model.vocab_size={vocab}", f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+            f"model.max_seq_len={n}", f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+            "parallel.zero_stage=1", "parallel.tp=1", f"train.precision={precision}"]
+
+
+class Plan:
+    """The points to measure (deduplicated: one process each) and the entries read off them."""
+
+    def __init__(self, a):
+        self.a, self.points, self.entries = a, {}, []
+        self.reference = None   # the point every `paired` point alternates its repetitions with (our dot)
+
+    def point(self, kind: str, config: str, overrides=(), world: int = 1, env=None, **extra) -> str:
+        a = self.a
+        spec = dict(kind=kind, config=config, overrides=list(overrides), world=world, env=env or {},
+                    warmup=a.warmup, reps=a.reps, steps=a.steps, threads=a.threads, compile=False)
+        spec.update(extra)
+        key = json.dumps(spec, sort_keys=True)
+        self.points.setdefault(key, spec)
+        return key
+
+    def entry(self, id: str, name: str, variant: str, point: str | None, field: str, unit: str, ratio_to=None,
+              **extra) -> dict:
+        e = dict(id=id, name=name, variant=variant, point=point, field=field, unit=unit, ratio_to=ratio_to, **extra)
+        self.entries.append(e)
+        return e
+
+
+def fitting_layers(a, config: str) -> tuple[int, str | None]:
+    """The most layers (≤ --layers) whose training state at the longest n fits in --mem-budget-gb: parameters ×
+    BYTES_PER_PARAM (frozen ones × 4) plus a rough activation estimate, 4 bytes × (16·B·n·d + H·n²) a layer and
+    3·B·n·V for the logits (about 2× what `dot` was measured to take at d=512, n=4096 on CPU: a safe side)."""
+    from model.accounting import model_stats
+    from pretrain.config import load_config
+
+    n = max(a.lengths)
+
+    def state_bytes(layers):
+        total = model_stats(load_config(config, shape(a, n, layers)).model)["total"]
+        trainable, frozen = total["trainable"], total["frozen"]
+        act = 4 * (layers * (16 * a.batch * n * a.d_model + a.heads * n * n) + 3 * a.batch * n * a.vocab)
+        return BYTES_PER_PARAM * trainable + 4 * frozen + act
+
+    one, two = state_bytes(1), state_bytes(2)
+    budget = a.mem_budget_gb * 2**30
+    layers = min(a.layers, int((budget - one) // (two - one)) + 1) if budget >= one else 0
+    if layers == a.layers:
+        return layers, None
+    return layers, (f"{layers} of {a.layers} layers: the {a.layers}-layer model at n={n} needs ≈ "
+                    f"{(one + (a.layers - 1) * (two - one)) / 2**30:.1f} GB > --mem-budget-gb={a.mem_budget_gb:g}")
+
+
+def plan(a) -> Plan:
+    p, V = Plan(a), a.variant_paths
+
+    def ours(v):   # the throughput point of variant v, shared by the throughput and peer parts
+        return p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers), paired=True)
+
+    if "throughput" in a.only or "peer" in a.only:
+        p.reference = ours("dot")
+
+    if "throughput" in a.only:
+        for v in V:
+            p.entry(f"throughput:{v}", "throughput", v, ours(v), "rate", "tokens/s",
+                    None if v == "dot" else "throughput:dot", n=a.seq_len, layers=a.layers)
+    if "peer" in a.only:
+        gpt2 = p.point("peer", a.all_variants["dot"], shape(a, a.seq_len, a.layers), paired=True)
+        p.entry("peer:gpt2", "peer", "gpt2-sdpa", gpt2, "rate", "tokens/s", n=a.seq_len, layers=a.layers)
+        for v, goal in GOAL_PEER.items():
+            p.entry(f"peer:{v}", "peer", v, ours(v), "rate", "tokens/s", "peer:gpt2", goal_min=goal, n=a.seq_len)
+    if "memory" in a.only:   # one step per repetition: its peak is the figure; GPT-2 as a reference, no goal
+        first = a.lengths[0]
+        for v, (kind, config) in [*((v, ("train", c)) for v, c in V.items()), ("gpt2-sdpa", ("peer", V["dot"]))]:
+            layers, note = fitting_layers(a, config)
+            for n in a.lengths:
+                ok = layers > 0
+                point = p.point(kind, config, shape(a, n, layers) + LIVE_MEMORY, env=LIVE_MEMORY_ENV,
+                                steps=1) if ok else None
+                p.entry(f"memory:{v}:n={n}", "memory", v, point,
+                        "total_mb", "MB", None if n == first else f"memory:{v}:n={first}", n=n, layers=layers,
+                        goal_max=GOAL_MEM.get(v) if n == 4 * first else None, note=note if n == first else None,
+                        skipped=None if ok else note)
+    if "data" in a.only:
+        have = os.path.exists(os.path.join(ROOT, SHARDS, "manifest.json"))
+        why = None if have else f"no shards in {SHARDS}: build them with `make {SHARDS}/manifest.json` (or make demo)"
+        # 10 warm-up batches: the workers' start and the DataLoader's prefetch queue (2 per worker) are not timed
+        loader = p.point("data", DEMO, shard_dir=SHARDS, batch=8, workers=2, steps=a.data_batches,
+                         warmup=max(a.warmup, 10)) if have else None
+        p.entry("data:loader", "data", "TokenStream (2 workers)", loader, "rate", "tokens/s", "data:demo-train",
+                goal_min=GOAL_DATA, skipped=why)
+        p.entry("data:demo-train", "data", "demo-cpu train step", p.point("train", DEMO, [], env=CPU), "rate",
+                "tokens/s", note="configs/demo-cpu.yaml (ZeRO-2, fp32, global batch 16) in 1 process on the CPU")
+    if "parallel" in a.only:   # the throughput part's dot model and global batch, split over 2 gloo processes
+        model = shape(a, a.seq_len, a.layers)
+        one = p.point("train", a.all_variants["dot"], model, env=CPU)
+        p.entry("parallel:1proc", "parallel", "1 process", one, "step_s", "s", n=a.seq_len, layers=a.layers)
+        tp2 = p.point("train", a.all_variants["dot"], model + ["parallel.tp=2"], 2, CPU)
+        p.entry("parallel:tp2", "parallel", "TP=2", tp2, "step_s", "s", "parallel:1proc", goal_max=GOAL_TP,
+                n=a.seq_len, layers=a.layers)
+        half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
+        dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
+        p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
+    if "engine" in a.only:
+        plan_engine(a, p)
+    if "gpu" in a.only:
+        plan_gpu(a, p)
+    return p
+
+
+def big_model(a, mixer: str) -> list[str]:
+    """Overrides of configs/synth-1.3b.yaml for one GPU: no TP, one micro-batch a step, bf16, the given mixer."""
+    from pretrain.config import load_config
+
+    micro = 1 if a.quick else load_config(BIG).train.micro_batch_size
+    return ["parallel.tp=1", f"train.global_batch_size={micro}", f"model.mixer={mixer}", "train.precision=bf16",
+            *(QUICK_BIG if a.quick else [])]
+
+
+def modes() -> list[bool]:
+    """Compiled or not: eager everywhere, compiled too on CUDA (on the CPU a compile takes minutes for little)."""
+    import torch
+
+    return [False, True] if torch.cuda.is_available() else [False]
+
+
+def plan_engine(a, p: Plan) -> None:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    config, over = (BIG, big_model(a, "dot")) if cuda else (a.all_variants["dot"], shape(a, a.seq_len, a.layers))
+    for compiled in modes():
+        mode = "compiled" if compiled else "eager"
+        loop, engine = (p.point(kind, config, over, compile=compiled) for kind in ("loop", "train"))
+        p.entry(f"engine:loop:{mode}", "engine", f"plain loop ({mode})", loop, "step_s", "s")
+        p.entry(f"engine:{mode}", "engine", f"DeepSpeed engine ({mode})", engine, "step_s", "s",
+                f"engine:loop:{mode}", goal_max=GOAL_ENGINE)
+
+
+def plan_gpu(a, p: Plan) -> None:
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.engine import peak_tflops_of
+
+    if not torch.cuda.is_available():
+        p.entry("gpu:mfu", "gpu", "synth-1.3b", None, "tflops", "TFLOP/s",
+                skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
+        return
+    name = torch.cuda.get_device_name(0)
+    peak = peak_tflops_of(name, "bf16")   # the trainer's table (pretrain/engine.py)
+    p.entry("gpu:peak", "gpu", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
+            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
+    to_peak = "gpu:peak" if peak else None
+    mixer = load_config(BIG).model.mixer
+    for m in dict.fromkeys([mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
+        goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
+        p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, big_model(a, m)), "tflops", "TFLOP/s",
+                to_peak, goal_min=goal)
+    plan_gpu_variants(a, p)
+    for compiled in modes():   # the same dot model in the plain loop, and compiled under both
+        mode = "compiled" if compiled else "eager"
+        p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop, {mode}",
+                p.point("loop", BIG, big_model(a, "dot"), compile=compiled), "tflops", "TFLOP/s", to_peak)
+        if compiled:
+            p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), compiled",
+                    p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
+
+
+def plan_gpu_variants(a, p: Plan) -> None:
+    """Every variant ÷ dot on the GPU, in the plain loop and under the engine; memory at n 4096 ÷ 1024."""
+    t = GPU_THROUGHPUT_QUICK if a.quick else GPU_THROUGHPUT
+    for kind, label in (("loop", "plain loop"), ("train", "engine")):
+        for v, config in a.variant_paths.items():
+            over = sized(t["d"], t["layers"], t["heads"], t["n"], t["batch"], t["vocab"], t["precision"])
+            p.entry(f"gpu:{kind}:{v}", f"gpu throughput ({label})", v, p.point(kind, config, over), "rate",
+                    "tokens/s", None if v == "dot" else f"gpu:{kind}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
+    m, lengths = GPU_MEMORY, ((128, 512) if a.quick else (1024, 4096))
+    for v, config in a.variant_paths.items():
+        for n in lengths:
+            over = sized(m["d"], m["layers"], m["heads"], n, m["batch"], m["vocab"], m["precision"])
+            p.entry(f"gpu:memory:{v}:n={n}", "gpu memory", v, p.point("train", config, over, steps=1), "total_mb",
+                    "MB", None if n == lengths[0] else f"gpu:memory:{v}:n={lengths[0]}", n=n,
+                    goal_max=GPU_GOAL_MEM.get(v) if n == lengths[1] else None)

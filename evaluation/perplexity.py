@@ -6,10 +6,10 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from evaluation.cli import UsageError
+from model.parallel import cross_entropy
 from pretrain.corpus import documents
 
 
@@ -22,9 +22,8 @@ def summarize(nll_nats: float, tokens: int, n_bytes: int) -> dict:
 
 @torch.no_grad()
 def token_nll(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """−log p(target_t | inputs_≤t) (B, n) in fp32 nats."""
-    logits = model(inputs).float()                                       # (B, n, V)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    """−log p(target_t | inputs_≤t) (B, n) in fp32 nats: the per-token cross-entropy the training loss averages."""
+    return cross_entropy(model(inputs), targets)                         # logits (B, n, V) → (B, n)
 
 
 def piece_bytes(sp) -> tuple[torch.Tensor, torch.Tensor]:

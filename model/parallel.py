@@ -104,6 +104,11 @@ def full_shape(param: torch.Tensor) -> list[int]:
     return shape
 
 
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This TP rank's part of the full tensor of `param`: its chunk along the split dim, or all of it."""
+    return full.chunk(tp_world(), dim=param.partition_dim)[tp_rank()] if is_sharded(param) else full
+
+
 @torch.no_grad()
 def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = lambda name: name) -> None:
     """Draw every parameter's full tensor from (seed, its name) and keep this rank's slice.
@@ -111,16 +116,13 @@ def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = l
     The generator depends on the name only, so the result is the same whatever the TP layout or the order
     in which modules were built; `rename` maps a wrapper's names (pipeline stages) to the canonical ones.
     """
-    tp, rank = tp_world(), tp_rank()
     for local_name, p in model.named_parameters():
         name = rename(local_name)
         init = getattr(p, "init", None)
         if init is None:
             raise RuntimeError(f"parameter {name} has no init rule (annotate it in its module)")
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = init(torch.empty(full_shape(p), dtype=torch.float32), g)
-        local = full.chunk(tp, dim=p.partition_dim)[rank] if is_sharded(p) else full
-        p.copy_(local)
+        p.copy_(local_slice(init(torch.empty(full_shape(p), dtype=torch.float32), g), p))
 
 
 # ---- layers ------------------------------------------------------------------------------------------

@@ -105,10 +105,8 @@ def read_release(directory: str) -> tuple[ModelConfig, dict[str, torch.Tensor], 
 @torch.no_grad()
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], rename=lambda name: name) -> None:
     """Copy full tensors into a (possibly TP-sharded, possibly pipeline-stage) model: each rank keeps its slice."""
-    world, rank = tp.tp_world(), tp.tp_rank()
     for local_name, p in model.named_parameters():
-        full = tensors[rename(local_name)].to(torch.float32)
-        p.copy_(full.chunk(world, dim=p.partition_dim)[rank] if tp.is_sharded(p) else full)
+        p.copy_(tp.local_slice(tensors[rename(local_name)].to(torch.float32), p))
 
 
 def load_model(directory: str) -> SynthesizerLM:

@@ -26,6 +26,7 @@ import yaml
 
 from model import ConfigError
 from model import parallel as tp
+from model.config import architecture_difference
 from pretrain.faults import NO_FAULTS, Faults
 
 
@@ -122,53 +123,22 @@ class Checkpointer:
         _write_durably(os.path.join(self.dir, "latest"), tag)
 
     def _prune(self) -> None:
-        complete = self.complete_tags()
+        complete = complete_tags(self.dir)
         for old in complete[:-self.keep]:
             shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
         for name in os.listdir(self.dir):                         # leftovers of crashed saves
             if name.endswith(".partial"):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
-    def complete_tags(self) -> list[str]:
-        """Tags whose every recorded file is present with its recorded size, oldest first."""
-        if not os.path.isdir(self.dir):
-            return []
-        tags = sorted(t for t in os.listdir(self.dir) if t.startswith("step_") and not t.endswith(".partial"))
-        return [t for t in tags if verify(os.path.join(self.dir, t)) is None]
-
     def latest_tag(self) -> str | None:
         """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""
-        latest = os.path.join(self.dir, "latest")
-        named = open(latest).read().strip() if os.path.exists(latest) else None
-        why = verify(os.path.join(self.dir, named)) if named else None
-        if named and why is None:
-            return named
-        complete = self.complete_tags()
-        if named and complete and self.rank == 0:
-            print(f"checkpoint {os.path.join(self.dir, named)} is incomplete ({why}); "
-                  f"resuming from {complete[-1]}", flush=True)
-        return complete[-1] if complete else None
+        return newest_complete(self.dir, announce=self.rank == 0)
 
     def check_compatible(self, path: str) -> None:
         """One-line errors, before DeepSpeed reads a tensor, for a checkpoint of another model or parallel layout."""
-        from model.config import architecture_difference
-
-        saved_file = os.path.join(path, "config.yaml")
-        if not os.path.exists(saved_file) or not self.config:
-            return
-        with open(saved_file) as f:
-            saved = yaml.safe_load(f)
-        key = architecture_difference(saved.get("model", {}), self.config["model"])
-        if key:
-            raise ConfigError(f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this "
-                              f"config has {self.config['model'][key]!r}: set it back, or start a new run "
-                              f"(train.run_dir / checkpoint.dir)")
-        for key in ("tp", "pp"):
-            theirs, ours = saved.get("parallel", {}).get(key), self.config["parallel"][key]
-            if theirs != ours:
-                raise ConfigError(f"checkpoint {path} was written with parallel.{key}={theirs}, this run has "
-                                  f"parallel.{key}={ours}: convert it (tools/convert.py to-release, then "
-                                  f"train.init_from=RELEASE) or launch with parallel.{key}={theirs}")
+        problem = compatibility_problem(path, self.config, self.world) if self.config else None
+        if problem:
+            raise ConfigError(problem)
 
     def load(self, resume: str) -> int:
         """Restore the newest complete checkpoint (resume='auto'), a given one (a path), or nothing ('none');
@@ -192,15 +162,65 @@ class Checkpointer:
         load_path = os.path.join(directory, tag)
         own_file = os.path.join(load_path, f"trainer_rank{self.rank}.pt")
         state = torch.load(own_file, weights_only=False)
-        if state["world"] != self.world:
+        if state["world"] != self.world:   # checked before launch already (compatibility_problem); a hand-made one
             raise ConfigError(f"checkpoint {load_path} was written by {state['world']} ranks, this run has "
-                               f"{self.world}; convert it with tools/convert.py to change the layout")
+                              f"{self.world}; convert it with tools/convert.py to change the layout")
         for name, obj in self.stateful.items():   # a checkpoint made by tools/convert.py has no data position
             if name in state["stateful"]:
                 obj.load_state_dict(state["stateful"][name])
         set_rng_state(state["rng"])
         self.restored = {"engine", *state["stateful"]}
         return state["step"]
+
+
+def newest_complete(directory: str, announce: bool = False) -> str | None:
+    """The tag to resume from: the one `latest` names if it verifies, else the newest that does (said when
+    `announce`), else None."""
+    latest = os.path.join(directory, "latest")
+    named = open(latest).read().strip() if os.path.exists(latest) else None
+    why = verify(os.path.join(directory, named)) if named else None
+    if named and why is None:
+        return named
+    complete = complete_tags(directory)
+    if named and complete and announce:
+        print(f"checkpoint {os.path.join(directory, named)} is incomplete ({why}); resuming from {complete[-1]}",
+              flush=True)
+    return complete[-1] if complete else None
+
+
+def complete_tags(directory: str) -> list[str]:
+    """Tags whose every recorded file is present with its recorded size, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    tags = sorted(t for t in os.listdir(directory) if t.startswith("step_") and not t.endswith(".partial"))
+    return [t for t in tags if verify(os.path.join(directory, t)) is None]
+
+
+def compatibility_problem(path: str, config: dict, world: int) -> str | None:
+    """Why a run of `config` on `world` ranks cannot resume the checkpoint at `path` (another model, another TP/PP
+    layout, another world size), as one line with what to do; None if it can. Reads only config.yaml and the file
+    names: cheap enough for the check before launch."""
+    saved_file = os.path.join(path, "config.yaml")
+    if not os.path.exists(saved_file):
+        return None
+    with open(saved_file) as f:
+        saved = yaml.safe_load(f)
+    key = architecture_difference(saved.get("model", {}), config["model"])
+    if key:
+        return (f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this config has "
+                f"{config['model'][key]!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
+    change = ("to change layouts, convert it: tools/convert.py to-release, then train.init_from=RELEASE (weights, "
+              "step, schedule and data position carry over; the optimizer's moments start afresh)")
+    for key in ("tp", "pp"):
+        theirs, ours = saved.get("parallel", {}).get(key), config["parallel"][key]
+        if theirs != ours:
+            return (f"checkpoint {path} was written with parallel.{key}={theirs}, this run has parallel.{key}={ours}: "
+                    f"launch with parallel.{key}={theirs} to resume it, or {change}")
+    ranks = sum(n.startswith("trainer_rank") and n.endswith(".pt") for n in os.listdir(path))
+    if ranks and ranks != world:
+        return (f"checkpoint {path} was written by {ranks} ranks, this launch has {world}: launch {ranks} to resume "
+                f"it, or {change}")
+    return None
 
 
 def verify(path: str) -> str | None:

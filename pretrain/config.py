@@ -361,20 +361,25 @@ def main(argv: list[str] | None = None) -> int:
                                                 "model.mixer=[random,dot])")
     p.add_argument("--print", action="store_true", help="print the resolved config as YAML (the default output)")
     p.add_argument("--deepspeed", action="store_true", help="print the generated DeepSpeed config (JSON)")
-    p.add_argument("--world-size", type=int, default=None, help="check the config for this many ranks "
+    p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
+                                                                "the shards, a checkpoint it would resume "
                                                                 "(default 1 with --deepspeed)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.world_size is not None or args.deepspeed:
-            rt = cfg.check_runtime(args.world_size or 1)
+        if args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
+            from pretrain.prelaunch import check_launch
+
+            rt = check_launch(cfg, args.world_size)
+        elif args.deepspeed:
+            rt = cfg.check_runtime(1)
         if args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:
             from pretrain.engine import deepspeed_config   # the engine's module imports torch: only when asked
 
             print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:   # ValueError: a DataError of the shards
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

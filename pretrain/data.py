@@ -217,8 +217,9 @@ class TokenStream:
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self.manifest = m = read_manifest(shard_dir)
         need(m["seq_len"] == seq_len,
-              f"shards in {shard_dir} have seq_len={m['seq_len']} but seq_len={seq_len} was requested: "
-              f"train with seq_len={m['seq_len']} or rebuild them with --seq-len {seq_len}")
+             f"shards in {shard_dir} hold sequences of {m['seq_len']} tokens but model.max_seq_len={seq_len}: "
+             f"set model.max_seq_len={m['seq_len']}, or rebuild the shards with tools/make_shards.py "
+             f"--seq-len {seq_len}")
         self.shard_dir, self.micro_batch_size, self.seq_len = shard_dir, micro_batch_size, seq_len
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")

@@ -163,9 +163,11 @@ def init(cfg: TrainConfig) -> Layout:
     from deepspeed.accelerator import get_accelerator
     from megatron.core import parallel_state
 
+    from pretrain.prelaunch import check_launch
+
     _single_process_env()
     world = int(os.environ["WORLD_SIZE"])
-    runtime = cfg.check_runtime(world)          # one-line errors before any process group exists
+    runtime = check_launch(cfg, world)          # one-line errors before any process group exists
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accel = get_accelerator()
     if accel.device_name() != "cpu":

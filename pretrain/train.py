@@ -25,7 +25,7 @@ from pretrain import distributed
 from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
-from pretrain.shards import DataError, check_vocab, read_manifest
+from pretrain.shards import DataError
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import LossGuard, TrainingStopped
@@ -35,8 +35,7 @@ from pretrain.metrics import Logger, attention_grid, memory_mb
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        check_vocab(read_manifest(cfg.data.shard_dir), cfg.model.vocab_size)   # before any process group
-        self.layout = lay = distributed.init(cfg)
+        self.layout = lay = distributed.init(cfg)   # checks config, shards and checkpoint before any process group
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,

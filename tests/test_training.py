@@ -144,3 +144,32 @@ def test_errors_are_one_line(shards, tmp_path):
     one_line_error(run_train(cfg, "train.learning_rate=1e-3"), "train.learning_rate", "train.lr")
     one_line_error(run_train(cfg, "train.lr=-1"), "train.lr", "-1")
     one_line_error(run_train(str(tmp_path / "missing.yaml")), "missing.yaml")
+
+
+def test_launch_errors_are_one_line_before_any_rank_starts(shards, tmp_path):
+    """launch/pretrain.sh's check before launching finds what each rank would otherwise report after DeepSpeed
+    started: a missing shard directory, a vocabulary or length the shards do not have, a checkpoint of another
+    layout or world size. One line, exit 2, and no rank ever started (nothing of the launcher's in stdout)."""
+    import shutil
+
+    from tests.test_formats import DATA
+
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(DATA, "checkpoints"), run / "checkpoints")   # tp=1 pp=1, 2 ranks
+    cfg = write_config(tmp_path / "c.yaml", shards, run,
+                       model={"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
+                              "mixer": ["random+dot", "factorized_dense"]}, parallel={"zero_stage": 1})
+    cases = [(["data.shard_dir=/nonexistent/shards"], 2, ["/nonexistent/shards", "does not exist"]),
+             (["model.vocab_size=1024"], 2, ["vocab_size=512", "model.vocab_size=1024"]),
+             (["model.max_seq_len=64"], 2, ["32 tokens", "model.max_seq_len=64", "--seq-len 64"]),
+             (["parallel.tp=2"], 2, ["parallel.tp=1", "parallel.tp=2", "tools/convert.py"]),
+             ([], 1, ["written by 2 ranks", "launch 2", "tools/convert.py"])]
+    for overrides, nproc, needles in cases:
+        t0 = time.time()
+        r = launch(cfg, nproc, *overrides, check=False)
+        errors = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), r.stderr[-2000:]
+        assert r.stdout == "" and "Traceback" not in r.stderr, r.stdout[-2000:]
+        for needle in needles:
+            assert needle in errors[0], (needle, errors[0])
+        print(f"{overrides or 'one rank'}: {time.time() - t0:.1f} s: {errors[0]}")

@@ -52,18 +52,44 @@ def attention_grid(maps: list[torch.Tensor], max_heads: int = 4) -> list[torch.T
     return images
 
 
+def keep_rows_up_to(path: str, step: int) -> None:
+    """A run resumed at `step` replays the steps after it: their rows in the JSON-lines file `path` (metrics.jsonl,
+    a rank's sample ids) move to `<name>.replayed.jsonl` beside it, so that the file holds each step once, as the
+    uninterrupted run's would, and the replaced rows stay at hand for comparison."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(keep) == len(lines):
+        return
+    with open(path.removesuffix(".jsonl") + ".replayed.jsonl", "a") as f:
+        f.writelines(line for line in lines if json.loads(line)["step"] > step)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
 class Logger:
     def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str):
         self.enabled = enabled
         self.writer = None
         self.jsonl = None
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(run_dir, exist_ok=True)
             self.writer = SummaryWriter(tensorboard_dir)
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            self.jsonl = open(self.jsonl_path, "a")
         self.t0 = time.time()
+
+    def resume_at(self, step: int) -> None:
+        """metrics.jsonl without the rows of the steps after `step`, which the resumed run writes again."""
+        if self.enabled:
+            self.jsonl.close()
+            keep_rows_up_to(self.jsonl_path, step)
+            self.jsonl = open(self.jsonl_path, "a")
 
     def info(self, msg: str) -> None:
         if self.enabled:

@@ -29,7 +29,7 @@ from pretrain.shards import DataError
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import LossGuard, TrainingStopped
-from pretrain.metrics import Logger, attention_grid, memory_mb
+from pretrain.metrics import Logger, attention_grid, keep_rows_up_to, memory_mb
 
 
 class Trainer:
@@ -67,10 +67,13 @@ class Trainer:
             self.step = self.continue_release(cfg.train.init_from)
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
+        self.log.resume_at(self.step)          # each step once in metrics.jsonl: replayed rows move aside
         self.ids_file = None
         if cfg.logging.sample_ids:
             os.makedirs(os.path.join(cfg.train.run_dir, "sample_ids"), exist_ok=True)
-            self.ids_file = open(os.path.join(cfg.train.run_dir, "sample_ids", f"rank{lay.rank}.jsonl"), "a")
+            path = os.path.join(cfg.train.run_dir, "sample_ids", f"rank{lay.rank}.jsonl")
+            keep_rows_up_to(path, self.step)
+            self.ids_file = open(path, "a")
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; model {cfg.model.mixer}, "
@@ -102,6 +105,10 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, total = self.cfg, self.cfg.total_steps()
+        if self.step >= total:
+            self.log.info(f"the run is finished: its checkpoint is at step {self.step} of {total} (train.max_steps="
+                          f"{cfg.train.max_steps}); nothing to do. Raise train.max_steps to train on")
+            return {}
         if self.step == 0 or "engine" not in self.checkpointer.restored:
             self.validate()
         stop = total if cfg.train.stop_after_steps is None else min(total, self.step + cfg.train.stop_after_steps)

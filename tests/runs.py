@@ -58,20 +58,33 @@ def write_config(path, shards, run_dir, **sections):
 
 
 def start(config, *overrides, env):
-    """Start launch/pretrain.sh in its own session, so that a timeout can kill its trainers too."""
-    return subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT,
-                            env={**os.environ, "PYTHON": PY, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    """Start launch/pretrain.sh in its own session, so that a timeout can kill its trainers too; its stdout and
+    stderr go to files, which `output(proc)` reads while it runs."""
+    out, err = (tempfile.NamedTemporaryFile("w+", suffix=f".{name}") for name in ("out", "err"))
+    proc = subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT,
+                            env={**os.environ, "PYTHON": PY, **env}, stdout=out, stderr=err, text=True,
+                            start_new_session=True)
+    proc.logs = out, err
+    return proc
+
+
+def output(proc) -> str:
+    """What a started launch has printed to stdout so far."""
+    with open(proc.logs[0].name) as f:
+        return f.read()
 
 
 def finish(proc, timeout=600):
     """Wait for a started launch; on timeout kill the whole process group so no trainer starves later tests."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         raise
+    out, err = (open(log.name).read() for log in proc.logs)
+    for log in proc.logs:
+        log.close()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -129,10 +142,14 @@ def trainer_ranks(launcher_pid: int) -> dict[int, psutil.Process]:
     return ranks
 
 
-def metric_rows(run_dir) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
 
 
-def id_rows(run_dir, rank) -> list[dict]:
-    return [json.loads(l) for l in open(os.path.join(run_dir, "sample_ids", f"rank{rank}.jsonl"))]
+def metric_rows(run_dir, replayed: bool = False) -> list[dict]:
+    """metrics.jsonl (each step once), or the rows a resumed run replaced (metrics.replayed.jsonl)."""
+    return jsonl(os.path.join(run_dir, "metrics.replayed.jsonl" if replayed else "metrics.jsonl"))
+
+
+def id_rows(run_dir, rank, replayed: bool = False) -> list[dict]:
+    return jsonl(os.path.join(run_dir, "sample_ids", f"rank{rank}{'.replayed' if replayed else ''}.jsonl"))

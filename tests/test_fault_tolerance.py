@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain.checkpoint import verify
-from tests.runs import PY, ROOT, finish, free_port, launch, losses, start, trainer_ranks, write_config
+from tests.runs import PY, ROOT, finish, free_port, launch, losses, metric_rows, start, trainer_ranks, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(shard
     r = launch(cfg, 2)
     assert "resuming from step_00000003" in r.stdout and "resumed at step 3" in r.stdout
     assert losses(run) == losses(tmp_path / "straight")               # steps 4-9 redone, bit for bit
+    steps = [row["step"] for row in metric_rows(run) if "train/loss" in row]
+    assert steps == list(range(1, 10))                                # each step once; the replaced rows aside:
+    assert [row["step"] for row in metric_rows(run, replayed=True) if "train/loss" in row] == [4, 5, 6]
     assert not (ckpts / "step_00000009.partial").exists() and verify(str(ckpts / "step_00000009")) is None
     # resuming it with another model or layout: one line that says what to do, before DeepSpeed reads anything
     for override, words in (("model.n_layers=3", "model.n_layers=2"), ("parallel.tp=2", "tools/convert.py")):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pretrain.faults import SAVE_PHASES
-from tests.runs import finish, free_port, id_rows, launch, metric_rows, start, trainer_ranks, write_config
+from tests.runs import finish, free_port, id_rows, launch, metric_rows, output, start, trainer_ranks, write_config
 
 pytestmark = pytest.mark.slow
 TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 10))
@@ -31,21 +31,31 @@ def reference(shards, tmp_path_factory):
 
 
 def record(run):
-    """Every logged loss and every read batch of a run; a step run twice (before and after a crash) must have given
-    the same both times."""
+    """Every logged loss and every read batch of a run, those a resume replaced included; a step run twice (before
+    and after a crash) must have given the same both times, and the run's own files hold each step once."""
     loss, ids = {}, {0: {}, 1: {}}
-    for row in metric_rows(run):
+    steps = [r["step"] for r in metric_rows(run) if "train/loss" in r]
+    assert len(steps) == len(set(steps)), "metrics.jsonl holds a step twice"
+    for row in metric_rows(run) + metric_rows(run, replayed=True):
         if "train/loss" in row:
             assert loss.setdefault(row["step"], row["train/loss"]) == row["train/loss"], row
     for rank in (0, 1):
-        for row in id_rows(run, rank):
+        steps = [r["step"] for r in id_rows(run, rank)]
+        assert len(steps) == len(set(steps)), f"sample_ids/rank{rank}.jsonl holds a step twice"
+        for row in id_rows(run, rank) + id_rows(run, rank, replayed=True):
             assert ids[rank].setdefault(row["step"], row["ids"]) == row["ids"], (rank, row)
     return loss, ids
 
 
-def logged_step(run, since: int = 0) -> int:
-    """The newest step with a logged loss among the metrics rows after the first `since`."""
-    return max([r["step"] for r in metric_rows(run)[since:] if "train/loss" in r], default=0)
+def logged_step(run) -> int:
+    """The newest step with a logged loss."""
+    return max([r["step"] for r in metric_rows(run) if "train/loss" in r], default=0)
+
+
+def wait_until_started(proc):
+    """Until the relaunched run has resumed (and moved the rows it will replay aside) or died."""
+    while not ("resumed at step" in output(proc) or "starting fresh" in output(proc)) and proc.poll() is None:
+        time.sleep(0.01)
 
 
 def latest(run) -> int:
@@ -66,14 +76,14 @@ def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference
     resume_at, kills = 0, []
     for _ in range(TRIALS):
         target = min(STEPS - 1, resume_at + rng.randint(1, 2 * EVERY + 1))
-        rows_before = len(metric_rows(run))
         proc = relaunch(cfg)
-        while logged_step(run, rows_before) < target and proc.poll() is None:
+        wait_until_started(proc)
+        while logged_step(run) < target and proc.poll() is None:
             time.sleep(0.005)
         victim, ranks = rng.randint(0, 1), trainer_ranks(proc.pid)
         assert proc.poll() is None and len(ranks) == 2, finish(proc).stderr[-3000:]
         os.kill(ranks[victim].pid, signal.SIGKILL)
-        killed_at = logged_step(run, rows_before)
+        killed_at = logged_step(run)
         r = finish(proc)
         assert r.returncode != 0
         check_resumed(r.stdout, resume_at)

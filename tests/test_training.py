@@ -47,6 +47,13 @@ def test_exact_resume_with_workers(shards, tmp_path):
     for rank in (0, 1):
         ia, ib = ids_per_step(straight, rank), ids_per_step(resumed, rank)
         assert all(ia[s] == ib[s] for s in range(1, 41))
+    # A finished run, launched again, says so and writes nothing; a higher train.max_steps trains on.
+    rows = (resumed / "metrics.jsonl").read_text()
+    again = launch(cfg_b, 2)
+    assert "the run is finished: its checkpoint is at step 40 of 40" in again.stdout
+    assert (resumed / "metrics.jsonl").read_text() == rows
+    launch(cfg_b, 2, "train.max_steps=42")
+    assert sorted(losses(resumed)) == list(range(1, 43))
     tensorboard_serves_the_run(straight)
 
 

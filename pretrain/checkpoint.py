@@ -156,7 +156,8 @@ class Checkpointer:
             if tag is None:
                 return 0
         self.check_compatible(os.path.join(directory, tag))
-        load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
+        with torch.no_grad():   # a pipeline's load re-broadcasts the tied embedding: no autograd (pipeline.py)
+            load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from {directory} (tag {tag})")
         load_path = os.path.join(directory, tag)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from functools import partial
 
+import torch
+
 from model import ModelConfig
 from model import parallel as tp
 from model.lm import Block, Embedding, Head
@@ -55,9 +57,12 @@ def build_pipeline(cfg: ModelConfig, tp_size: int, pp_size: int, dp_size: int, p
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     topology = PipeModelDataParallelTopology(num_pp=pp_size, num_mp=tp_size, num_dp=dp_size)
-    # partition "parameters" balances parameter counts over stages; "uniform" balances layer counts.
-    module = PipelineModule(layers=layer_specs(cfg), topology=topology, loss_fn=Head.loss,
-                            partition_method=partition, activation_checkpoint_interval=0)
+    # partition "parameters" balances parameter counts over stages; "uniform" balances layer counts. Built without
+    # autograd: PipelineModule broadcasts the tied embedding (a Parameter) between the first and last stage, and
+    # c10d's broadcast in grad mode warns on every rank that it has no autograd kernel (a copy, nothing to backprop).
+    with torch.no_grad():
+        module = PipelineModule(layers=layer_specs(cfg), topology=topology, loss_fn=Head.loss,
+                                partition_method=partition, activation_checkpoint_interval=0)
     module.canonical_name = partial(canonical_name, prefixes=stage_prefixes(cfg))   # stage names → canonical
     tp.init_from_seed(module, cfg.seed, rename=module.canonical_name)
     return module

@@ -64,6 +64,8 @@ def test_resume_and_activation_checkpointing_in_221(shards, tmp_path):
     launch(resumed_cfg, 4, "train.stop_after_steps=5", "checkpoint.every=5")
     r = launch(resumed_cfg, 4, "checkpoint.every=5")
     assert "resumed at step 5" in r.stdout
+    # the tied embedding's broadcast between stages (at build and at load) makes no autograd warning on any rank
+    assert "autograd kernel was not registered" not in r.stdout + r.stderr
     assert losses(tmp_path / "resumed") == straight              # identical, steps 1-10
     launch(config(tmp_path, shards, "recompute", tp=2, pp=2, activation_checkpointing=1), 4)
     assert losses(tmp_path / "recompute") == straight

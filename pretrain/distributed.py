@@ -28,6 +28,7 @@ class Layout:
     grad_accum: int
     device: torch.device
     dp_group: object = None
+    peers: tuple = ()    # (host, pid) of every rank, to name the one that is lost if a rank dies
 
     @property
     def is_main(self) -> bool:
@@ -184,9 +185,43 @@ def init(cfg: TrainConfig) -> Layout:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
                                              pipeline_model_parallel_size=cfg.parallel.pp)
     device = torch.device(accel.current_device_name())
+    peers = [None] * world
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     return Layout(rank=dist.get_rank(), world=world, dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
                   tp=cfg.parallel.tp, pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device,
-                  dp_group=parallel_state.get_data_parallel_group())
+                  dp_group=parallel_state.get_data_parallel_group(), peers=tuple(peers))
+
+
+# What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers.
+PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
+             "NCCL communicator was aborted", "DataLoader worker")
+
+
+def lost_peer(e: BaseException, lay: Layout) -> str | None:
+    """If `e` (or what it arose from) is a collective that failed because another rank died: one line naming the
+    lost ranks (those of this host whose process is gone; others are not visible from here) and what to do."""
+    chain, seen = [], e
+    while seen is not None:
+        chain.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    if not any(needle in text for text in chain for needle in PEER_LOSS):
+        return None
+    here = socket.gethostname()
+    lost = [r for r, (host, pid) in enumerate(lay.peers) if host == here and r != lay.rank and not _alive(pid)]
+    who = (f"rank {', '.join(map(str, lost))} (its process is gone: killed, or out of memory)" if lost else
+           "another rank (on another host, or still stopping)")
+    return (f"lost {who} in the middle of a step; relaunch the same command to resume from the newest "
+            f"checkpoint")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process under that number: not ours, so ours is gone
+        return False
+    return True
 
 
 def shutdown() -> None:

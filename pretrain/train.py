@@ -308,6 +308,14 @@ def main(argv=None) -> int:
     except (TrainingStopped, CheckpointError, DataError) as e:   # one line; the launcher ends the other ranks
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:
+        lost = distributed.lost_peer(e, trainer.layout)
+        if lost is None:
+            raise
+        # The launcher now ends every rank and their data workers: torch's SIGCHLD handler would raise again.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        print(f"error: {lost}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
         distributed.shutdown()

@@ -87,6 +87,10 @@ def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference
         r = finish(proc)
         assert r.returncode != 0
         check_resumed(r.stdout, resume_at)
+        # the rank left standing says, in one line and without a traceback, which one it lost and what to do
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-3000:]
+        assert f"lost rank {victim} " in errors[0] and "relaunch the same command" in errors[0], errors[0]
         kills.append((killed_at, victim))
         resume_at = latest(run)
         assert resume_at <= killed_at

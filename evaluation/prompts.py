@@ -1,5 +1,19 @@
-"""Prompts as the model saw documents in training: after an eos, and generated ids back to text."""
+"""Prompts as the model saw documents in training: after an eos, and generated ids back to text.
+
+A tool given no --prompt opens with the first words of a document of the run's own validation data (found through
+the training config kept beside a checkpoint, a release or an export); with no shards at hand, with GENERIC_PROMPT,
+and it says which.
+"""
 from __future__ import annotations
+
+import os
+
+import yaml
+
+from pretrain.shards import DataError, first_sample, opening, read_manifest
+
+GENERIC_PROMPT = "The"
+OPENING_TOKENS = 12
 
 
 def prompt_ids(sp, text: str) -> list[int]:
@@ -17,3 +31,22 @@ def decode(sp, ids: list[int]) -> str:
         else:
             current.append(i)
     return "\n".join(sp.decode(p) for p in parts + [current])
+
+
+def default_prompt(info: dict, sp) -> tuple[str, str]:
+    """(prompt, where it comes from) for a model loaded by evaluation.cli.load (info has its "source")."""
+    shard_dir = None
+    for name in ("config.yaml", "train_config.yaml"):   # beside a checkpoint; in a release or an export
+        path = os.path.join(info["source"], name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                shard_dir = ((yaml.safe_load(f) or {}).get("data") or {}).get("shard_dir")
+            break
+    if shard_dir:
+        try:
+            ids = opening(first_sample(read_manifest(shard_dir)), sp.eos_id(), OPENING_TOKENS)
+            if ids:
+                return sp.decode(ids), f"the opening of a validation document in {shard_dir}"
+        except (DataError, OSError, StopIteration):
+            pass
+    return GENERIC_PROMPT, f"a generic prompt: no shards of {info['source']} at hand (pass --prompt)"

@@ -213,6 +213,16 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.chunk(tp_world(), dim=-1)[tp_rank()].contiguous()
 
 
+@torch.no_grad()
+def gather_heads(maps: torch.Tensor) -> torch.Tensor:
+    """(B, H/TP, n, n) maps of this rank's heads → (B, H, n, n) of every head, in head order (no gradient)."""
+    if tp_world() == 1:
+        return maps
+    parts = [torch.empty_like(maps) for _ in range(tp_world())]
+    dist.all_gather(parts, maps.contiguous(), group=tp_group())
+    return torch.cat(parts, dim=1)
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if tp_world() == 1 else _GatherLastDim.apply(x)
 

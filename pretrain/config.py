@@ -188,7 +188,8 @@ class LoggingSection:
         "peak dense TFLOP/s of one device at train.precision, the denominator of MFU; null = from the device's name "
         "(pretrain/engine.py PEAK_TFLOPS: H100 bf16 989, A100 312, ...); on a CPU or an unknown GPU MFU is then n/a",
         None)
-    sample_prompt: str = described("prompt of the text sample", "It is a truth universally acknowledged")
+    sample_prompt: str | None = described("prompt of the text sample in TensorBoard; null = the opening words of the "
+                                          "first document of the run's validation data", None)
     sample_tokens: int = described("tokens generated for the text sample", 64)
     sample_ids: bool = described("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
 

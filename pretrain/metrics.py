@@ -39,17 +39,57 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
-def attention_grid(maps: list[torch.Tensor], max_heads: int = 4) -> list[torch.Tensor]:
-    """Per layer, the first heads' maps (n, n) side by side as one image (1, n, heads·n) in [0, 1].
+TICK_LABELS_UP_TO = 40   # beyond this many tokens the axis labels of a map would overlap
 
-    Each row is scaled by its maximum so that a flat distribution is still visible; the upper triangle stays 0.
-    """
-    images = []
-    for A in maps:                                          # (B, Hl, n, n)
-        heads = A[0, :max_heads].float()
-        heads = heads / heads.amax(dim=-1, keepdim=True).clamp_min(1e-12)
-        images.append(torch.cat(list(heads), dim=-1).unsqueeze(0).cpu())
-    return images
+
+def attention_figure(layers, labels: list[str] | None = None, title: str = ""):
+    """A matplotlib figure of synthesized maps: rows = layers, columns = heads, each panel titled "layer i · mixer ·
+    head h". `layers`: per layer (its index, its mixer, whether rows are softmax distributions, maps (H, n, n) as
+    numpy); `labels`: token pieces for the axes (when n is small). Softmax maps shade 0 → the panel's largest weight
+    below row 0 (whose one weight is always 1) white → dark blue on a square-root scale; SGU's weights W (any sign)
+    red > 0 > blue. The masked upper triangle is left white."""
+    import matplotlib
+
+    matplotlib.use("Agg")   # files and TensorBoard only: no display needed
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import Normalize, PowerNorm
+
+    n_heads, n = layers[0][3].shape[0], layers[0][3].shape[-1]
+    size = 2.4 if n <= TICK_LABELS_UP_TO // 2 else 3.2
+    fig, axes = plt.subplots(len(layers), n_heads, figsize=(size * n_heads + 0.6, size * len(layers) + 0.8),
+                             squeeze=False)
+    above = np.triu(np.ones((n, n), dtype=bool), k=1)                    # the masked, future keys
+    for row, (index, name, softmax, maps) in enumerate(layers):
+        for h in range(n_heads):
+            ax, M = axes[row, h], maps[h]
+            if softmax:   # row i spreads 1 over i+1 keys: a square-root scale keeps the long rows visible, and
+                # row 0 (one key, weight 1) is left out of the top of the scale so it does not wash out the rest
+                cmap, norm = "Blues", PowerNorm(0.5, vmin=0.0, vmax=max(float(M[1:].max()) if n > 1 else 1.0, 1e-12))
+            else:
+                bound = max(float(np.abs(M).max()), 1e-12)
+                cmap, norm = "RdBu_r", Normalize(-bound, bound)
+            cmap = matplotlib.colormaps[cmap].with_extremes(bad="white")  # masked cells: the empty upper triangle
+            ax.imshow(np.ma.masked_array(M, mask=above), cmap=cmap, norm=norm, interpolation="nearest")
+            ax.set_title(f"layer {index} · {name} · head {h}", fontsize=8)
+            if labels is not None and n <= TICK_LABELS_UP_TO:
+                ax.set_xticks(range(n), labels, rotation=90, fontsize=5)
+                ax.set_yticks(range(n), labels, fontsize=5)
+            else:
+                ax.set_xticks([])
+                ax.set_yticks([])
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def layer_maps(cfg, maps: list[torch.Tensor]) -> list[tuple]:
+    """(index, mixer name, is softmax, maps (H, n, n) float64 numpy) of each layer, from a model's attention_maps of
+    one sequence (per layer (1, H, n, n)): what attention_figure draws."""
+    names = ["gmlp" if cfg.block == "gmlp" else m for m in cfg.layer_mixers()]
+    return [(i, name, name not in ("sgu", "gmlp"), A[0].double().cpu().numpy())
+            for i, (name, A) in enumerate(zip(names, maps))]
 
 
 def keep_rows_up_to(path: str, step: int) -> None:
@@ -95,19 +135,29 @@ class Logger:
         if self.enabled:
             print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True, file=sys.stdout)
 
-    def scalars(self, step: int, values: dict) -> None:
+    def scalars(self, step: int, values: dict, descriptions: dict | None = None) -> None:
+        """Each value in TensorBoard and one row of metrics.jsonl; `descriptions` (per tag) are shown beside the
+        tag's chart (TensorBoard takes a tag's description from its first point)."""
         if not self.enabled:
             return
         for tag, v in values.items():
-            self.writer.add_scalar(tag, v, step)
+            if descriptions and tag in descriptions:   # add_scalar's own summary, with a description
+                from torch.utils.tensorboard.summary import scalar
+
+                summary = scalar(tag, float(v), new_style=True)
+                summary.value[0].metadata.summary_description = descriptions[tag]
+                self.writer.file_writer.add_summary(summary, step)
+            else:
+                self.writer.add_scalar(tag, v, step)
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
         self.writer.flush()
 
-    def images(self, step: int, tag: str, images: list[torch.Tensor]) -> None:
+    def attention(self, step: int, layers: list[tuple]) -> None:
+        """One image per layer, `attention/layer_NN`: every head's map, labelled (attention_figure)."""
         if self.enabled:
-            for i, img in enumerate(images):
-                self.writer.add_image(f"{tag}/layer_{i:02d}", img, step, dataformats="CHW")
+            for layer in layers:
+                self.writer.add_figure(f"attention/layer_{layer[0]:02d}", attention_figure([layer]), step)
             self.writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:

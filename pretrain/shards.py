@@ -123,3 +123,25 @@ class SplitWriter:
             self.tar.close()
             self.shards[-1]["bytes"] = os.path.getsize(self.path)  # after close: the tar's end blocks are written
             self.tar = None
+
+
+def first_sample(manifest: dict, split: str = "val"):
+    """The token ids (numpy) of the first sample of a split's first shard, read with tarfile alone."""
+    import tarfile
+
+    import numpy as np
+
+    shards = manifest["splits"].get(split, {}).get("shards") or manifest["splits"]["train"]["shards"]
+    dtype, member = DTYPES[manifest["dtype"]]
+    with tarfile.open(os.path.join(manifest["shard_dir"], shards[0]["name"])) as tar:
+        info = next(m for m in tar if m.name.endswith("." + member))
+        return np.frombuffer(tar.extractfile(info).read(), dtype=dtype).astype(np.int64)
+
+
+def opening(ids, eos: int, n: int) -> list[int]:
+    """The first n ids of the first document that starts inside `ids` (after an eos), else of `ids` itself: a neutral
+    prompt taken from the data, that begins where a document does."""
+    ids = [int(i) for i in ids]
+    document = ids[ids.index(eos) + 1:] if eos in ids[:-1] else ids
+    end = document.index(eos) if eos in document else len(document)
+    return document[:min(n, end)]

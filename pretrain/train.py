@@ -17,7 +17,9 @@ import warnings
 
 import torch
 
-from model import ConfigError
+import torch.distributed as dist
+
+from model import ConfigError, SynthesizerLM
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
@@ -25,11 +27,15 @@ from pretrain import distributed
 from pretrain.checkpoint import CheckpointError, Checkpointer
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
-from pretrain.shards import DataError
+from pretrain.shards import DataError, opening
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import LossGuard, TrainingStopped
-from pretrain.metrics import Logger, attention_grid, keep_rows_up_to, memory_mb
+from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
+
+
+IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
+OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
 
 
 class Trainer:
@@ -74,6 +80,11 @@ class Trainer:
             path = os.path.join(cfg.train.run_dir, "sample_ids", f"rank{lay.rank}.jsonl")
             keep_rows_up_to(path, self.step)
             self.ids_file = open(path, "a")
+        if self.pipeline and lay.grad_accum < 4 * lay.pp:   # 1F1B idles (pp−1) of every m + pp − 1 slots
+            self.log.info(f"warning: {lay.grad_accum} micro-batches a step through {lay.pp} pipeline stages: each "
+                          f"stage idles {(lay.pp - 1) / (lay.grad_accum + lay.pp - 1):.0%} of a step (the pipeline "
+                          f"bubble, (pp − 1)/(micro-batches + pp − 1)); give it ≥ {4 * lay.pp} micro-batches by "
+                          f"raising train.global_batch_size or lowering train.micro_batch_size")
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; model {cfg.model.mixer}, "
@@ -263,27 +274,57 @@ class Trainer:
                for b in self.stream.val_batches(self.cfg.data.val_batches)]
         loss = self.read(self.val_loss(val).reshape(1))[0]
         result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
-        self.log.scalars(self.step, result)
-        self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}")
+        total = self.stream.manifest["splits"]["val"]["samples"]
+        covered = min(total, len(val) * self.cfg.train.micro_batch_size * self.layout.dp)
+        what = (f"over {covered} of the {total} validation samples (data.val_batches={self.cfg.data.val_batches} "
+                f"× micro-batch {self.cfg.train.micro_batch_size} × {self.layout.dp} data-parallel ranks)")
+        self.log.scalars(self.step, result, {tag: f"{tag} {what}, the same samples every time" for tag in result})
+        self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f} {what}")
         return result
 
     @torch.no_grad()
     def log_samples(self) -> None:
-        """Attention-map images of the first validation sequence and a text sample (all ranks compute: TP/ZeRO-3)."""
+        """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
+        over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the
+        first stage. Every rank that holds part of that model computes (TP, ZeRO-3 collectives); rank 0 writes."""
         import sentencepiece as spm
 
-        if self.pipeline:   # maps and sampling need the whole model in one process group step
+        model = self.joined_model() if self.pipeline else self.engine.module
+        if model is None:
             return
-        model, cfg = self.engine.module, self.cfg
+        cfg, dev = self.cfg, self.layout.device
         model.eval()
-        first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1].to(self.layout.device)
-        self.log.images(self.step, "attention", attention_grid(model.attention_maps(first)))
+        first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1]
+        maps = [tp.gather_heads(A) for A in model.attention_maps(first[:, :IMAGE_TOKENS].to(dev))]
+        self.log.attention(self.step, layer_maps(cfg.model, maps))
         sp = spm.SentencePieceProcessor(model_file=cfg.data.tokenizer)
-        prompt = torch.tensor([sp.encode(cfg.logging.sample_prompt)], device=self.layout.device)
-        out = sample(model, prompt, cfg.logging.sample_tokens, temperature=0.8, top_k=50, seed=self.step)
+        ids = (sp.encode(cfg.logging.sample_prompt) if cfg.logging.sample_prompt is not None
+               else opening(first[0], sp.eos_id(), OPENING_TOKENS))   # the opening of a validation document
+        out = sample(model, torch.tensor([ids], device=dev), cfg.logging.sample_tokens, temperature=0.8, top_k=50,
+                     seed=self.step)
         text = sp.decode(out[0].tolist())
         self.log.text(self.step, "sample", text)
         self.log.info(f"sample: {text!r}")
+        self.engine.train()
+
+    def joined_model(self):
+        """Under PP, on the first stage's ranks of data-parallel replica 0: the whole model (this rank's TP shard),
+        the other stages' weights gathered over the pipeline group. None on every other rank."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_data_parallel_rank() != 0:
+            return None
+        stage = self.engine.module
+        mine = {stage.canonical_name(name): p.detach().cpu() for name, p in stage.named_parameters()}
+        parts = [None] * self.layout.pp
+        dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+        if ps.get_pipeline_model_parallel_rank() != 0:
+            return None
+        weights = {name: t for part in parts for name, t in part.items()}
+        model = SynthesizerLM(self.cfg.model)
+        for name, p in model.named_parameters():   # each tensor is this TP rank's shard already
+            p.data = weights[name].to(p.dtype)
+        return model.to(self.layout.device)
 
     def close(self) -> None:
         self.log.close()

@@ -22,6 +22,7 @@ from evaluation import perplexity
 from evaluation.cli import load
 from evaluation.prompts import prompt_ids
 from pretrain.corpus import documents
+from pretrain.metrics import layer_maps
 from tools import evaluate, generate, plot_attention
 
 L = 16
@@ -219,10 +220,11 @@ def test_generate_is_reproducible_per_seed(sp):
 def test_attention_plot_data_and_png(sp, tmp_path):
     model = tiny(mixer=["dense", "sgu"], max_seq_len=32)
     ids = prompt_ids(sp, "It is a truth universally acknowledged")
-    data = plot_attention.attention_data(model, torch.tensor([ids]))
-    assert [name for name, _, _ in data] == ["dense", "sgu"] and [s for _, s, _ in data] == [True, False]
+    with torch.no_grad():
+        data = layer_maps(model.cfg, model.attention_maps(torch.tensor([ids])))
+    assert [name for _, name, _, _ in data] == ["dense", "sgu"] and [s for _, _, s, _ in data] == [True, False]
     n = len(ids)
-    for _, softmax, maps in data:
+    for _, _, softmax, maps in data:
         assert maps.shape == (4, n, n)
         assert np.all(np.triu(maps, k=1) == 0)                         # nothing above the diagonal
         if softmax:

@@ -119,6 +119,8 @@ def tensorboard_serves_the_run(run_dir):
         points = json.load(urllib.request.urlopen(q, timeout=10))
         assert [p[1] for p in points] == list(range(1, 41))
         assert {"val/ppl", "train/lr", "perf/tokens_per_s", "perf/tflops_per_device", "train/grad_norm"} <= set(tags[run])
+        # how much of the validation split the figure covers, beside its chart
+        assert "over 32 of the " in tags[run]["val/ppl"]["description"], tags[run]["val/ppl"]
         assert "perf/mfu" not in tags[run]   # a CPU has no known peak: no MFU against a made-up one
         images = json.load(urllib.request.urlopen(f"{base}/data/plugin/images/tags", timeout=10))
         assert any("attention/layer_00" in t for t in images[run]), images
@@ -180,3 +182,30 @@ def test_launch_errors_are_one_line_before_any_rank_starts(shards, tmp_path):
         for needle in needles:
             assert needle in errors[0], (needle, errors[0])
         print(f"{overrides or 'one rank'}: {time.time() - t0:.1f} s: {errors[0]}")
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_runs_show_every_head_and_a_sample(shards, tmp_path):
+    """TensorBoard's attention images hold every head, labelled, whatever the layout (TP=2 gathers the other rank's
+    heads; PP=2 joins the stages' weights), and a text sample is written; PP with few micro-batches warns once,
+    with the bubble it costs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sizes = {}
+    for name, parallel in (("tp1", {}), ("tp2", {"tp": 2}), ("pp2", {"pp": 2, "partition": "uniform"})):
+        run = tmp_path / name
+        cfg = write_config(tmp_path / f"{name}.yaml", shards, run, parallel={"zero_stage": 1, **parallel},
+                           train={"max_steps": 4, "micro_batch_size": 2},
+                           logging={"every": 2, "image_every": 4, "sample_tokens": 6})
+        r = launch(cfg, 1 if name == "tp1" else 2)
+        events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0, "tensors": 0})
+        events.Reload()
+        images = events.Tags()["images"]
+        assert images == ["attention/layer_00", "attention/layer_01"], (name, images)
+        sizes[name] = [(im.width, im.height) for tag in images for im in events.Images(tag)]
+        assert "sample/text_summary" in events.Tags()["tensors"] and "sample: '" in r.stdout, name
+        warned = [line for line in r.stdout.splitlines() if "pipeline bubble" in line]
+        assert len(warned) == (1 if name == "pp2" else 0), warned
+        if name == "pp2":
+            assert "4 micro-batches a step through 2 pipeline stages: each stage idles 20%" in warned[0], warned
+    assert sizes["tp2"] == sizes["tp1"] == sizes["pp2"], sizes   # 4 heads a layer in every layout

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Generate text from a checkpoint or release: temperature, top-k, nucleus (top-p), reproducible for a seed.
 
-    python tools/generate.py runs/demo --prompt "It is a truth universally acknowledged" --max-new-tokens 60
+    python tools/generate.py runs/demo --max-new-tokens 60        # prompt: the opening of a validation document
     python tools/generate.py runs/demo-release --prompt "Emma" --temperature 0.8 --top-p 0.9 --num-samples 3 --seed 7
 
 CHECKPOINT: a release directory or any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir).
@@ -25,11 +25,10 @@ import torch
 from tqdm import tqdm
 
 from evaluation.cli import UsageError, load, one_line_errors
-from evaluation.prompts import decode, prompt_ids
+from evaluation.prompts import decode, default_prompt, prompt_ids
 from model.decoding import CachedLM
 from model.generate import sample
 
-DEFAULT_PROMPT = "It is a truth universally acknowledged"
 
 
 def check(args) -> None:
@@ -65,7 +64,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="release directory or DeepSpeed run / checkpoints / step_* directory")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to continue (default {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt", default=None, help="text to continue (default: the opening words of a validation "
+                                                  "document of the run's shards; without them, a generic prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sample (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check(args)
     model, sp, info = load(args.checkpoint, args.tokenizer)
+    if args.prompt is None:
+        args.prompt, where = default_prompt(info, sp)
+        print(f"prompt {args.prompt!r}: {where}", file=sys.stderr)
     t0 = time.perf_counter()
     samples = generate(model, sp, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        args.seed, args.num_samples, not args.no_cache, progress=not args.quiet)

@@ -242,11 +242,12 @@ def test_make_tasks_rebuilds_the_shipped_files(tmp_path):
 def test_cli_wrapper_runs_the_shipped_tasks_offline_from_another_cwd(tiny, tmp_path):
     release = tiny[0]
     env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf")}
-    run = [PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--device", "cpu"]
+    run = [PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer"]   # no --device: the CPU
     r = subprocess.run(run + ["--model_args", f"path={release}", "--batch_size", "8", "--tasks",
                               "austen_cloze,austen_mc4", "--limit", "3", "--output_path", str(tmp_path / "out")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "CUDA is not available" not in r.stderr and "cuda:0" not in r.stderr, r.stderr[-3000:]
     assert re.search(r"austen_cloze.*acc", r.stdout) and re.search(r"austen_mc4.*acc", r.stdout)
     bad = subprocess.run(run + ["--model_args", f"path={tmp_path}/nowhere", "--tasks", "austen_cloze"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -286,7 +286,7 @@ def parse_args(argv=None):
     source.add_argument("--input", nargs="+", metavar="FILE", help="held-out text files, one paragraph per line")
     p.add_argument("--split", default="val", help="with --shards: the split to decode (default val)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the .jsonl, .yaml and local_data.py")
-    p.add_argument("--prefix", default="austen", help="task names are <prefix>_cloze and <prefix>_mc4 (default austen)")
+    p.add_argument("--prefix", required=True, help="task names are <prefix>_cloze and <prefix>_mc4 (letters, digits, _)")
     p.add_argument("--seed", type=int, default=0, help="seed of the item draw and the choices (default 0)")
     p.add_argument("--cloze-items", type=int, default=400, help="cloze items at most (default 400)")
     p.add_argument("--mc-items", type=int, default=400, help="multiple-choice items at most (default 400)")

@@ -2,13 +2,14 @@
 
     python tools/run_lm_eval.py --model synthformer --model_args path=runs/demo-release --tasks austen_cloze,austen_mc4
     python tools/run_lm_eval.py --model synthformer --model_args path=runs/demo,batch_size=32 --tasks austen_cloze \\
-        --device cpu --output_path runs/demo/eval        # a DeepSpeed run directory works too (newest checkpoint)
+        --output_path runs/demo/eval                      # a DeepSpeed run directory works too (newest checkpoint)
     python tools/run_lm_eval.py ls tasks                      # lm-eval's other subcommands pass through
 
 Every argument goes to lm-eval 0.4.13's CLI unchanged (`lm-eval run --help` lists them). The plain `lm_eval` command
 cannot see this model: lm-eval looks models up in an in-process registry filled by imports (it reads no entry points,
 lm_eval/api/registry.py), so this wrapper imports evaluation.lm_eval_adapter first. It adds `--include_path tasks/`
-(absolute, so any working directory works) unless you give --include_path yourself. Nothing is fetched for the local
+(absolute, so any working directory works) unless you give --include_path yourself, and --device for the device
+that exists (cuda:0, else cpu; lm-eval's own default is cuda:0) unless you give --device. Nothing is fetched for the local
 tasks; set HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 to make sure no other task tries. model_args of `synthformer`:
 see evaluation/lm_eval_adapter.py (path, tokenizer, batch_size, device, dtype, newline, rolling_context, max_gen_toks).
 """
@@ -30,7 +31,15 @@ def with_defaults(argv: list[str]) -> list[str]:
         argv.insert(0, "run")
     if argv and argv[0] in SUBCOMMANDS_WITH_TASKS and not any(a.split("=")[0] == "--include_path" for a in argv):
         argv[1:1] = ["--include_path", TASKS]
+    if argv and argv[0] == "run" and not any(a.split("=")[0] == "--device" for a in argv):
+        argv[1:1] = ["--device", default_device()]   # lm-eval's own default is cuda:0, also without a GPU
     return argv
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def model_paths(argv: list[str]) -> list[str]:

@@ -3,6 +3,7 @@
 Numbers are checked against references computed another way: per-token loops with a hand-written log-softmax, tar
 members read directly, documents decoded by sentencepiece; cached decoding against the full recompute."""
 import gzip
+import json
 import math
 import os
 import subprocess
@@ -160,7 +161,7 @@ def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text
     tok = os.path.join(shards, "tokenizer.model")
     (tag / "tokenizer.model").write_bytes(open(tok, "rb").read())
     save_release(str(tmp_path / "release"), model.cfg, dict(model.named_parameters()), tokenizer=tok,
-                 training={"step": 7})
+                 train_config=cfg_path, training={"step": 7})
     release_to_hf(str(tmp_path / "release"), str(tmp_path / "hf"))
     results = []
     for path in (tmp_path / "run", tmp_path / "release", tmp_path / "hf"):
@@ -170,6 +171,17 @@ def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text
     assert results[0] == results[1]
     for native, hf in zip(results[0], results[2]):      # the HF export, run by transformers: the same perplexity
         assert native["tokens"] == hf["tokens"] and abs(hf["ppl"] - native["ppl"]) <= 1e-4 * native["ppl"]
+    # generate.py on each, cached and not: the same greedy text everywhere (the export's own SynthesizerLM decodes
+    # incrementally); without --prompt, the opening of a validation document of the run's shards, said on stderr
+    texts = {}
+    for path in (tmp_path / "run", tmp_path / "release", tmp_path / "hf"):
+        for cache in ([], ["--no-cache"]):
+            r = subprocess.run([PY, "tools/generate.py", str(path), "--max-new-tokens", "8", "--temperature", "0",
+                                "--json", "--quiet", *cache], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert "the opening of a validation document in" in r.stderr, r.stderr
+            texts[(path.name, bool(cache))] = json.loads(r.stdout.splitlines()[-1])["text"]
+    assert len(set(texts.values())) == 1, texts
 
 
 DEMO = [os.path.join(ROOT, "runs", "demo"), os.path.join(ROOT, "runs", "demo-release")]

@@ -97,6 +97,82 @@ def naive_attention(S, v):
     return out
 
 
+def paper_logits(name: str, synth, x, b: int, h: int, i: int, j: int, d_h: int) -> float:
+    """S_h[i, j] of one synthesizer for sample b, written from the paper's formula (DESIGN.md §1) with the module's
+    parameters read as plain matrices, one element at a time: no code of the module is used."""
+    rows = slice(h * d_h, (h + 1) * d_h)                                    # head h's outputs of a d → d map
+
+    def linear(layer, v):
+        return layer.weight[rows] @ v + layer.bias[rows]
+    if name == "dot":                                                        # q_i · k_j / √d_h
+        return float(linear(synth.q, x[b, i]) @ linear(synth.k, x[b, j])) / d_h ** 0.5
+    if name == "dense":                                                      # W_2[j] · σ(W_1 X_i + b_1) + b_2[j]
+        return float(synth.w2[h, j] @ torch.relu(linear(synth.w1, x[b, i])) + synth.w2_bias[h, j])
+    if name in ("random", "random_fixed"):                                   # R[i, j]
+        return float(synth.R[h, i, j])
+    if name == "factorized_random":                                          # R_1[i] · R_2[j]
+        return float(synth.R1[h, i] @ synth.R2[h, j])
+    hidden = torch.relu(linear(synth.w1, x[b, i]))                           # factorized dense
+    A, Bf = synth.fa[h] @ hidden + synth.fa_bias[h], synth.fb[h] @ hidden + synth.fb_bias[h]
+    a = A.shape[0]
+    return float(A[j % a] * Bf[j // a])                                      # A_i[j mod a] · B_i[⌊j/a⌋]
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("sgu", "gmlp")])
+def test_every_map_element_and_the_fused_output_follow_the_paper(variant):
+    """At every (sample, head, i, j): A = softmax_{j≤i}(Σ_m α_m S_m[i, j]) from the formula's loops equals the map the
+    model returns, and Y_i = Σ_j A[i, j] V_j, through the output projection, equals the fused forward. So a bug in
+    what the fused and reference paths share (q·k features, R₁/R₂, the mask) cannot hide."""
+    torch.manual_seed(1)
+    n, B = 7, 2
+    model = build_model(config(variant, factorized_a=4, factorized_b=4))
+    mixer, x = model.blocks[0].mixer, torch.randn(B, n, 32)
+    H, d_h = 4, 8
+    alpha = torch.softmax(mixer.theta, -1) if mixer.theta is not None else torch.ones(H, 1)
+    with torch.no_grad():
+        fused, (_, A_model) = mixer(x), mixer(x, return_map=True)
+        for b in range(B):
+            for h in range(H):
+                for i in range(n):
+                    S = [sum(alpha[h, m] * paper_logits(name, synth, x, b, h, i, j, d_h)
+                             for m, (name, synth) in enumerate(mixer.synth.items())) for j in range(i + 1)]
+                    A = torch.softmax(torch.tensor(S, dtype=torch.float64), 0)   # keys j ≤ i only
+                    assert torch.allclose(A_model[b, h, i, :i + 1].double(), A, atol=1e-5), (b, h, i)
+                    assert (A_model[b, h, i, i + 1:] == 0).all()
+        V = mixer.value.weight @ x.transpose(1, 2) + mixer.value.bias[:, None]        # (B, d, n): every head
+        Y = torch.zeros(B, n, H * d_h)
+        for b in range(B):
+            for h in range(H):
+                for i in range(n):
+                    Y[b, i, h * d_h:(h + 1) * d_h] = sum(A_model[b, h, i, j] * V[b, h * d_h:(h + 1) * d_h, j]
+                                                         for j in range(i + 1))
+        assert torch.allclose(fused, mixer.out(Y), atol=1e-5)
+
+
+def test_the_spatial_gating_unit_follows_its_formula():
+    """gMLP's s(Z)_h = Z1_h ⊙ ((W ⊙ causal)[:n, :n] · LN(Z2_h) + b[:n]), at every position and channel, by loops, on
+    the fused path; its map is W with the upper triangle zero."""
+    torch.manual_seed(2)
+    n, B = 7, 2
+    unit = build_model(config("sgu")).blocks[0].mixer
+    x, c, H = torch.randn(B, n, 32), unit.c, 4
+    with torch.no_grad():
+        fused, (_, W_map) = unit(x), unit(x, return_map=True)
+        z = torch.nn.functional.gelu(x @ unit.in_proj.weight.T + unit.in_proj.bias).view(B, n, H, 2, c)
+        gated = torch.zeros(B, n, H * c)
+        for b in range(B):
+            for h in range(H):
+                z1, z2 = z[b, :, h, 0], z[b, :, h, 1]                              # (n, c)
+                mean, var = z2.mean(-1, keepdim=True), z2.var(-1, unbiased=False, keepdim=True)
+                normed = (z2 - mean) / torch.sqrt(var + unit.eps) * unit.norm_weight[h] + unit.norm_bias[h]
+                for i in range(n):
+                    gate = sum(unit.spatial[h, i, j] * normed[j] for j in range(i + 1)) + unit.spatial_bias[h, i]
+                    gated[b, i, h * c:(h + 1) * c] = z1[i] * gate
+                    assert torch.equal(W_map[b, h, i, :i + 1], unit.spatial[h, i, :i + 1])
+                    assert (W_map[b, h, i, i + 1:] == 0).all()
+        assert torch.allclose(fused, unit.out(gated), atol=1e-5)
+
+
 def test_synthesizer_formulas_against_loops():
     """Each synthesizer's map equals the paper's formula evaluated element by element."""
     torch.manual_seed(0)

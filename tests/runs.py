@@ -57,6 +57,18 @@ def write_config(path, shards, run_dir, **sections):
     return str(path)
 
 
+def reference_config(tmp_path, shards, name, **sections):
+    """The shared reference run's config (2 ranks, ZeRO-1, 2 data workers each, 40 steps, a checkpoint every 3,
+    sample ids recorded, images at step 10): the tests of exact resume, kill -9 and damaged checkpoints rerun it
+    with interruptions and compare with the `reference_run` fixture, trained once per session."""
+    settings = dict(data={"num_workers": 2}, parallel={"zero_stage": 1}, train={"max_steps": 40},
+                    checkpoint={"every": 3, "keep": 2},
+                    logging={"every": 1, "val_every": 0, "image_every": 10, "sample_ids": True, "sample_tokens": 4})
+    for section, values in sections.items():
+        settings[section] = {**settings.get(section, {}), **values}
+    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name, **settings)
+
+
 def start(config, *overrides, env):
     """Start launch/pretrain.sh in its own session, so that a timeout can kill its trainers too; its stdout and
     stderr go to files, which `output(proc)` reads while it runs."""

@@ -36,13 +36,15 @@ def reference(shards, tmp_path_factory):
     return out
 
 
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+# With pipeline stages (TP alone and TP × DP: test_training's layouts). The reversed layer order, on one of them,
+# puts each mixer in the other stage as well.
+LAYOUTS = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=lambda x: str(x))
 def test_layout_matches_one_process(tp, pp, dp, shards, tmp_path, reference):
-    orders = ("fwd", "rev") if pp > 1 else ("fwd",)   # with stages, each mixer also runs in the other stage
+    orders = ("fwd", "rev") if (tp, pp, dp) == (1, 2, 1) else ("fwd",)
     for order in orders:
         mixers = MIXERS if order == "fwd" else MIXERS[::-1]
         name = f"{tp}{pp}{dp}-{order}"

@@ -184,14 +184,10 @@ def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text
     assert len(set(texts.values())) == 1, texts
 
 
-DEMO = [os.path.join(ROOT, "runs", "demo"), os.path.join(ROOT, "runs", "demo-release")]
-
-
-@pytest.mark.skipif(not all(map(os.path.isdir, DEMO)), reason="make demo + convert to-release not run")
-def test_demo_release_equals_demo_checkpoint():
-    shard_dir = os.path.join(ROOT, "build", "demo", "shards")
-    a, b = (perplexity.evaluate_shards(load(p)[0], shard_dir, max_samples=4) for p in DEMO)
-    assert a == b
+@pytest.mark.slow
+def test_demo_release_equals_demo_checkpoint(demo):
+    a, b = (perplexity.evaluate_shards(load(demo[p])[0], demo["shards"], max_samples=4) for p in ("run", "release"))
+    assert a == b and a["tokens"] == 4 * 128
 
 
 # ---- generate / decoding ---------------------------------------------------------------------------------------

@@ -9,25 +9,20 @@ import time
 import pytest
 
 from pretrain.faults import SAVE_PHASES
-from tests.runs import finish, free_port, id_rows, launch, metric_rows, output, start, trainer_ranks, write_config
+from tests.runs import finish, free_port, id_rows, metric_rows, output, reference_config, start, trainer_ranks
 
 pytestmark = pytest.mark.slow
-TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 10))
-STEPS, EVERY = 40, 3
-
-
-def config(tmp_path, shards, name):
-    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name,
-                        data={"num_workers": 1}, parallel={"zero_stage": 1}, train={"max_steps": STEPS},
-                        checkpoint={"every": EVERY, "keep": 2}, logging={"sample_ids": True})
+# SYNTHFORMER_KILL_TRIALS=N: N random trials of each kind (10 for a thorough run); by default 3 kill -9 trials, and
+# one kill in a save for each place a rank can die in one (every save phase of rank 0, the two of rank 1)
+TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 0))
+STEPS, EVERY = 40, 3   # the reference config's
+SAVE_KILLS = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine")]   # rank 1 commits nothing
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
+def reference(reference_run):
     """The uninterrupted run: {step: loss}, and {rank: {step: ids}}."""
-    tmp = tmp_path_factory.mktemp("reference")
-    launch(config(tmp, shards, "run"), 2)
-    return record(tmp / "run")
+    return record(reference_run)
 
 
 def record(run):
@@ -72,9 +67,9 @@ def check_resumed(out: str, step: int):
 
 
 def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference):
-    rng, run, cfg = random.Random(7), tmp_path / "run", config(tmp_path, shards, "run")
+    rng, run, cfg = random.Random(7), tmp_path / "run", reference_config(tmp_path, shards, "run")
     resume_at, kills = 0, []
-    for _ in range(TRIALS):
+    for _ in range(TRIALS or 3):
         target = min(STEPS - 1, resume_at + rng.randint(1, 2 * EVERY + 1))
         proc = relaunch(cfg)
         wait_until_started(proc)
@@ -103,13 +98,11 @@ def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference
 
 
 def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp_path, reference):
-    rng, run, cfg = random.Random(11), tmp_path / "run", config(tmp_path, shards, "run")
-    # rank 1 writes no commit: it can die only before the barrier that ends the writing
-    where = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine")]
+    rng, run, cfg = random.Random(11), tmp_path / "run", reference_config(tmp_path, shards, "run")
+    trials = [rng.choice(SAVE_KILLS) for _ in range(TRIALS)] if TRIALS else SAVE_KILLS   # each place once
     resume_at, kills = 0, []
-    for _ in range(TRIALS):
+    for phase, rank in trials:
         save = resume_at + EVERY * rng.randint(1, 2)
-        phase, rank = rng.choice(where)
         r = finish(relaunch(cfg, {"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"}))
         assert r.returncode != 0
         check_resumed(r.stdout, resume_at)

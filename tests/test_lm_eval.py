@@ -209,18 +209,18 @@ def test_make_tasks_is_deterministic_and_loads_from_any_cwd(shards, datasets_cac
     from lm_eval.tasks import TaskManager
 
     for out in ("a", "b"):
-        make_tasks("--shards", shards, "--out", tmp_path / out, "--min-context-words", 2, "--cloze-items", 10,
-                   "--mc-items", 5)   # the fixture's val samples hold 32 tokens: short contexts
+        make_tasks("--shards", shards, "--out", tmp_path / out, "--prefix", "held", "--min-context-words", 2,
+                   "--cloze-items", 10, "--mc-items", 5)   # the fixture's val samples hold 32 tokens: short contexts
     files = sorted(os.listdir(tmp_path / "a"))
-    assert files == ["austen_cloze.jsonl", "austen_cloze.yaml", "austen_mc4.jsonl", "austen_mc4.yaml", "local_data.py"]
+    assert files == ["held_cloze.jsonl", "held_cloze.yaml", "held_mc4.jsonl", "held_mc4.yaml", "local_data.py"]
     for name in files:   # the yaml headers name their own --out
         a, b = (tmp_path / "a" / name).read_text(), (tmp_path / "b" / name).read_text()
         assert a == b.replace(f"--out {tmp_path / 'b'}", f"--out {tmp_path / 'a'}")
-    items = [json.loads(line) for line in (tmp_path / "a" / "austen_mc4.jsonl").read_text().splitlines()]
+    items = [json.loads(line) for line in (tmp_path / "a" / "held_mc4.jsonl").read_text().splitlines()]
     assert len(items) == 5 and all(len(set(i["choices"])) == 4 and 0 <= i["label"] < 4 for i in items)
     monkeypatch.chdir("/")                      # relative data_files resolve next to the yaml, not in the cwd
-    task = TaskManager(include_path=str(tmp_path / "a"), include_defaults=False).load("austen_cloze")["tasks"]
-    assert len(list(task["austen_cloze"].test_docs())) == 10
+    task = TaskManager(include_path=str(tmp_path / "a"), include_defaults=False).load("held_cloze")["tasks"]
+    assert len(list(task["held_cloze"].test_docs())) == 10
 
 
 @pytest.mark.slow

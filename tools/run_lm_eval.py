@@ -16,10 +16,7 @@ see evaluation/lm_eval_adapter.py (path, tokenizer, batch_size, device, dtype, n
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# `python tools/run_lm_eval.py` puts tools/ first on sys.path, where this file would shadow the lm_eval package itself
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tasks")
 SUBCOMMANDS_WITH_TASKS = ("run", "ls", "validate")
 

@@ -158,17 +158,21 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def world_size() -> int:
+    """Ranks of this launch (1 for a bare `python -m pretrain.train`)."""
+    _single_process_env()
+    return int(os.environ["WORLD_SIZE"])
+
+
 def init(cfg: TrainConfig) -> Layout:
     """Check the config against the launch, then start torch.distributed and megatron-core's TP groups."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from megatron.core import parallel_state
 
-    from pretrain.prelaunch import check_launch
-
     _single_process_env()
     world = int(os.environ["WORLD_SIZE"])
-    runtime = check_launch(cfg, world)          # one-line errors before any process group exists
+    runtime = cfg.check_runtime(world)          # one-line errors before any process group exists
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accel = get_accelerator()
     if accel.device_name() != "cpu":

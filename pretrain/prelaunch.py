@@ -1,7 +1,8 @@
 """What a launch checks before any process starts: the config against the world size, the shards against the model,
 and the checkpoint it would resume against the run. launch/pretrain.sh runs these checks once
 (`python -m pretrain.config CONFIG … --world-size N`), so that a mistake is one line at once, not one per rank
-after DeepSpeed started; every rank runs them again before its process group, for launches without the script.
+after DeepSpeed started; the trainer runs them again on every rank before its process group, for launches without
+the script.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
+from pretrain.prelaunch import check_launch
 
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
@@ -41,7 +42,8 @@ OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a valid
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.layout = lay = distributed.init(cfg)   # checks config, shards and checkpoint before any process group
+        check_launch(cfg, distributed.world_size())   # config, shards, checkpoint: before any process group
+        self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,

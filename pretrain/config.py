@@ -363,17 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--print", action="store_true", help="print the resolved config as YAML (the default output)")
     p.add_argument("--deepspeed", action="store_true", help="print the generated DeepSpeed config (JSON)")
     p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
-                                                                "the shards, a checkpoint it would resume "
-                                                                "(default 1 with --deepspeed)")
+                                                                "the shards, a checkpoint it would resume (with "
+                                                                "--deepspeed: the config only; default 1)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
+        if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
+            rt = cfg.check_runtime(args.world_size or 1)
+        elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             from pretrain.prelaunch import check_launch
 
-            rt = check_launch(cfg, args.world_size)
-        elif args.deepspeed:
-            rt = cfg.check_runtime(1)
+            check_launch(cfg, args.world_size)
         if args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:

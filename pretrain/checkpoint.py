@@ -27,6 +27,7 @@ import yaml
 from model import ConfigError
 from model import parallel as tp
 from model.config import architecture_difference
+from pretrain.distributed import is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
 
@@ -81,6 +82,8 @@ class Checkpointer:
         except (OSError, RuntimeError) as e:                      # torch.save reports ENOSPC as a RuntimeError
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)        # give the space back
+            if is_peer_loss(e):                                   # another rank died mid-save: not a disk problem
+                raise
             free = shutil.disk_usage(self.dir).free / 2**20 if os.path.isdir(self.dir) else float("nan")
             cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
             full = "the disk is full, " if free < 1 or getattr(e, "errno", None) == errno.ENOSPC else ""

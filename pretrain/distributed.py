@@ -201,14 +201,20 @@ PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pi
              "NCCL communicator was aborted", "DataLoader worker")
 
 
+def is_peer_loss(e: BaseException) -> bool:
+    """Whether `e`, or what it arose from, is what a rank sees when another one died (see PEER_LOSS)."""
+    seen = e
+    while seen is not None:
+        if any(needle in str(seen) for needle in PEER_LOSS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def lost_peer(e: BaseException, lay: Layout) -> str | None:
     """If `e` (or what it arose from) is a collective that failed because another rank died: one line naming the
     lost ranks (those of this host whose process is gone; others are not visible from here) and what to do."""
-    chain, seen = [], e
-    while seen is not None:
-        chain.append(str(seen))
-        seen = seen.__cause__ or seen.__context__
-    if not any(needle in text for text in chain for needle in PEER_LOSS):
+    if not is_peer_loss(e):
         return None
     here = socket.gethostname()
     lost = [r for r, (host, pid) in enumerate(lay.peers) if host == here and r != lay.rank and not _alive(pid)]

@@ -179,7 +179,8 @@ def init(cfg: TrainConfig) -> Layout:
         accel.set_device(local_rank)
     else:   # ranks on one host share its cores
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        threads = os.environ.get("OMP_NUM_THREADS")   # the user's choice (torchrun sets 1), else a share each
+        torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // max(1, local)))
         if cfg.parallel.cpu_keep_freed_memory:
             keep_freed_memory()
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name())

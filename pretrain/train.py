@@ -254,18 +254,20 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
         values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
-                  "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                   "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
                   "data/skipped_shards": self.skipped_shards()}
+        if grad_norm is not None:   # DeepSpeed reports none under ZeRO-0 fp32 (its clipping keeps the norm)
+            values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
             values["perf/mfu"] = tflops / self.peak_tflops
         self.log.scalars(self.step, values)
         mfu = f"{100 * values['perf/mfu']:.1f}%" if self.peak_tflops else "n/a"
+        norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
-                      f"grad norm {values['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
+                      f"grad norm {norm} | {tokens_per_s:,.0f} tok/s | "
                       f"{tflops:.3g} TFLOP/s | MFU {mfu}")
 
     @torch.no_grad()

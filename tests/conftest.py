@@ -3,26 +3,28 @@ import os
 import pytest
 import torch
 
-from tests.runs import CORPUS, ROOT, build_shards, launch, reference_config, tool
+from tests.runs import CORPUS, ROOT, build_shards, built_once, launch, reference_config, tool
 
 # Without a GPU, the Triton kernels of the GPU path (model/gpu_kernels/) run under Triton's interpreter on CPU
 # tensors. Set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every trainer the tests start runs one torch thread (the trainer honours OMP_NUM_THREADS): two test processes
+# and their ranks share the cores, and threads that spin-wait for each other would only slow every run down.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
     """Tiny one-sample-per-shard token shards for the trainer's tests (see tests/runs.py)."""
-    return build_shards(tmp_path_factory)
+    return str(built_once(tmp_path_factory, "train-data", build_shards) / "shards")
 
 
 @pytest.fixture(scope="session")
 def reference_run(shards, tmp_path_factory):
     """The uninterrupted run of tests/runs.py reference_config, trained once: its run directory (read only)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    launch(reference_config(tmp, shards, "run"), 2)
-    return tmp / "run"
+    return built_once(tmp_path_factory, "reference",
+                      lambda tmp: launch(reference_config(tmp, shards, "run"), 2)) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +32,11 @@ def demo(tmp_path_factory):
     """`make demo`, shortened: its tokenizer and shards built by the Makefile's own commands and settings (so the
     same files: the shipped tasks' tokenizer check holds), configs/demo-cpu.yaml on 2 ranks for 20 steps, and the
     release of its checkpoint."""
-    tmp = tmp_path_factory.mktemp("demo")
+    tmp = built_once(tmp_path_factory, "demo", build_demo)
+    return {"shards": str(tmp / "shards"), "run": str(tmp / "run"), "release": str(tmp / "release")}
+
+
+def build_demo(tmp):
     shards, run, release = tmp / "shards", tmp / "run", tmp / "release"
     tool("train_tokenizer.py", "--input", CORPUS, "--vocab-size", 4096, "--out", tmp / "tokenizer.model", "--quiet")
     tool("make_shards.py", "--input", CORPUS, "--tokenizer", tmp / "tokenizer.model", "--out", shards,
@@ -39,4 +45,16 @@ def demo(tmp_path_factory):
            "train.max_steps=20", "train.warmup_steps=5", "checkpoint.every=20", "logging.val_every=0",
            "logging.image_every=0")
     tool("convert.py", "to-release", run, release, "--quiet")
-    return {"shards": str(shards), "run": str(run), "release": str(release)}
+
+
+# The files that launch many multi-process runs, longest first (minutes in one `make test`): pytest-xdist hands a
+# worker one file at a time in collection order, so starting these first keeps both workers busy to the end.
+LONGEST_FIRST = ["test_fault_tolerance.py", "test_3d.py", "test_training.py", "test_kill_resume.py",
+                 "test_convert.py", "test_bench.py", "test_eval_tools.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)   # stable: the order inside a file is kept

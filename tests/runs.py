@@ -2,14 +2,17 @@
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 import yaml
+from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
@@ -28,10 +31,27 @@ def tool(name, *args):
     return r
 
 
-def build_shards(tmp_path_factory):
+def built_once(tmp_path_factory, name, build):
+    """The directory `name`, filled by `build(path)` once per test session, also when pytest-xdist runs the tests
+    in several processes: the first worker that needs it builds it under a file lock, the others wait for it and
+    read it (pytest-xdist's recipe for session fixtures)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    path = tmp_path_factory.getbasetemp().parent / name      # the session's directory, above the workers' own
+    with FileLock(f"{path}.lock"):
+        if not (path / ".built").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            (path / ".built").touch()
+    return path
+
+
+def build_shards(tmp):
     """~60 KB of Austen, a 512-piece tokenizer, seq_len 32, ONE sample per shard: a global batch is then the same
     set of samples whether 1 or 2 data-parallel ranks read it (rank r takes shards r, r+2, …)."""
-    tmp = tmp_path_factory.mktemp("train-data")
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
         text = f.read(120_000)
     (tmp / "corpus.txt").write_text(text, encoding="utf-8")
@@ -120,12 +140,48 @@ def spawn(script, args, nproc, timeout=300):
         assert p.returncode == 0, log.read()[-3000:]
 
 
-def launch(config, nproc, *overrides, check=True, env=None):
-    env = {"NPROC": str(nproc), "MASTER_PORT": str(free_port()), **(env or {})}
-    r = finish(start(config, *overrides, env=env))
+def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
+    """Train `config` on nproc ranks of this host. By default the ranks are started directly, as a cluster
+    scheduler starts them (launch/pretrain.sh with RANK set runs the trainer in place): that leaves out the
+    launcher's pre-launch check and its two Python processes, about 10 s of a core per run. `launcher=True` goes
+    through the DeepSpeed launcher, for tests of what a user sees from it (one-line errors, exit codes)."""
+    if launcher:
+        env = {"NPROC": str(nproc), "MASTER_PORT": str(free_port()), **(env or {})}
+        r = finish(start(config, *overrides, env=env))
+    else:
+        r = run_ranks(config, nproc, *overrides, env=env or {})
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def run_ranks(config, nproc, *overrides, env, timeout=600):
+    """The nproc trainers of one job, started as a scheduler would; when one fails the others are ended, as the
+    launcher does. stdout and stderr are the ranks' in rank order; the return code is the first failure's."""
+    shared = {**os.environ, "PYTHON": PY, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    logs = [[tempfile.TemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
+    procs = [subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT,
+                              env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out, stderr=err,
+                              text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]
+    deadline, code = time.time() + timeout, 0
+    try:
+        while any(p.poll() is None for p in procs) and not code:
+            code = next((p.returncode for p in procs if p.returncode), 0)
+            assert time.time() < deadline, f"the ranks of {config} ran past {timeout} s"
+            time.sleep(0.05)
+        code = code or next((p.returncode for p in procs if p.returncode), 0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    texts = []
+    for pair in logs:
+        for f in pair:
+            f.seek(0)
+        texts.append([f.read() for f in pair])
+    return subprocess.CompletedProcess(config, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
 
 
 def losses(run_dir):

@@ -46,7 +46,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(shard
     assert not (ckpts / "step_00000009.partial").exists() and verify(str(ckpts / "step_00000009")) is None
     # resuming it with another model or layout: one line that says what to do, before DeepSpeed reads anything
     for override, words in (("model.n_layers=3", "model.n_layers=2"), ("parallel.tp=2", "tools/convert.py")):
-        r = launch(cfg, 2, override, "train.max_steps=12", check=False)
+        r = launch(cfg, 2, override, "train.max_steps=12", check=False, launcher=True)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode != 0 and errors and words in errors[0] and "Traceback" not in r.stderr, r.stderr[-2000:]
 
@@ -102,7 +102,7 @@ def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_pat
                        train={"max_steps": 12, "max_consecutive_skips": 3, "precision": precision},
                        checkpoint={"every": 1, "keep": 20})
     # NaN loss at step 4 on rank 1 only, then at steps 6-8 (on one rank or the other): 3 in a row stop the run
-    r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
+    r = launch(cfg, 2, check=False, launcher=True, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors, r.stderr[-3000:]
     assert "3 optimizer steps in a row were skipped (non-finite loss or gradient; steps 6-8)" in errors[0]
@@ -190,13 +190,13 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
 
     os.truncate(truncated, 0)    # and with the default, the first problem ends the run in one line
     cfg = write_config(tmp_path / "fail.yaml", str(bad), tmp_path / "fail", train={"max_steps": 4})
-    r = launch(cfg, 2, check=False)
+    r = launch(cfg, 2, check=False, launcher=True)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and errors and f"shard {truncated} is empty (0 bytes)" in errors[0], r.stderr[-3000:]
     assert "data.bad_shards=skip" in errors[0] and "Traceback" not in r.stderr
     truncated.write_bytes((Path(shards) / truncated.name).read_bytes())   # only corrupt content is left
     first_read = TokenStream(str(bad), 4, 32, dp_rank=0, dp_world=2, seed=seed).worker_shards(0, 0)[0]
     corrupt(bad / first_read)
-    r = launch(cfg, 2, check=False)
+    r = launch(cfg, 2, check=False, launcher=True)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors and f"shard {bad / first_read} is unreadable" in errors[0], r.stderr[-3000:]

@@ -173,7 +173,7 @@ def test_launch_errors_are_one_line_before_any_rank_starts(shards, tmp_path):
              ([], 1, ["written by 2 ranks", "launch 2", "tools/convert.py"])]
     for overrides, nproc, needles in cases:
         t0 = time.time()
-        r = launch(cfg, nproc, *overrides, check=False)
+        r = launch(cfg, nproc, *overrides, check=False, launcher=True)
         errors = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: "), r.stderr[-2000:]
         assert r.stdout == "" and "Traceback" not in r.stderr, r.stdout[-2000:]

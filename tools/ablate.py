@@ -42,7 +42,7 @@ def train(variant: str, args, run_dir: str, warmup: int) -> None:
     overrides = [f"model.mixer={variant}", f"train.run_dir={run_dir}", f"train.max_steps={args.steps}",
                  f"train.warmup_steps={min(warmup, args.steps // 10)}", f"checkpoint.every={args.steps}",
                  "checkpoint.keep=1", "logging.image_every=0", *args.overrides]
-    env = {**os.environ, "NPROC": str(args.nproc)}
+    env = {"PYTHON": sys.executable, **os.environ, "NPROC": str(args.nproc)}   # the trainers run in this Python
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
         r = subprocess.run([os.path.join(ROOT, "launch", "pretrain.sh"), args.config, *overrides], cwd=ROOT, env=env,

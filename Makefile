@@ -14,6 +14,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r requirements.txt
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .   # the project itself: tools/ import it
+	# DeepSpeed JIT-builds its CPU shared-memory op in the first run of each venv (~40 s): build it now, once
+	$(VPY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()"
 	touch $@
 
 test: setup

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 # Every trainer the tests start runs one torch thread (the trainer honours OMP_NUM_THREADS): two test processes
 # and their ranks share the cores, and threads that spin-wait for each other would only slow every run down.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)   # and so do the tests that compute in this process
 
 
 @pytest.fixture(scope="session")

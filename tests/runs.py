@@ -122,22 +122,8 @@ def finish(proc, timeout=600):
 
 def spawn(script, args, nproc, timeout=300):
     """Run `python script args` as nproc ranks of one torch.distributed job on this host (the launcher's env)."""
-    env = {**os.environ, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": ROOT}
-    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]   # files, not pipes: no rank blocks on a full pipe
-    procs = [subprocess.Popen([PY, script, *map(str, args)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True)
-             for r, log in enumerate(logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for p, log in zip(procs, logs):
-        log.seek(0)
-        assert p.returncode == 0, log.read()[-3000:]
+    r = ranks([PY, script, *map(str, args)], nproc, {"PYTHONPATH": ROOT}, timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
 def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
@@ -156,19 +142,25 @@ def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
 
 
 def run_ranks(config, nproc, *overrides, env, timeout=600):
-    """The nproc trainers of one job, started as a scheduler would; when one fails the others are ended, as the
-    launcher does. stdout and stderr are the ranks' in rank order; the return code is the first failure's."""
-    shared = {**os.environ, "PYTHON": PY, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
+    """The nproc trainers of one job through launch/pretrain.sh, started as a scheduler would."""
+    return ranks([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], nproc, {"PYTHON": PY, **env},
+                 timeout)
+
+
+def ranks(cmd, nproc, env, timeout):
+    """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); when one
+    fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files, not
+    pipes: no rank blocks on a full pipe); the return code is the first failure's."""
+    shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     logs = [[tempfile.TemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
-    procs = [subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], cwd=ROOT,
-                              env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out, stderr=err,
-                              text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,
+                              stderr=err, text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]
     deadline, code = time.time() + timeout, 0
     try:
         while any(p.poll() is None for p in procs) and not code:
             code = next((p.returncode for p in procs if p.returncode), 0)
-            assert time.time() < deadline, f"the ranks of {config} ran past {timeout} s"
+            assert time.time() < deadline, f"the ranks of {cmd} ran past {timeout} s"
             time.sleep(0.05)
         code = code or next((p.returncode for p in procs if p.returncode), 0)
     finally:
@@ -181,7 +173,7 @@ def run_ranks(config, nproc, *overrides, env, timeout=600):
         for f in pair:
             f.seek(0)
         texts.append([f.read() for f in pair])
-    return subprocess.CompletedProcess(config, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
+    return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
 
 
 def losses(run_dir):

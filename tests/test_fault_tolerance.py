@@ -102,7 +102,7 @@ def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_pat
                        train={"max_steps": 12, "max_consecutive_skips": 3, "precision": precision},
                        checkpoint={"every": 1, "keep": 20})
     # NaN loss at step 4 on rank 1 only, then at steps 6-8 (on one rank or the other): 3 in a row stop the run
-    r = launch(cfg, 2, check=False, launcher=True, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
+    r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors, r.stderr[-3000:]
     assert "3 optimizer steps in a row were skipped (non-finite loss or gradient; steps 6-8)" in errors[0]

@@ -5,11 +5,10 @@ against the reference path, at TP=1 and as TP=2 shards on two gloo processes."""
 import pytest
 import torch
 
-from model import build_model
 from model.gpu_kernels.biased_attention import biased_flash_attention
 from model.gpu_kernels.factorized_dense import factorized_dense_flash
 from model.kernels import causal_mask
-from tests.test_model import VARIANTS, config, tokens
+from tests.test_model import VARIANTS, assert_fused_matches_reference
 
 # Relative error against the fp32 formula. In bf16 (8-bit mantissas) 3%, or 1.5 × the error of the formula itself
 # run in bf16 where that is larger (a sum over n² products, as w's gradient, cancels and loses more).
@@ -77,19 +76,7 @@ def test_gpu_path_of_every_variant_matches_the_reference(variant, n, monkeypatch
     """The whole model on the GPU path against the materialized reference: logits and every gradient to 1e-5,
     as test_model.py's CPU fused path."""
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
-    fused, ref = build_model(config(variant, "fused")), build_model(config(variant, "reference"))
-    ref.load_state_dict(fused.state_dict())
-    x = tokens(3, n + 1)
-    out = {}
-    for name, m in (("fused", fused), ("reference", ref)):
-        logits = m(x[:, :-1])
-        m(x[:, :-1], x[:, 1:]).backward()
-        out[name] = logits, {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
-    (lf, gf), (lr, gr) = out["fused"], out["reference"]
-    assert (lf - lr).abs().max() <= 1e-5
-    assert gf.keys() == gr.keys() and len(gf) > 0
-    for k in gf:
-        assert (gf[k] - gr[k]).abs().max() <= 1e-5, k
+    assert_fused_matches_reference(variant, n)
 
 
 @pytest.mark.slow

@@ -40,6 +40,12 @@ def test_causal(variant, impl):
 @pytest.mark.parametrize("n", [11, L])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_matches_reference(variant, n):
+    assert_fused_matches_reference(variant, n)
+
+
+def assert_fused_matches_reference(variant, n):
+    """The fused path (this machine's, or the GPU one under SYNTHFORMER_KERNELS=gpu) against the materialized
+    reference: logits and every gradient to 1e-5."""
     fused, ref = build_model(config(variant, "fused")), build_model(config(variant, "reference"))
     ref.load_state_dict(fused.state_dict())                     # same names: a state dict moves between them
     x = tokens(3, n + 1)

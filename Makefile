@@ -57,6 +57,7 @@ bench: setup $(DEMO)/shards/manifest.json
 # (a node without package access: ../shared/gpu/README.md). Everything it writes goes under runs/gpu-check.
 GPY   ?= $(if $(wildcard $(VPY)),$(VPY),$(PY))
 CHECK := runs/gpu-check
+gpu-check: export PYTHONPATH := $(CURDIR)
 gpu-check:
 	@$(GPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
 	rm -rf $(CHECK)

@@ -3,12 +3,14 @@
 A skipped step consumes its batches (the data position moves on, as in metaseq and levanter) but changes no
 parameter and no optimizer state. Every skip goes through one path, the one a real overflow takes: the step's
 gradients are non-finite, and then
-    ZeRO 1-3 and fp16/bf16: DeepSpeed's optimizer finds the global gradient norm non-finite, drops the step and
-                            counts it in `engine.skipped_steps` (the LR schedule does not advance);
-    ZeRO-0 fp32:            DeepSpeed has no such check there, so the trainer hands it `GuardedAdamW`, a fused AdamW
-                            whose step does nothing when any rank holds a non-finite gradient (one all-reduce of a
-                            flag, never read on the host); it counts in `.skipped`, a tensor on the device (the LR
-                            schedule advances: DeepSpeed steps it after the optimizer).
+    fp16, fp32 ZeRO 1-3, ZeRO-3, bf16 ZeRO-0: DeepSpeed's optimizer finds the gradients or their global norm
+                            non-finite, drops the step and counts it in `engine.skipped_steps` (the LR schedule
+                            does not advance);
+    ZeRO-0 fp32, bf16 ZeRO-1/2 (pretrain/engine.py guards_steps_itself): DeepSpeed has no check (ZeRO-0 fp32) or a
+                            costly one that is turned off (bf16), so the trainer hands it `GuardedAdamW`, a fused
+                            AdamW whose step does nothing when any rank holds a non-finite gradient (one all-reduce
+                            of a flag, never read on the host); it counts in `.skipped`, a tensor on the device (the
+                            LR schedule advances: DeepSpeed steps it after the optimizer).
 A loss spike is turned into that case on purpose: its loss is multiplied by NaN before backward.
 
 The loss-spike rule (off by default): a step's loss above mean + z·std of the last `window` kept steps' losses is

@@ -30,7 +30,7 @@ from pretrain.data import TokenStream
 from pretrain.shards import DataError, opening
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
-from pretrain.health import LossGuard, TrainingStopped
+from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
 
@@ -211,8 +211,12 @@ class Trainer:
         return self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
 
     def guarded_skips(self) -> torch.Tensor:
-        """Steps GuardedAdamW (ZeRO-0 fp32) dropped, counted on the device; zero under DeepSpeed's optimizers."""
-        return getattr(self.engine.optimizer, "skipped", torch.zeros((), device=self.layout.device))
+        """Steps GuardedAdamW dropped (pretrain/engine.py guards_steps_itself), counted on the device; zero where
+        DeepSpeed drops them. Under ZeRO, DeepSpeed's optimizer wraps ours (as .optimizer)."""
+        for opt in (self.engine.optimizer, getattr(self.engine.optimizer, "optimizer", None)):
+            if isinstance(opt, GuardedAdamW):
+                return opt.skipped
+        return torch.zeros((), device=self.layout.device)
 
     def step_outcome(self, loss: torch.Tensor, guarded: torch.Tensor) -> tuple[float, bool, str | None]:
         """(the loss's mean over DP ranks, whether GuardedAdamW dropped the step, why every rank must stop now or
@@ -252,6 +256,8 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         lr = self.engine.get_lr()[0]
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None and grad_norm < 0:   # DeepSpeed writes -1 for a non-finite norm (a skipped step)
+            grad_norm = float("inf")
         tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
         values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
                   "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
@@ -264,7 +270,7 @@ class Trainer:
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
             values["perf/mfu"] = tflops / self.peak_tflops
         self.log.scalars(self.step, values)
-        mfu = f"{100 * values['perf/mfu']:.1f}%" if self.peak_tflops else "n/a"
+        mfu = f"{100 * values['perf/mfu']:.3g}%" if self.peak_tflops else "n/a"   # a tiny model: 0.0008%, not 0.0%
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {norm} | {tokens_per_s:,.0f} tok/s | "

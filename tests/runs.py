@@ -26,7 +26,8 @@ def free_port() -> int:
 
 
 def tool(name, *args):
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True)
+    r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})   # the project, also where it is not pip-installed
     assert r.returncode == 0, r.stderr
     return r
 

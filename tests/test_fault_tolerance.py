@@ -94,7 +94,7 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ZeRO-0 fp32: GuardedAdamW drops the step; ZeRO-2 fp32 and ZeRO-1 bf16 (the cluster configs): DeepSpeed's optimizers
+# ZeRO-0 fp32 and ZeRO-1 bf16 (the cluster configs): GuardedAdamW drops the step; ZeRO-2 fp32: DeepSpeed's optimizer
 @pytest.mark.parametrize("zero,precision", [(0, "fp32"), (2, "fp32"), (1, "bf16")])
 def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_path, zero, precision):
     run = tmp_path / "nan"

@@ -1,7 +1,8 @@
 """The GPU path of every variant (model/kernels.py `on_gpu_path`), run on this CPU: its Triton kernels under
 TRITON_INTERPRET=1 (tests/conftest.py), the rest plain torch. Each kernel against the formula written out and
 materialized (values and every gradient, ragged n, a batch-shared operand, fp32 and bf16); then whole models
-against the reference path, at TP=1 and as TP=2 shards on two gloo processes."""
+against the reference path, at TP=1 and as TP=2 shards on two gloo processes. With a GPU (`make gpu-check`) the
+kernel tests run the compiled kernels on it instead; the whole-model tests are then tests/test_gpu.py's."""
 import pytest
 import torch
 
@@ -13,16 +14,19 @@ from tests.test_model import VARIANTS, assert_fused_matches_reference
 # Relative error against the fp32 formula. In bf16 (8-bit mantissas) 3%, or 1.5 × the error of the formula itself
 # run in bf16 where that is larger (a sum over n² products, as w's gradient, cancels and loses more).
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: the kernels under TRITON_INTERPRET=1 (conftest.py)
+cpu_only = pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the whole models run on it: tests/test_gpu.py")
 
 
 def compare(kernel, formula, inputs: list[torch.Tensor], dtype, out_grad_seed=0):
     """Run both on the same inputs (kernel in dtype, formula in fp32) and an output gradient; the largest error of
     the output and of each input's gradient, relative to that tensor's largest magnitude."""
-    ours = [x.detach().to(dtype, copy=True).requires_grad_() for x in inputs]
-    ref = [x.detach().clone().requires_grad_() for x in inputs]
+    ours = [x.detach().to(DEVICE, dtype, copy=True).requires_grad_() for x in inputs]
+    ref = [x.detach().to(DEVICE, copy=True).requires_grad_() for x in inputs]
     out, expected = kernel(*ours), formula(*ref)
     d_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(out_grad_seed))
-    out.backward(d_out.to(dtype))
+    out.backward(d_out.to(DEVICE, dtype))
+    d_out = d_out.to(DEVICE)
     expected.backward(d_out)
     pairs = [(out, expected)] + [(a.grad, b.grad) for a, b in zip(ours, ref)]
     return [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in pairs]
@@ -70,6 +74,40 @@ def test_factorized_dense_kernel_matches_the_formula(B, H, n, a, b, d_h, dtype):
     assert_close_to_the_formula(factorized_dense_flash, formula, [A, Bf, v], dtype)
 
 
+@pytest.mark.parametrize("kernel", ["biased", "factorized_dense"])
+def test_kernels_run_at_the_autocast_dtype(kernel):
+    """Under torch.autocast the kernels take its dtype, as SDPA does: fp32 inputs (as a query scaled by an fp32
+    mixture weight arrives, beside bf16 keys) must not send them down their exact fp32 dots (140 ms a layer on an
+    H100). Output in bf16, values and gradients at the bf16 tolerance of the formula, each gradient in its input's
+    own dtype."""
+    g = torch.Generator().manual_seed(0)
+    B, H, n = 2, 2, 19
+    if kernel == "biased":
+        q, k, v = (torch.randn(B, H, n, 16, generator=g) for _ in range(3))
+        R, w = torch.randn(H, n, n, generator=g), torch.rand(H, generator=g) + 0.5
+        inputs = [q, k.bfloat16(), v, R, w]
+        run = lambda q, k, v, R, w: biased_flash_attention(q, k, R, w, v)   # noqa: E731
+        exact = lambda q, k, v, R, w: torch.softmax(q @ k.transpose(-1, -2) + w[:, None, None] * R   # noqa: E731
+                                                    + causal_mask(n, q.device), -1) @ v
+    else:
+        inputs = [torch.randn(B, H, n, w, generator=g) for w in (4, 5, 16)]
+        run = factorized_dense_flash
+        exact = lambda A, Bf, v: torch.softmax(   # noqa: E731
+            torch.stack([A[..., j % 4] * Bf[..., j // 4] for j in range(n)], -1) + causal_mask(n, A.device), -1) @ v
+    ours = [x.detach().to(DEVICE).requires_grad_() for x in inputs]
+    ref = [x.detach().to(DEVICE).float().requires_grad_() for x in inputs]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = run(*ours)
+    expected = exact(*ref)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    expected.sum().backward()
+    assert (out.float() - expected).abs().max() <= 3e-2 * expected.abs().max()
+    for a, b in zip(ours, ref):
+        assert a.grad.dtype == a.dtype and (a.grad.float() - b.grad).abs().max() <= 5e-2 * b.grad.abs().max()
+
+
+@cpu_only
 @pytest.mark.parametrize("n", [11, 16])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_path_of_every_variant_matches_the_reference(variant, n, monkeypatch):
@@ -79,6 +117,7 @@ def test_gpu_path_of_every_variant_matches_the_reference(variant, n, monkeypatch
     assert_fused_matches_reference(variant, n)
 
 
+@cpu_only
 @pytest.mark.slow
 def test_gpu_path_tp2_shards_equal_tp1(monkeypatch):
     """The variants with a Triton kernel, and one of each other GPU form, as TP=2 shards: each rank's heads (and

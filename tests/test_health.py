@@ -75,11 +75,12 @@ def test_spike_rule_needs_no_pipeline(tmp_path):
 
 
 def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
-    """torch's fused AdamW on CPU and on CUDA alike (no DeepSpeed op to JIT-build), GuardedAdamW for ZeRO-0 fp32.
+    """torch's fused AdamW on CPU and on CUDA alike (no DeepSpeed op to JIT-build), GuardedAdamW for ZeRO-0 fp32 and
+    bf16 ZeRO-1/2 (DeepSpeed's own per-tensor check is off there).
     Its steps equal torch's per-op AdamW with train.lr/betas/eps/weight_decay, to rounding."""
     from pretrain.config import load_config
     from pretrain.distributed import Layout
-    from pretrain.engine import build_optimizer
+    from pretrain.engine import build_optimizer, deepspeed_config
     from pretrain.health import GuardedAdamW
 
     base = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
@@ -100,8 +101,12 @@ def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
     for zero in (1, 2, 3):
         opt = build_optimizer(cfg(f"parallel.zero_stage={zero}"), groups(0), cpu)
         assert type(opt) is torch.optim.AdamW and opt.defaults["fused"], zero
-        on_cuda = build_optimizer(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), groups(0), layout("cuda"))
-        assert type(on_cuda) is torch.optim.AdamW and on_cuda.defaults["fused"], zero
+        bf16 = build_optimizer(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), groups(0), cpu)
+        assert type(bf16) is (torch.optim.AdamW if zero == 3 else GuardedAdamW) and bf16.defaults["fused"], zero
+        assert deepspeed_config(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), 1)["bf16"] == \
+            {"enabled": True, "check_grad_overflow": zero == 3}
+    on_cuda = build_optimizer(cfg("parallel.zero_stage=3", "train.precision=bf16"), groups(0), layout("cuda"))
+    assert type(on_cuda) is torch.optim.AdamW and on_cuda.defaults["fused"]
     guarded = build_optimizer(cfg("parallel.zero_stage=0"), groups(0), cpu)
     assert type(guarded) is GuardedAdamW and guarded.defaults["fused"]
 

@@ -200,20 +200,21 @@ class PlainLoop:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def run_train(spec: dict) -> dict:
-    """Train steps of a config (our engine, the GPT-2 peer, or the plain loop) on random tokens, in this process (one
-    rank of spec's world: the parent sets RANK/WORLD_SIZE/... in the environment); compiled where spec says so."""
+def training_step(spec: dict):
+    """A training step of spec's config (our engine, the GPT-2 peer, or the plain loop) on random tokens, in this
+    process (one rank of spec's world: the parent sets RANK/WORLD_SIZE/... in the environment), compiled where spec
+    says so. Returns (step, sync, engine, cfg, layout, memory): `step()` is one optimizer step of grad_accum
+    micro-batches, as Trainer.train_step does them; `sync()` waits for the device and the other ranks."""
     import torch
     import torch.distributed as dist
 
     from pretrain import distributed
     from pretrain.config import load_config
-    from model.accounting import train_flops_per_token
     from pretrain.engine import build_engine
 
     cfg = load_config(spec["config"], spec["overrides"])
     lay = distributed.init(cfg)
-    if spec["threads"]:   # else the trainer's choice: CPU count ÷ ranks on the host
+    if spec.get("threads"):   # else the trainer's choice: CPU count ÷ ranks on the host
         torch.set_num_threads(spec["threads"])
     mem = Memory(lay.device)
     torch.manual_seed(cfg.train.seed)
@@ -227,7 +228,7 @@ def run_train(spec: dict) -> dict:
     tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def step():   # one optimizer step: grad_accum micro-batches, as Trainer.train_step does them
+    def step():
         for _ in range(lay.grad_accum):
             loss = engine(inputs, targets)
             mem.phase("forward")
@@ -242,6 +243,15 @@ def run_train(spec: dict) -> dict:
         if lay.world > 1:
             dist.barrier()
 
+    return step, sync, engine, cfg, lay, mem
+
+
+def run_train(spec: dict) -> dict:
+    """The rates (and memory) of `training_step` over spec's warm-up, repetitions and steps."""
+    from model.accounting import train_flops_per_token
+    from pretrain import distributed
+
+    step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
                   serve=spec.get("serve", False))
     out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash import (block, causal, dot, exact, online_softmax, outputs, program, row_deltas, rows,
-                    softmax_start, store_output, tile, width)
+from .flash import (at_autocast_dtype, block, causal, dot, exact, online_softmax, outputs, program, row_deltas,
+                    rows, softmax_start, store_output, tile, width)
 
 
 @triton.jit
@@ -147,4 +147,5 @@ class BiasedFlashAttention(torch.autograd.Function):
 def biased_flash_attention(q, k, R, w, v) -> torch.Tensor:
     """softmax(q kᵀ + w ⊙ R + M) v; q, k: (B or 1, Hl, n, f), R (Hl, n, n), w (Hl,), v (B, Hl, n, d_h)."""
     B = v.shape[0]
+    q, k, v = at_autocast_dtype(q, k, v)   # R and w stay fp32: added and reduced in fp32 in the kernels
     return BiasedFlashAttention.apply(q.expand(B, -1, -1, -1), k.expand(B, -1, -1, -1), v, R, w)

@@ -98,7 +98,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     single_process_env()
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tools.bench_lib import training_step

@@ -148,11 +148,12 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     the plain loop and under the engine, with the GPU-kernels issue's goals, and memory at the longest n ÷ the
     shortest."""
     from tools.bench import parse_args
-    from tools.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_variants
+    from tools.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
 
     a = parse_args(["--quick"])
     p = Plan(a)
     plan_gpu_variants(a, p)
+    plan_gpu_memory(a, p)
     by_id = {e["id"]: e for e in p.entries}
     assert set(GPU_GOALS) | {"dot"} == set(a.variant_paths)
     for kind in ("loop", "train"):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Whole-model benchmarks, each figure measured in this one run on this machine and reported as a ratio.
 
-    python tools/bench.py [--quick] [--only throughput,peer,memory,data,parallel,gpu] [--reps 3] [--out bench]
+    python tools/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,gpu,gpu-variants,gpu-memory]
+                          [--reps 3] [--out bench]
     make bench [BENCH_ARGS=--quick]
 
 Parts (a full training step = forward, backward and the optimizer step of a DeepSpeed engine, ZeRO-1, 1 process,
@@ -29,9 +30,12 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
               (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
-              on dense+dot ≥ 40%. Every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4,
-              bf16) in the plain loop and under the engine, goals GPU_GOALS; memory at n 4096 ÷ 1024 (d 1024, 4
-              layers), goals ≤ 3 (≤ 5 for random, random+dot).
+              on dense+dot ≥ 40%.
+  gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16) in
+              the plain loop and under the engine, goals GPU_GOALS (tools/bench_plan.py).
+  gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
+              random, random+dot).
+              The three GPU parts are apart so that each fits a short session on a lent GPU (~5 min each).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their

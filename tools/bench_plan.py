@@ -9,7 +9,7 @@ import os
 from tools.bench_lib import GOAL_MEM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu")
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu", "gpu-variants", "gpu-memory")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the issue's sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -163,7 +163,17 @@ def plan(a) -> Plan:
         plan_engine(a, p)
     if "gpu" in a.only:
         plan_gpu(a, p)
+    for part, plan_part in (("gpu-variants", plan_gpu_variants), ("gpu-memory", plan_gpu_memory)):
+        if part in a.only:
+            plan_part(a, p) if cuda() else p.entry(part, part, "every variant", None, "rate", "tokens/s",
+                                                   skipped="no CUDA device (torch.cuda.is_available() is False)")
     return p
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def big_model(a, mixer: str) -> list[str]:
@@ -215,7 +225,6 @@ def plan_gpu(a, p: Plan) -> None:
         goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
         p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, big_model(a, m)), "tflops", "TFLOP/s",
                 to_peak, goal_min=goal)
-    plan_gpu_variants(a, p)
     for compiled in modes():   # the same dot model in the plain loop, and compiled under both
         mode = "compiled" if compiled else "eager"
         p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop, {mode}",
@@ -226,13 +235,17 @@ def plan_gpu(a, p: Plan) -> None:
 
 
 def plan_gpu_variants(a, p: Plan) -> None:
-    """Every variant ÷ dot on the GPU, in the plain loop and under the engine; memory at n 4096 ÷ 1024."""
+    """Every variant ÷ dot on the GPU, in the plain loop and under the engine (the gpu-variants part)."""
     t = GPU_THROUGHPUT_QUICK if a.quick else GPU_THROUGHPUT
     for kind, label in (("loop", "plain loop"), ("train", "engine")):
         for v, config in a.variant_paths.items():
             over = sized(t["d"], t["layers"], t["heads"], t["n"], t["batch"], t["vocab"], t["precision"])
             p.entry(f"gpu:{kind}:{v}", f"gpu throughput ({label})", v, p.point(kind, config, over), "rate",
                     "tokens/s", None if v == "dot" else f"gpu:{kind}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
+
+
+def plan_gpu_memory(a, p: Plan) -> None:
+    """Every variant's training memory on the GPU at n 4096 ÷ 1024 (the gpu-memory part)."""
     m, lengths = GPU_MEMORY, ((128, 512) if a.quick else (1024, 4096))
     for v, config in a.variant_paths.items():
         for n in lengths:

@@ -57,9 +57,9 @@ class SynthformerConfig(PreTrainedConfig):
     seed: int = _DEFAULTS["seed"]
 
     # Hugging Face side. Tying the embedding to the head happens inside SynthesizerLM (no head tensor when tied),
-    # so transformers must never tie anything itself; and generation recomputes the prefix (no cache is wired yet).
+    # so transformers must never tie anything itself; generation decodes incrementally (modeling_synthformer.py).
     tie_word_embeddings: bool = False
-    use_cache: bool = False
+    use_cache: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None

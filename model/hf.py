@@ -3,9 +3,10 @@
     <hf dir>/config.json               SynthformerConfig: the release's `model` fields, model_type "synthformer",
                                        architectures, auto_map (remote code), dtype, and `synthformer_training`
     <hf dir>/model.safetensors         the release's tensors, byte for byte, each renamed `model.<canonical name>`
-    <hf dir>/generation_config.json    no cache; bos/eos/pad ids from the tokenizer when there is one
+    <hf dir>/generation_config.json    use_cache (incremental decoding); bos/eos/pad ids from the tokenizer when there is one
     <hf dir>/*.py                      configuration_synthformer.py, modeling_synthformer.py and the model files they
-                                       import (config, lm, mixers, synthesizers, kernels, parallel)
+                                       import (config, decoding, fields, lm, mixers, synthesizers, kernels,
+                                       parallel)
     <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
     <hf dir>/train_config.yaml         (when the release has one)
 
@@ -29,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_TYPE = "synthformer"
 # The remote code of an export: modeling_synthformer.py and every model file it reaches (transformers' loader copies
 # them from the export into its module cache, so the list must be complete; tests/test_hf.py loads it in isolation).
-CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "fields.py", "lm.py", "mixers.py",
-              "synthesizers.py", "kernels.py", "parallel.py")
+CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "decoding.py", "fields.py",
+              "lm.py", "mixers.py", "synthesizers.py", "kernels.py", "parallel.py")
 TOKENIZER_FILE = "tokenization_synthformer.py"
 AUTO_MAP = {"AutoConfig": "configuration_synthformer.SynthformerConfig",
             "AutoModelForCausalLM": "modeling_synthformer.SynthformerForCausalLM"}
@@ -58,7 +59,7 @@ def _special_ids(tokenizer: str) -> dict:
 def hf_config(cfg: ModelConfig, dtype: str, training: dict | None = None, special_ids: dict | None = None) -> dict:
     """The config.json of an export (the fields SynthformerConfig reads, plus what transformers looks for)."""
     return {"model_type": MODEL_TYPE, "architectures": ["SynthformerForCausalLM"], "auto_map": dict(AUTO_MAP),
-            **cfg.to_dict(), "dtype": dtype, "tie_word_embeddings": False, "use_cache": False,
+            **cfg.to_dict(), "dtype": dtype, "tie_word_embeddings": False, "use_cache": True,
             **(special_ids or {}), "synthformer_training": training or {},
             "transformers_version": _transformers_version()}
 
@@ -84,7 +85,7 @@ def release_to_hf(release_dir: str, out_dir: str) -> None:
     save_file({PREFIX + name: t.contiguous() for name, t in tensors.items()}, os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})
     _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, meta["dtype"], meta.get("training"), special))
-    generation = {"use_cache": False, **special, "transformers_version": _transformers_version()}
+    generation = {"use_cache": True, **special, "transformers_version": _transformers_version()}
     _write_json(os.path.join(tmp, "generation_config.json"), generation)
     for name in CODE_FILES:
         shutil.copy(os.path.join(HERE, name), os.path.join(tmp, name))

@@ -259,10 +259,12 @@ def test_cli_help_and_one_line_errors(tmp_path):
         "generate --help": ["generate.py", "--help"],
         "plot --help": ["plot_attention.py", "--help"],
         "profile --help": ["profile_step.py", "--help"],
+        "bench_generate --help": ["bench_generate.py", "--help"],
         "evaluate bogus": ["evaluate.py", bogus, "--shards", bogus],
         "generate bogus": ["generate.py", bogus],
         "plot bogus": ["plot_attention.py", bogus, "--out", tmp_path / "x.png"],
         "profile bogus": ["profile_step.py", bogus / "c.yaml"],
+        "bench_generate bogus": ["bench_generate.py", "--shapes", bogus],
         "profile bad key": ["profile_step.py", "configs/demo-cpu.yaml", f"train.no_such_key={bogus}"],
     }
     procs = {k: subprocess.Popen([PY, os.path.join(ROOT, "tools", v[0]), *map(str, v[1:])], cwd=ROOT, text=True,

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from model import ConfigError, ModelConfig, build_model
+from model.generate import sample
 from model.hf import hf_to_release, release_to_hf
 from model.release import read_release, save_release
 
@@ -29,6 +30,7 @@ CASES = {
                                   tie_embeddings=False, position="learned", **SMALL),
 }
 PROMPT, NEW = 12, 5   # prompt + new tokens ≤ max_seq_len
+LONG = 20             # 12 + 20 > max_seq_len 24: the window slides past L
 TEXT = "Emma Woodhouse, handsome, clever — Tschüß 日本 42\n  and rich."
 
 # Runs in the fresh interpreter: loads every export, writes what the tests compare into results.pt.
@@ -57,13 +59,25 @@ for name, x in inputs.items():
                        config.max_position_embeddings, config.vocab_size],
              "generated": model.generate(x, max_new_tokens=%(new)d, do_sample=False),
              "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad)}
+        fed, forward = [], model.forward   # the positions each step hands the model
+        model.forward = lambda input_ids, **kw: (fed.append(input_ids.shape[1]), forward(input_ids, **kw))[1]
+        for cache in (True, False):   # past max_seq_len too; beam search reorders the cache
+            fed.clear()
+            r[f"long_{cache}"] = model.generate(x, max_new_tokens=%(long)d, do_sample=False, use_cache=cache)
+            r[f"fed_{cache}"] = list(fed)
+            r[f"beams_{cache}"] = model.generate(x, max_new_tokens=%(new)d, do_sample=False, num_beams=3,
+                                                 use_cache=cache)
+        first = model(x[:, :5], use_cache=True)   # the cache by hand: a prefill, then the rest
+        rest = model(x[:, 5:], past_key_values=first.past_key_values)
+        r["cached_logits"] = torch.cat([first.logits, rest.logits], 1)
+        r["cache_length"] = rest.past_key_values.get_seq_length()
     if name == "untied_learned":
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=True)
         ids = tok(%(text)r).input_ids
         r["tokenizer"] = {"ids": ids, "decoded": tok.decode(ids), "eos": tok.eos_token_id}
     results[name] = r
 torch.save(results, "results.pt")
-""" % {"new": NEW, "text": TEXT}
+""" % {"new": NEW, "long": LONG, "text": TEXT}
 
 
 def train_tokenizer(path):
@@ -102,7 +116,8 @@ def loaded(tmp_path_factory):
         x = torch.randint(0, cfg.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(i))
         with torch.no_grad():
             refs[name] = {"cfg": cfg, "logits": model(x), "loss": model(x[:, :-1], x[:, 1:]),
-                          "greedy": greedy(model, x, NEW), "release": release}
+                          "greedy": greedy(model, x, NEW), "release": release,
+                          "long": sample(model, x, LONG, temperature=0)}
         inputs[name] = x
     torch.save(inputs, tmp / "inputs.pt")
     (tmp / "load.py").write_text(LOADER)
@@ -133,6 +148,22 @@ def test_hf_generate_is_greedy_decoding_of_the_original(loaded, name):
     assert torch.equal(generated[:, PROMPT:], refs[name]["greedy"])
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_hf_generate_decodes_incrementally_as_the_full_recompute(loaded, name):
+    """generate() with the cache gives the tokens it gives without (every position recomputed each step), past
+    max_seq_len too, where both equal model/generate.py's window of the last L tokens; beam search alike; a cache
+    driven by hand gives the full forward's logits."""
+    refs, results, _ = loaded
+    r = results[name]
+    assert torch.equal(r["long_True"], r["long_False"]) and r["long_True"].shape == (2, PROMPT + LONG)
+    assert torch.equal(r["long_True"], refs[name]["long"])
+    L = SMALL["max_seq_len"]   # with the cache: the prompt, then 1 position a step until L, then the window
+    assert r["fed_True"] == [PROMPT] + [1] * (L - PROMPT) + [L] * (PROMPT + LONG - 1 - L)
+    assert r["fed_False"] == [min(n, L) for n in range(PROMPT, PROMPT + LONG)]
+    assert torch.equal(r["beams_True"], r["beams_False"])
+    assert (r["cached_logits"] - refs[name]["logits"]).abs().max() <= 1e-5 and r["cache_length"] == PROMPT
+
+
 def test_hf_keeps_random_fixed_frozen(loaded):
     _, results, _ = loaded
     assert results["every_mixer_rope"]["frozen"] == ["model.blocks.3.mixer.synth.random_fixed.R"]
@@ -146,7 +177,7 @@ def test_hf_tokenizer_encodes_like_sentencepiece(loaded):
     assert tok["ids"] == sp.encode(TEXT)        # no BOS, exactly the ids training saw
     assert tok["decoded"] == TEXT and tok["eos"] == sp.eos_id()
     generation = json.loads((tmp / "untied_learned" / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == sp.eos_id() and generation["use_cache"] is False
+    assert generation["eos_token_id"] == sp.eos_id() and generation["use_cache"] is True
 
 
 def test_hf_directory_layout(loaded):

@@ -66,5 +66,5 @@ gpu-check:
 	    train.stop_after_steps=200
 	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo
 	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
-	$(GPY) -m pytest -q tests/test_gpu.py
+	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
 	$(GPY) tools/bench.py --only engine,gpu --out $(CHECK)/bench

@@ -182,10 +182,19 @@ def layer_norm(d: int, eps: float) -> nn.LayerNorm:
 
 @functools.cache
 def _megatron_linear(kind: str):
-    """megatron's parallel linears return (output, bias); ours return the output with the bias added."""
+    """megatron's parallel linears return (output, bias); ours return the output with the bias added. And their
+    matmul gets the layer's own TP group: megatron-core 0.16.1's RowParallelLinear.forward passes tp_group=None,
+    whose deprecation warning (rank 0, every call) is a torch.compile graph break in every row-parallel linear
+    (the column one passes self.tp_group already; the group changes no number here)."""
     tensor_parallel = _mcore().tensor_parallel
     base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear}[kind]
-    return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0]})
+
+    def forward_impl(self, input, weight, *args, tp_group=None, **kwargs):
+        group = self.tp_group if tp_group is None else tp_group
+        return base._forward_impl(self, input, weight, *args, tp_group=group, **kwargs)
+
+    return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0],
+                                         "_forward_impl": forward_impl})
 
 
 # ---- communication in the model's forward ----------------------------------------------------------

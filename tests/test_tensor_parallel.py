@@ -82,3 +82,23 @@ def tp2_equals_tp1(variants: list[str]) -> list[dict]:
                 assert err <= 1e-5, f"{v}: grad of {name} differs by {err} on rank {r}"
             assert abs(got["loss"] - loss.item()) <= 1e-5 * abs(loss.item()), v
     return results
+
+
+def compile_worker(rank, world):
+    """torch._dynamo's graph breaks of a forward and backward loss, the model built as the trainer builds it."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = build_model(config("dot"))
+    tokens = batch()
+    explained = torch._dynamo.explain(model)(tokens[:, :-1], tokens[:, 1:])
+    parallel_state.destroy_model_parallel()
+    return explained.graph_break_count, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+def test_megatron_linears_compile_into_one_graph():
+    """megatron-core 0.16.1's RowParallelLinear warns on rank 0 at every call (it passes tp_group=None), and the
+    warning is a graph break under torch.compile, one per row-parallel linear (likely why DeepSpeed's
+    engine.compile() gained nothing on an H100). Our adapter hands it the layer's group: rank 0 traces one graph."""
+    breaks, reasons = run_distributed(compile_worker, 1)[0]
+    assert breaks == 0, reasons

@@ -132,11 +132,15 @@ def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
     scheduler starts them (launch/pretrain.sh with RANK set runs the trainer in place): that leaves out the
     launcher's pre-launch check and its two Python processes, about 10 s of a core per run. `launcher=True` goes
     through the DeepSpeed launcher, for tests of what a user sees from it (one-line errors, exit codes)."""
-    if launcher:
-        env = {"NPROC": str(nproc), "MASTER_PORT": str(free_port()), **(env or {})}
-        r = finish(start(config, *overrides, env=env))
-    else:
-        r = run_ranks(config, nproc, *overrides, env=env or {})
+    pinned = "MASTER_PORT" in (env or {})
+    for _ in range(3):   # again with another port when the one picked was taken before the rendezvous listened
+        if launcher:
+            r = finish(start(config, *overrides, env={"NPROC": str(nproc), "MASTER_PORT": str(free_port()),
+                                                      **(env or {})}))
+        else:
+            r = run_ranks(config, nproc, *overrides, env=env or {})
+        if r.returncode == 0 or pinned or "EADDRINUSE" not in r.stdout + r.stderr:
+            break
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r

@@ -165,3 +165,29 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     for v, goal in GPU_GOAL_MEM.items():
         assert by_id[f"gpu:memory:{v}:n=512"] == {**by_id[f"gpu:memory:{v}:n=512"], "goal_max": goal,
                                                   "ratio_to": f"gpu:memory:{v}:n=128", "field": "total_mb"}
+
+
+def test_a_point_whose_port_was_taken_is_started_again():
+    """The rendezvous port is picked free, but another socket on the host may take it before the rank listens
+    (EADDRINUSE): that point is started again, with a new port; any other failure is reported as it is."""
+    from tools.bench import PointFailed, retried_on_port_race
+
+    tries = []
+    taken = "DistNetworkError: The server socket has failed to listen ... EADDRINUSE, message: address already in use"
+
+    def start(outcomes):
+        tries.append(1)
+        outcome = outcomes[len(tries) - 1]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert retried_on_port_race(lambda: start([{"error": taken}, {"rate": [1.0]}])) == {"rate": [1.0]}
+    assert len(tries) == 2
+    tries.clear()
+    assert retried_on_port_race(lambda: start([PointFailed(taken), {"rate": [2.0]}])) == {"rate": [2.0]}
+    tries.clear()
+    assert retried_on_port_race(lambda: start([{"error": "boom"}, {"rate": [3.0]}])) == {"error": "boom"}
+    assert len(tries) == 1
+    tries.clear()
+    assert retried_on_port_race(lambda: start([{"error": taken}] * 3)) == {"error": taken} and len(tries) == 3

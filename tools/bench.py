@@ -73,8 +73,31 @@ def one(spec: dict) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "_one", json.dumps(spec)]
 
 
+PORT_TAKEN = "EADDRINUSE"   # the rendezvous port was taken between its pick and its listen (by another job's socket)
+
+
+def retried_on_port_race(start, attempts: int = 3):
+    """start() (which picks a fresh free port each time) again when the process group could not listen on its port:
+    a free port is only free when picked, and the host's other processes may bind it before the rank does."""
+    for attempt in range(1, attempts + 1):
+        try:
+            result = start()
+        except PointFailed as e:
+            if PORT_TAKEN in str(e) and attempt < attempts:
+                continue
+            raise
+        if PORT_TAKEN in str(result.get("error") if isinstance(result, dict) else "") and attempt < attempts:
+            continue
+        return result
+
+
 def run_point(spec: dict, timeout: float) -> dict:
-    """Start spec's world of `_one` processes (one rank each, the launcher's environment) and read rank 0's result."""
+    """Start spec's world of `_one` processes (one rank each, the launcher's environment) and read rank 0's result;
+    again with another port if the first was taken."""
+    return retried_on_port_race(lambda: run_point_once(spec, timeout))
+
+
+def run_point_once(spec: dict, timeout: float) -> dict:
     envs = rank_env(spec)
     logs = [tempfile.TemporaryFile("w+") for _ in envs]   # files, not pipes: no rank blocks on a full pipe
     procs = [subprocess.Popen(one(spec), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -107,7 +130,7 @@ def run_paired(reference: dict, others: list[tuple[str, dict]], timeout: float, 
     {key: result, "reference": result}; a paired point's result has `paired_rate`, the reference's rates next to
     its repetitions. `done(key)` after each point (progress)."""
     def serve(spec):
-        return ServedPoint(one({**spec, "serve": True}), rank_env(spec)[0], ROOT, timeout)
+        return retried_on_port_race(lambda: ServedPoint(one({**spec, "serve": True}), rank_env(spec)[0], ROOT, timeout))
 
     try:
         ref = serve(reference)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections import Counter
@@ -29,21 +28,6 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 TELLTALE_OPS = ("aten::isfinite", "aten::abs", "aten::copy_", "aten::add_", "aten::mul_", "aten::_local_scalar_dense")
 
 
-def single_process_env() -> None:
-    """The environment of a one-rank world, as the launcher would set it (a free local port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port)).items():
-        os.environ.setdefault(k, v)
-
-
-def device_time_us(event) -> float:
-    """An event's own device time (CUDA kernels; torch ≥ 2.4 names it device_time, older ones cuda_time)."""
-    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-
-
 def report(prof, steps: int, step_s: float, top: int) -> str:
     from torch.autograd import DeviceType
 
@@ -51,7 +35,7 @@ def report(prof, steps: int, step_s: float, top: int) -> str:
     calls = Counter()
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            kernels[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            kernels[e.name] += e.device_time_total
             calls[e.name] += 1
             launches += 1
         elif e.name in HOST_WAITS or e.name == "cudaMemcpyAsync":
@@ -97,7 +81,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    single_process_env()
+    from tools.bench import rank_env   # a one-rank world's environment, as the launcher sets it
+
+    os.environ.update({k: v for k, v in rank_env({"world": 1, "env": {}})[0].items() if k not in os.environ})
     from torch.profiler import ProfilerActivity, profile
 
     from tools.bench_lib import training_step

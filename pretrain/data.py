@@ -196,9 +196,17 @@ def shuffled_samples(src, counts, fmt, bad_shards):
 
 
 def collate(samples, dtype, member):
+    """A batch whose tokens are a numpy array, not yet a tensor: a DataLoader worker sends it pickled through its pipe.
+    A tensor would travel as a shared-memory file descriptor served by a thread of the worker, and a rank killed in
+    mid-handover (kill -9) would leave that thread printing a ConnectionResetError traceback."""
     rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
-    return {"tokens": torch.from_numpy(np.stack(rows).astype(np.int64)), "ids": [s["__key__"] for s in samples],
+    return {"tokens": np.stack(rows).astype(np.int64), "ids": [s["__key__"] for s in samples],
             "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())]}
+
+
+def as_is(batch):
+    """The DataLoader's collate_fn: its default would turn the numpy tokens into a tensor inside the worker."""
+    return batch
 
 
 def _one_line(e):
@@ -285,9 +293,8 @@ class TokenStream:
             wds.pipelinefilter(shuffled_samples)(dict(self.train), self.fmt, self.bad_shards),
             wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
         )
-        return torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=self.num_workers,
-                                           prefetch_factor=2 if self.num_workers else None,
-                                           pin_memory=self.pin_memory)
+        return torch.utils.data.DataLoader(pipeline, batch_size=None, collate_fn=as_is,
+                                           num_workers=self.num_workers, prefetch_factor=2 if self.num_workers else None)
 
     def __iter__(self):
         self._live += 1
@@ -299,12 +306,16 @@ class TokenStream:
                 if me != self._live:
                     raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
                 self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
-                yield batch
+                yield self._as_tensors(batch)
         except DataError as e:
             raise _one_line(e) from None
 
     def _collate(self, samples):
         return collate(samples, self.dtype, self.member)
+
+    def _as_tensors(self, batch):
+        tokens = torch.from_numpy(batch["tokens"])
+        return dict(batch, tokens=tokens.pin_memory() if self.pin_memory else tokens)
 
     def worker_shards(self, epoch, worker):
         return [name for name, _ in self._source(0).shards_for(epoch, worker, max(1, self.num_workers))]
@@ -342,7 +353,8 @@ class TokenStream:
         full = math.ceil(math.ceil(total / self.dp_world) / self.micro_batch_size)
         n_batches = full if max_batches is None else min(full, max_batches)
         samples = self._samples_from(split, shards, self.dp_rank * full * self.micro_batch_size % total)
-        return (self._collate(list(itertools.islice(samples, self.micro_batch_size))) for _ in range(n_batches))
+        return (self._as_tensors(self._collate(list(itertools.islice(samples, self.micro_batch_size))))
+                for _ in range(n_batches))
 
     def _samples_from(self, split, shards, start):
         """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened. A

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ class Checkpointer:
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
         self.faults = faults
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
+        self.loaded_from: str | None = None
 
     def save(self, step: int) -> str:
         """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
@@ -111,13 +113,7 @@ class Checkpointer:
 
     def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
         """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""
-        sizes = {}
-        for name in sorted(os.listdir(partial)):
-            path = os.path.join(partial, name)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            sizes[name] = os.path.getsize(path)
-        _write_durably(os.path.join(partial, "complete.json"), json.dumps({"step": step, "files": sizes}, indent=1))
+        record_complete(partial, step)
         if os.path.exists(final):                                 # re-saving a step (e.g. after a resume)
             shutil.rmtree(final)
         os.rename(partial, final)
@@ -144,30 +140,28 @@ class Checkpointer:
             raise ConfigError(problem)
 
     def load(self, resume: str) -> int:
-        """Restore the newest complete checkpoint (resume='auto'), a given one (a path), or nothing ('none');
-        returns the step."""
-        if resume == "none":
-            return 0
-        directory, tag = self.dir, None
-        if resume != "auto":
-            directory, tag = os.path.dirname(os.path.abspath(resume)), os.path.basename(os.path.abspath(resume))
+        """Restore the checkpoint `resume_point` picks: the newest complete one (resume='auto'), or the universal
+        one written by tools/convert.py to-universal when it is newer or the layout changed; a given one (a path);
+        or nothing ('none'). Returns the step."""
+        if resume not in ("auto", "none"):
             problem = verify(os.path.abspath(resume))
             if problem:
                 raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
-        else:
-            tag = self.latest_tag()
-            if tag is None:
-                return 0
-        self.check_compatible(os.path.join(directory, tag))
+        path = resume_point(resume, self.dir, self.config, self.world, announce=self.rank == 0)
+        if path is None:
+            return 0
+        self.check_compatible(path)
+        self.loaded_from = path
+        if is_universal(path):
+            return self._load_universal(path)
+        directory, tag = os.path.split(path)
         with torch.no_grad():   # a pipeline's load re-broadcasts the tied embedding: no autograd (pipeline.py)
             load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from {directory} (tag {tag})")
-        load_path = os.path.join(directory, tag)
-        own_file = os.path.join(load_path, f"trainer_rank{self.rank}.pt")
-        state = torch.load(own_file, weights_only=False)
+        state = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=False)
         if state["world"] != self.world:   # checked before launch already (compatibility_problem); a hand-made one
-            raise ConfigError(f"checkpoint {load_path} was written by {state['world']} ranks, this run has "
+            raise ConfigError(f"checkpoint {path} was written by {state['world']} ranks, this run has "
                               f"{self.world}; convert it with tools/convert.py to change the layout")
         for name, obj in self.stateful.items():   # a checkpoint made by tools/convert.py has no data position
             if name in state["stateful"]:
@@ -175,6 +169,55 @@ class Checkpointer:
         set_rng_state(state["rng"])
         self.restored = {"engine", *state["stateful"]}
         return state["step"]
+
+    def _load_universal(self, path: str) -> int:
+        """Weights and AdamW's moments in this run's layout, through DeepSpeed's universal loader (the engine was
+        built with `checkpoint.load_universal`); the step and the loss guard from the trainer's state. The data
+        position follows from the step (the trainer skips that many batches); the RNG streams start from the seed."""
+        from pretrain import universal
+
+        with tempfile.TemporaryDirectory() as tmp:
+            view = universal.view_for(path, self.engine.module, tmp)
+            with torch.no_grad():
+                load_path, _ = self.engine.load_checkpoint(tmp, tag=os.path.basename(view))
+        if load_path is None:
+            raise ConfigError(f"no checkpoint could be loaded from the universal checkpoint {path}")
+        universal.restore_frozen(path, self.engine.module)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.restored = {"engine", "universal"}
+        if state.get("guard") and "guard" in self.stateful:
+            self.stateful["guard"].load_state_dict(state["guard"])
+            self.restored.add("guard")
+        return state["step"]
+
+
+def is_universal(path: str) -> bool:
+    """Whether a checkpoint directory holds a universal checkpoint (pretrain/universal.py) of any layout."""
+    return os.path.isfile(os.path.join(path, "trainer_state.pt")) and os.path.isdir(os.path.join(path, "zero"))
+
+
+def newest_universal(directory: str) -> str | None:
+    """The complete universal checkpoint that `latest_universal` names in `directory`, or None."""
+    named = os.path.join(directory, "latest_universal")
+    tag = open(named).read().strip() if os.path.isfile(named) else None
+    complete = tag and os.path.isfile(os.path.join(directory, tag, "complete.json"))   # not one being written
+    return tag if complete and verify(os.path.join(directory, tag)) is None else None
+
+
+def resume_point(resume: str, directory: str, config: dict, world: int, announce: bool = False) -> str | None:
+    """The checkpoint directory a run resumes from, or None. resume='none': None; a path: that path; 'auto': the
+    newest complete checkpoint in `directory`, unless a universal one is newer, or as new while the newest regular
+    one is of another layout (tools/convert.py to-universal wrote it for the relaunch in a new layout)."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        return os.path.abspath(resume)
+    tag, uni = newest_complete(directory, announce), newest_universal(directory)
+    step = lambda t: int(t.rsplit("_", 1)[-1])   # noqa: E731  step_00000100, universal_step_00000100
+    if uni and (tag is None or step(uni) > step(tag) or
+                (step(uni) == step(tag) and layout_problem(os.path.join(directory, tag), config, world))):
+        return os.path.join(directory, uni)
+    return os.path.join(directory, tag) if tag else None
 
 
 def newest_complete(directory: str, announce: bool = False) -> str | None:
@@ -201,25 +244,52 @@ def complete_tags(directory: str) -> list[str]:
 
 
 def compatibility_problem(path: str, config: dict, world: int) -> str | None:
-    """Why a run of `config` on `world` ranks cannot resume the checkpoint at `path` (another model, another TP/PP
+    """Why a run of `config` on `world` ranks cannot resume the checkpoint at `path` (another model, another
     layout, another world size), as one line with what to do; None if it can. Reads only config.yaml and the file
     names: cheap enough for the check before launch."""
+    return architecture_problem(path, config) or layout_problem(path, config, world)
+
+
+def _saved_config(path: str) -> dict | None:
     saved_file = os.path.join(path, "config.yaml")
     if not os.path.exists(saved_file):
         return None
     with open(saved_file) as f:
-        saved = yaml.safe_load(f)
-    key = architecture_difference(saved.get("model", {}), config["model"])
+        return yaml.safe_load(f)
+
+
+def architecture_problem(path: str, config: dict) -> str | None:
+    """Why the checkpoint at `path` holds another model than `config` describes (one line), or None."""
+    saved = _saved_config(path)
+    key = saved and architecture_difference(saved.get("model", {}), config["model"])
     if key:
         return (f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this config has "
                 f"{config['model'][key]!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
-    change = ("to change layouts, convert it: tools/convert.py to-release, then train.init_from=RELEASE (weights, "
-              "step, schedule and data position carry over; the optimizer's moments start afresh)")
+    return None
+
+
+def layout_problem(path: str, config: dict, world: int) -> str | None:
+    """Why a run in the layout of `config` on `world` ranks cannot load the checkpoint at `path` as it is (another
+    TP, PP, ZeRO-3 or world size), with what to do; None if it can."""
+    saved = _saved_config(path)
+    if saved is None:
+        return None
+    if is_universal(path):
+        if config["parallel"]["zero_stage"] not in (1, 2):   # DeepSpeed's loader is in the ZeRO-1/2 optimizers
+            return (f"checkpoint {path} is a universal checkpoint, which loads into ZeRO stages 1 and 2: set "
+                    f"parallel.zero_stage=1 or 2 to resume from it (and change the stage at the next checkpoint)")
+        return None   # written to be resumed in any layout
+    change = (f"to change the layout and keep the optimizer state, relaunch with checkpoint.relayout=true (or "
+              f"convert it first: tools/convert.py to-universal {path})")
     for key in ("tp", "pp"):
         theirs, ours = saved.get("parallel", {}).get(key), config["parallel"][key]
         if theirs != ours:
             return (f"checkpoint {path} was written with parallel.{key}={theirs}, this run has parallel.{key}={ours}: "
                     f"launch with parallel.{key}={theirs} to resume it, or {change}")
+    theirs, ours = saved.get("parallel", {}).get("zero_stage", 0), config["parallel"]["zero_stage"]
+    if (theirs == 3) != (ours == 3):   # ZeRO-3 partitions parameters: its files are not those of stages 0-2
+        return (f"checkpoint {path} was written with parallel.zero_stage={theirs}, this run has "
+                f"parallel.zero_stage={ours}: launch with parallel.zero_stage={theirs} to resume it, or {change}")
     ranks = sum(n.startswith("trainer_rank") and n.endswith(".pt") for n in os.listdir(path))
     if ranks and ranks != world:
         return (f"checkpoint {path} was written by {ranks} ranks, this launch has {world}: launch {ranks} to resume "
@@ -247,6 +317,19 @@ def verify(path: str) -> str | None:
         if os.path.getsize(file) != size:
             return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
     return None
+
+
+def record_complete(directory: str, step: int) -> None:
+    """fsync every file under a written checkpoint directory, then record their sizes in complete.json, which
+    `verify` checks."""
+    sizes = {}
+    for root, _, files in os.walk(directory):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
+    _write_durably(os.path.join(directory, "complete.json"), json.dumps({"step": step, "files": sizes}, indent=1))
 
 
 def _write_durably(path: str, text: str) -> None:

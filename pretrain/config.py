@@ -169,6 +169,10 @@ class CheckpointSection:
     keep: int = described("keep the last this many checkpoints, delete older ones", 3)
     dir: str | None = described("checkpoint directory; default <train.run_dir>/checkpoints", None)
     resume: str = described("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
+    relayout: bool = described("when the checkpoint to resume is of another layout (TP, PP, ZeRO-3, world size): "
+                               "launch/pretrain.sh converts it to a universal checkpoint first, and the run resumes "
+                               "from it with its optimizer state (one launcher; with NNODES launchers, convert "
+                               "first: tools/convert.py to-universal)", False)
 
     def __post_init__(self):
         check_types(self, "checkpoint")
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             from pretrain.prelaunch import check_launch
 
-            check_launch(cfg, args.world_size)
+            check_launch(cfg, args.world_size, relayout=True)
         if args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:

@@ -115,10 +115,14 @@ def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, to
     return cfg, merge_tp(cfg, shards, tag_dir)
 
 
-def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where: str) -> dict[str, torch.Tensor]:
-    """Concatenate each tensor's TP shards in rank order along its split dimension; replicated ones must agree."""
+def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where: str,
+             names=None) -> dict[str, torch.Tensor]:
+    """Concatenate each tensor's TP shards in rank order along its split dimension; replicated ones must agree.
+    Every parameter of the model, or those in `names`."""
     out = {}
     for name, (shape, dim, _) in parameters(cfg.model).items():
+        if names is not None and name not in names:
+            continue
         parts = shards.get(name)
         if not parts or len(parts) != cfg.parallel.tp:
             raise ConfigError(f"{where}: no complete set of tensor-parallel shards of '{name}' "

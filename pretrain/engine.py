@@ -62,7 +62,7 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layou
     return torch.optim.AdamW(groups, fused=lay.device.type in ("cpu", "cuda"), **adamw)
 
 
-def deepspeed_config(cfg: TrainConfig, dp_world: int) -> dict:
+def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = False) -> dict:
     """The DeepSpeed config of a run with `dp_world` data-parallel ranks.
 
     No "optimizer" entry: the trainer hands DeepSpeed its AdamW (`build_optimizer`) with parameter groups (no
@@ -80,6 +80,7 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int) -> dict:
         "zero_allow_untested_optimizer": guards_steps_itself(cfg),
         "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": not guards_steps_itself(cfg)},
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
+        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself
         "wall_clock_breakdown": False,
     }
@@ -109,9 +110,10 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
     return factor
 
 
-def build_engine(cfg: TrainConfig, lay):
+def build_engine(cfg: TrainConfig, lay, load_universal: bool = False):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule)."""
+    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule).
+    `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides this when it is built)."""
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
@@ -120,7 +122,7 @@ def build_engine(cfg: TrainConfig, lay):
     checkpoint_activations(model, cfg.parallel.activation_checkpointing, rename)
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
         release.load_into(model, release.read_release(cfg.train.init_from)[1], rename=rename)
-    return initialize(model, cfg, lay, mpu)
+    return initialize(model, cfg, lay, mpu, load_universal)
 
 
 def checkpoint_activations(model: torch.nn.Module, every: int, rename=lambda name: name) -> None:
@@ -140,7 +142,7 @@ def _recomputed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None):
+def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False):
     """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
     (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
     import deepspeed
@@ -149,7 +151,7 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None):
     groups = param_groups(model, cfg.train.weight_decay)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=build_optimizer(cfg, groups, lay),
-        config=deepspeed_config(cfg, lay.dp), mpu=mpu,
+        config=deepspeed_config(cfg, lay.dp, load_universal), mpu=mpu,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine
 

@@ -24,7 +24,7 @@ from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
 from pretrain import distributed
-from pretrain.checkpoint import CheckpointError, Checkpointer
+from pretrain.checkpoint import CheckpointError, Checkpointer, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
 from pretrain.shards import DataError, opening
@@ -53,7 +53,8 @@ class Trainer:
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
-        self.engine = build_engine(cfg, lay)
+        resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world)
+        self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume))
         self.pipeline = cfg.parallel.pp > 1   # one module per rank, or this rank's stage of a PipelineEngine
         self.forward_backward, self.val_loss = ((self.pipeline_forward_backward, self.pipeline_val_loss)
                                                 if self.pipeline else (self.plain_forward_backward, self.plain_val_loss))
@@ -107,6 +108,8 @@ class Trainer:
         return step
 
     def start_words(self) -> str:
+        if "universal" in self.checkpointer.restored:
+            return f"resumed at step {self.step} from the universal checkpoint {self.checkpointer.loaded_from}"
         if "engine" in self.checkpointer.restored:
             return f"resumed at step {self.step}"
         return f"starting from a release at step {self.step}" if self.step else "starting fresh"

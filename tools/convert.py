@@ -5,10 +5,16 @@
         a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO stage) → a release directory (full tensors, canonical names,
         model.safetensors + config.json + tokenizer.model + train_config.yaml). CHECKPOINT: a run directory, its
         checkpoints/ directory (the newest, from `latest`) or one step_* directory.
-    python tools/convert.py to-deepspeed RELEASE OUT --tp T --pp P [--config YAML] [section.key=value ...]
+    python tools/convert.py to-deepspeed RELEASE OUT [section.key=value ...] --tp T --pp P [--config YAML]
         a release → a DeepSpeed checkpoint in layout (T, P, DP=1) under OUT, resumable by a run with
         `checkpoint.dir=OUT` and the same layout (fresh optimizer state; the LR schedule and data position follow the
         release's step). To start a run in *any* layout (also DP > 1) from a release, use `train.init_from=RELEASE`.
+    python tools/convert.py to-universal CHECKPOINT [OUT]
+        a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO stage) → a universal checkpoint (DeepSpeed's format: full fp32
+        weights and both AdamW moments per parameter) in the checkpoint directory OUT (default: CHECKPOINT's own). A
+        run with checkpoint.dir=OUT resumes from it in any layout with ZeRO-1/2, optimizer state included:
+        stop the run, convert, relaunch with the new parallel.* settings. launch/pretrain.sh does the conversion
+        itself with checkpoint.relayout=true.
     python tools/convert.py to-hf        RELEASE OUT      a release → a Hugging Face directory (trust_remote_code)
     python tools/convert.py from-hf      HF_DIR OUT       a Hugging Face export → a release
 
@@ -48,6 +54,18 @@ def to_release(args) -> str:
     return f"wrote release {args.out}: {len(tensors)} tensors, {n / 1e6:.2f}M parameters, step {step}, {args.dtype}"
 
 
+def to_universal(args) -> str:
+    from pretrain import ds_checkpoint, universal
+
+    tag_dir = ds_checkpoint.resolve(args.checkpoint)
+    out = args.out or os.path.dirname(os.path.normpath(tag_dir))
+    print(f"reading {tag_dir}")
+    path = universal.convert(tag_dir, out)
+    cfg = ds_checkpoint.read_config(tag_dir)
+    return f"wrote universal checkpoint {path} (from tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, " \
+           f"ZeRO-{cfg.parallel.zero_stage}); resume it in any layout with checkpoint.dir={out}"
+
+
 def training_config(args):
     """The training config of the target layout: the release's own (or --config), with the layout and init_from."""
     from pretrain.config import load_config
@@ -71,8 +89,8 @@ def to_deepspeed(args) -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    worker_args = [args.release, args.out, f"--tp={args.tp}", f"--pp={args.pp}",
-                   *([f"--config={args.config}"] if args.config else []), *args.overrides]
+    worker_args = [args.release, args.out, *args.overrides, f"--tp={args.tp}", f"--pp={args.pp}",
+                   *([f"--config={args.config}"] if args.config else [])]   # positionals first: argparse
     procs = []
     for rank in range(world):                               # conversion needs no GPU: gloo processes on this host
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -125,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("out", help="release directory to write")
     r.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the saved tensors")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    u = sub.add_parser("to-universal", help="DeepSpeed checkpoint → universal checkpoint (resumable in any layout, "
+                                            "with the optimizer state)")
+    u.add_argument("checkpoint", help="run directory, its checkpoints/ directory, or a step_* directory")
+    u.add_argument("out", nargs="?", help="checkpoint directory to write it in (default: the checkpoint's own)")
     for name in ("to-deepspeed", "_rank"):
         d = sub.add_parser(name, help="release → DeepSpeed checkpoint at (TP, PP)" if name[0] != "_" else
                            argparse.SUPPRESS)
@@ -145,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    run = {"to-release": to_release, "to-deepspeed": to_deepspeed, "to-hf": to_hf, "from-hf": from_hf,
+    run = {"to-release": to_release, "to-universal": to_universal, "to-deepspeed": to_deepspeed, "to-hf": to_hf, "from-hf": from_hf,
            "_rank": rank_main}[args.command]
     try:
         message = run(args)

@@ -1,4 +1,5 @@
-"""tools/ablate.py end to end on the tiny test shards: two variants, a few steps each, one process."""
+"""tools/ablate.py: the spread and ranking arithmetic by hand, and end to end on the tiny test shards (two variants,
+two seeds, a few steps each, one process), resumed after an interruption."""
 import json
 import os
 import subprocess
@@ -7,34 +8,54 @@ import pytest
 
 from model.accounting import model_stats
 from pretrain.config import load_config
-from tests.runs import PY, ROOT, write_config
+from tests.runs import PY, ROOT
 from evaluation.cli import load
 from evaluation.perplexity import evaluate_shards
+from tools.ablate import cell, ranking, spread
+
+
+def test_spread_and_ranking_by_hand():
+    ppl = {"dot": [45.0, 46.0], "dense": [44.0, 44.5], "random": [53.0, 54.5], "random+dot": [45.5, 45.8]}
+    assert spread(ppl["dot"]) == (45.5, 45.0, 46.0)
+    assert cell(ppl["dot"], "{:.2f}") == "45.50 [45.00, 46.00]" and cell([45.0], "{:.2f}") == "45.00"
+    # by mean: dense 44.25, dot 45.5, random+dot 45.65, random 53.75; dot's worst (46.0) does not beat
+    # random+dot's best (45.5): that pair alone is indistinguishable
+    assert ranking(ppl) == [("dense", "dot", True), ("dense", "random+dot", True), ("dense", "random", True),
+                            ("dot", "random+dot", False), ("dot", "random", True), ("random+dot", "random", True)]
+    assert ranking({"dot": [45.0], "random": [53.0]}) == [("dot", "random", False)]   # one seed: no spread, no rank
 
 
 @pytest.mark.slow
-def test_ablate_trains_evaluates_and_reports(shards, tmp_path):
-    base = write_config(tmp_path / "base.yaml", shards, tmp_path / "unused", train={"max_steps": 6})
+def test_ablate_trains_evaluates_reports_and_resumes(shards, tmp_path):
+    # the GPU study's preset, at a reduced size on the test shards (its model and batch made small, fp32 on CPU)
+    small = [f"data.shard_dir={shards}", "data.num_workers=0", "data.val_batches=2", "model.vocab_size=512",
+             "model.max_seq_len=32", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+             "train.global_batch_size=8", "train.micro_batch_size=4", "train.precision=fp32"]
     out = tmp_path / "study"
-    cmd = [PY, os.path.join(ROOT, "tools", "ablate.py"), "--variants", "dot,random", "--steps", "6", "--nproc", "1",
-           "--config", base, "--tasks", "", "--out", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cmd = [PY, os.path.join(ROOT, "tools", "ablate.py"), "--preset", os.path.join(ROOT, "configs", "studies",
+           "gpu.yaml"), "--variants", "dot,random", "--steps", "6", "--nproc", "1", "--out", str(out), *small]
+    first = subprocess.run(cmd + ["--seeds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]   # an interrupted study: seed 0 of each variant done
+    trained = (out / "dot" / "seed0" / "metrics.jsonl").read_text()
+    r = subprocess.run(cmd + ["--seeds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {row["variant"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
-    assert sorted(rows) == ["dot", "random"]
-    for variant, row in rows.items():
-        run_dir = out / variant
-        model, _, info = load(str(run_dir), need_tokenizer=False)
-        assert info["step"] == 6                                        # the budget, not the config's max_steps
-        val = evaluate_shards(model, shards, "val", batch_size=16)
-        assert row["val_ppl"] == pytest.approx(val["ppl"], rel=1e-9)
-        cfg = load_config(base, [f"model.mixer={variant}"]).model
-        assert row["synth_params"] == model_stats(cfg)["total"]["table1"]
+    assert (out / "dot" / "seed0" / "metrics.jsonl").read_text() == trained   # finished runs are not trained again
+    study = json.loads((out / "results.json").read_text())
+    assert study["seeds"] == 2 and study["tokens"] == 6 * 8 * 32
+    for variant, rows in study["runs"].items():
+        assert [row["seed"] for row in rows] == [0, 1]
+        for row in rows:
+            model, _, info = load(str(out / variant / f"seed{row['seed']}"), need_tokenizer=False)
+            assert info["step"] == 6                                    # the budget, not the config's max_steps
+            val = evaluate_shards(model, shards, "val", batch_size=16)
+            assert row["val_ppl"] == pytest.approx(val["ppl"], rel=1e-9)
+        assert rows[0]["val_ppl"] != rows[1]["val_ppl"]                 # other init and data order
+        cfg = load_config(os.path.join(ROOT, "configs", "study-gpu-50m.yaml"), [*small, f"model.mixer={variant}"]).model
+        assert rows[0]["synth_params"] == model_stats(cfg)["total"]["table1"]
     table = (out / "results.md").read_text()
-    assert "| dot |" in table and "| random |" in table and (out / "loss_curves.png").stat().st_size > 10_000
-    # finished variants are not trained again
-    trained = (out / "dot" / "metrics.jsonl").read_text()
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and (out / "dot" / "metrics.jsonl").read_text() == trained
-    bad = subprocess.run(cmd[:3] + ["dot,randm"] + cmd[4:], cwd=ROOT, capture_output=True, text=True)
+    ppl = [row["val_ppl"] for row in study["runs"]["dot"]]
+    assert "| dot | " in table and f"{sum(ppl) / 2:.2f} [{min(ppl):.2f}, {max(ppl):.2f}]" in table
+    assert "Seeds: 2 per variant" in table and "Ranking by validation perplexity" in table
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+    bad = subprocess.run(cmd[:5] + ["dot,randm"] + cmd[6:], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "randm" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

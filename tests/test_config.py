@@ -20,8 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 DEMO = CONFIGS / "demo-cpu.yaml"
 # The world each shipped config is written for (its header comment says the same); variants run like the demo.
-WORLD = {"demo-cpu.yaml": 2, "synth-125m.yaml": 8, "synth-350m.yaml": 16, "synth-1.3b.yaml": 64}
-SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
+WORLD = {"demo-cpu.yaml": 2, "synth-125m.yaml": 8, "synth-350m.yaml": 16, "synth-1.3b.yaml": 64,
+         "study-gpu-50m.yaml": 1}
+CLUSTER = ("synth-125m.yaml", "synth-350m.yaml", "synth-1.3b.yaml")
+STUDIES = sorted((CONFIGS / "studies").glob("*.yaml"))   # tools/ablate.py presets, not training configs
+SHIPPED = sorted(set(CONFIGS.rglob("*.yaml")) - set(STUDIES))
 
 
 def world_of(path: Path) -> int:
@@ -61,11 +64,21 @@ def test_shipped_config_fits_its_world_and_deepspeed_arithmetic(path):
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * rt.dp
     assert ds["gradient_accumulation_steps"] == rt.grad_accum >= 1
     assert ds["zero_optimization"]["stage"] == cfg.parallel.zero_stage
-    if path.parent == CONFIGS and path != DEMO:  # cluster configs: bf16, ~0.5M tokens per step, GPT-3-style LR
+    if path.name in CLUSTER:  # cluster configs: bf16, ~0.5M tokens per step, GPT-3-style LR
         assert ds["bf16"]["enabled"] and cfg.logging.peak_tflops_per_device is None   # from the device
         assert 0.4e6 <= cfg.tokens_per_step <= 1.1e6
         assert cfg.model.vocab_size == 32000 and cfg.train.min_lr == pytest.approx(cfg.train.lr / 10)
         assert cfg.total_steps() < cfg.train.max_steps  # max_tokens ends these runs, where the cosine ends
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
+def test_study_presets_name_a_shipped_config_and_valid_variants(path):
+    from tools.ablate import study_settings
+
+    args = study_settings(["--preset", str(path)])
+    assert args.seeds >= 1 and args.steps >= 1 and (ROOT / args.config) in SHIPPED
+    for variant in args.variants.split(","):
+        load_config(ROOT / args.config, [f"model.mixer={variant}"])
 
 
 def test_demo_values():

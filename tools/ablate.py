@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""The variant study: train every mixer with the same config and token budget, evaluate each, write a table and a plot.
+"""The variant study: train each mixer with the same config and token budget, several seeds each, evaluate every run,
+write a table with the spread over seeds, a ranking that says where the seeds cannot tell two variants apart, a plot.
 
-    python tools/ablate.py                                   # the 8 variants below, demo-cpu config, ~30 min on 2 CPUs
-    python tools/ablate.py --variants dot,random --steps 100 --config configs/demo-cpu.yaml --out runs/ablate
+    python tools/ablate.py                           # the CPU study preset: configs/studies/cpu.yaml
+    python tools/ablate.py --quick                   # the short single-seed run: configs/studies/quick.yaml
+    python tools/ablate.py --preset configs/studies/cpu.yaml --variants dot,random --steps 100 --seeds 3
 
-For each variant: `launch/pretrain.sh CONFIG model.mixer=<variant>` (same data, seed, schedule and token budget; only
-the mixer differs), then on its final checkpoint: validation perplexity and bits-per-byte on the held-out shard split
-(tools/evaluate.py) and the accuracies of the local lm-eval tasks (tasks/: LAMBADA-style cloze, 4-way continuation).
-Writes `<out>/results.md` (params, Table-1 synthesizer params, tokens/s, val ppl, bits/byte, task accuracies),
-`<out>/results.json` and `<out>/loss_curves.png`. A variant whose run finished is not trained again (delete its
-directory to redo it), so an interrupted study continues where it stopped.
+A preset (YAML) names the training config, the variants, the steps (the token budget), the seeds and the processes;
+flags override it. For each variant and seed k: `launch/pretrain.sh CONFIG model.mixer=<variant>` with model.seed,
+data.seed and train.seed all offset by k (init and data order change; everything else is the same), then on its
+final checkpoint: validation perplexity and bits-per-byte on the held-out shard split (tools/evaluate.py) and the
+accuracies of the local lm-eval tasks (tasks/). Writes `<out>/results.md` (per column the mean over seeds and its
+[min, max]; the ranking), `<out>/results.json` and `<out>/loss_curves.png` (mean and [min, max] band per variant).
+A (variant, seed) run that finished is not trained again (delete its directory to redo it), so an interrupted study
+continues where it stopped.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import os
 import subprocess
 import sys
 import time
+
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")   # the tasks are local files: never reach for the Hub
@@ -30,18 +36,38 @@ from model import ConfigError
 from model.accounting import model_stats
 from pretrain.config import load_config
 
-VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot"
-TASKS = "austen_cloze,austen_mc4"
+STUDIES = os.path.join(ROOT, "configs", "studies")
+# The paper's LM1B perplexities (Tay et al. 2020, Table 3): another corpus, model size and budget than any study here
+PAPER_LM1B = {"dot": 38.21, "dense": 40.88, "random": 40.60, "random+dot": 40.05}
 
 
-def train(variant: str, args, run_dir: str, warmup: int) -> None:
-    """One launcher run of the variant; its console output goes to <run_dir>/train.log."""
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(mean, min, max) of one metric over the seeds."""
+    return sum(values) / len(values), min(values), max(values)
+
+
+def ranking(ppl: dict[str, list[float]]) -> list[tuple[str, str, bool]]:
+    """(a, b, ranked) for every pair, a before b by mean perplexity (lower is better): a is ranked above b only where
+    a's worst seed beats b's best seed, max(a) < min(b); otherwise, or with one seed (no spread to judge by), the
+    seeds cannot tell them apart."""
+    order = sorted(ppl, key=lambda v: spread(ppl[v])[0])
+    return [(a, b, min(len(ppl[a]), len(ppl[b])) > 1 and max(ppl[a]) < min(ppl[b]))
+            for i, a in enumerate(order) for b in order[i + 1:]]
+
+
+def seed_overrides(cfg, k: int) -> list[str]:
+    """Seed k of a study: init (model.seed), data order (data.seed) and dropout (train.seed) offset by k."""
+    return [f"model.seed={cfg.model.seed + k}", f"data.seed={cfg.data.seed + k}", f"train.seed={cfg.train.seed + k}"]
+
+
+def train(variant: str, args, run_dir: str, warmup: int, seeds: list[str]) -> None:
+    """One launcher run of the variant at one seed; its console output goes to <run_dir>/train.log."""
     if os.path.exists(os.path.join(run_dir, "done.json")):
         return
     os.makedirs(run_dir, exist_ok=True)
     overrides = [f"model.mixer={variant}", f"train.run_dir={run_dir}", f"train.max_steps={args.steps}",
                  f"train.warmup_steps={min(warmup, args.steps // 10)}", f"checkpoint.every={args.steps}",
-                 "checkpoint.keep=1", "logging.image_every=0", *args.overrides]
+                 "checkpoint.keep=1", "logging.image_every=0", *seeds, *args.overrides]
     env = {"PYTHON": sys.executable, **os.environ, "NPROC": str(args.nproc)}   # the trainers run in this Python
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
@@ -90,67 +116,121 @@ def evaluate(variant: str, args, run_dir: str, shard_dir: str) -> dict:
     return row
 
 
-def write_results(rows: list[dict], curves: dict, out: str, args) -> None:
+COLUMNS = [("tokens/s", "tokens_per_s", "{:,.0f}"), ("val ppl", "val_ppl", "{:.2f}"),
+           ("bits/byte", "bits_per_byte", "{:.3f}")]
+
+
+def cell(values: list[float], fmt: str) -> str:
+    """'mean [min, max]' over the seeds ('mean' alone for one seed)."""
+    mean, lo, hi = spread(values)
+    return fmt.format(mean) + (f" [{fmt.format(lo)}, {fmt.format(hi)}]" if len(values) > 1 else "")
+
+
+def write_results(runs: dict[str, list[dict]], curves: dict[str, list[dict]], out: str, args, cfg) -> None:
+    """results.json (every run), results.md (the budget, the table, the ranking) and loss_curves.png."""
+    tokens = args.steps * cfg.tokens_per_step
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"config": args.config, "steps": args.steps, "rows": rows}, f, indent=2)
-    task_cols = [k for k in rows[0] if k.endswith(" acc")]
-    head = ["variant", "params", "synth params (Table 1)", "tokens/s", "val ppl", "bits/byte", *task_cols]
-    lines = [f"# Variant study: {args.config}, {args.steps} steps each, {args.nproc} processes", "",
+        json.dump({"config": args.config, "steps": args.steps, "tokens": tokens, "seeds": args.seeds,
+                   "data": cfg.data.shard_dir, "runs": runs}, f, indent=2)
+    first = next(iter(runs.values()))[0]
+    columns = COLUMNS + [(k, k, "{:.3f}") for k in first if k.endswith(" acc")]
+    head = ["variant", "params", "synth params (Table 1)", *[c[0] for c in columns], "paper, LM1B ppl"]
+    lines = [f"# Variant study: {args.config}", "",
+             f"Budget: {args.steps} steps × {cfg.tokens_per_step:,} tokens = {tokens / 1e6:.2f}M tokens per run, "
+             f"{args.nproc} processes. Seeds: {args.seeds} per variant (model.seed, data.seed and train.seed + 0 … "
+             f"{args.seeds - 1}); each cell is the mean over the seeds and its [min, max]. Data: "
+             f"{cfg.data.shard_dir} (validation split). The paper's column is LM1B (Tay et al. 2020, Table 3): "
+             f"another corpus, a larger model and budget, for orientation only.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["variant"], f"{r['params'] / 1e6:.2f}M", f"{r['synth_params'] / 1e3:.1f}k",
-                 f"{r['tokens_per_s']:,.0f}", f"{r['val_ppl']:.2f}", f"{r['bits_per_byte']:.3f}",
-                 *[f"{r[c]:.3f}" for c in task_cols]]
-        lines.append("| " + " | ".join(cells) + " |")
+    for v, rows in runs.items():
+        lines.append("| " + " | ".join([v, f"{rows[0]['params'] / 1e6:.2f}M", f"{rows[0]['synth_params'] / 1e3:.1f}k",
+                                        *[cell([r[key] for r in rows], fmt) for _, key, fmt in columns],
+                                        str(PAPER_LM1B.get(v, "—"))]) + " |")
+    lines += ["", "Ranking by validation perplexity: A is ranked above B only where A's worst seed beats B's best "
+                  "seed.", ""]
+    for a, b, ranked in ranking({v: [r["val_ppl"] for r in rows] for v, rows in runs.items()}):
+        lines.append(f"- {a} {'<' if ranked else '≈'} {b}" + ("" if ranked else ": indistinguishable"))
     lines += ["", "![loss curves](loss_curves.png)", ""]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines))
+    plot(curves, os.path.join(out, "loss_curves.png"), args)
+
+
+def plot(curves: dict[str, list[dict]], path: str, args) -> None:
+    """Training loss per variant: the mean over seeds, and the [min, max] band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for variant, loss in curves.items():
-        steps = sorted(loss)
-        ax.plot(steps, [loss[s] for s in steps], label=variant, linewidth=1.2)
+    for variant, losses in curves.items():
+        steps = sorted(set.intersection(*(set(loss) for loss in losses)))
+        lo, hi = ([f([loss[s] for loss in losses]) for s in steps] for f in (min, max))
+        line, = ax.plot(steps, [spread([loss[s] for loss in losses])[0] for s in steps], label=variant, linewidth=1.2)
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/token)")
-    ax.set_title(f"Synthesizer variants, {args.config}")
+    ax.set_title(f"Synthesizer variants, {args.config}, {args.seeds} seeds (band: min-max)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def study_settings(argv=None):
+    """The preset (--quick: configs/studies/quick.yaml) with the flags given on top of it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=VARIANTS, help=f"comma-separated mixers (default {VARIANTS})")
-    p.add_argument("--config", default="configs/demo-cpu.yaml", help="training config shared by all variants")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the token budget)")
-    p.add_argument("--nproc", type=int, default=2, help="processes per training run")
-    p.add_argument("--tasks", default=TASKS, help="lm-eval tasks from tasks/ ('' to skip)")
-    p.add_argument("--out", default="runs/ablate", help="study directory (one run directory per variant)")
-    p.add_argument("overrides", nargs="*", help="config overrides for every variant, section.key=value")
+    p.add_argument("--preset", default=os.path.join(STUDIES, "cpu.yaml"), help="study preset YAML (default: the "
+                   "CPU study, configs/studies/cpu.yaml)")
+    p.add_argument("--quick", action="store_true", help="the short single-seed study (configs/studies/quick.yaml)")
+    p.add_argument("--variants", help="comma-separated mixers")
+    p.add_argument("--config", help="training config shared by all variants")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (the token budget)")
+    p.add_argument("--seeds", type=int, help="runs per variant, each with other init and data-order seeds")
+    p.add_argument("--nproc", type=int, help="processes per training run")
+    p.add_argument("--tasks", help="lm-eval tasks from tasks/ ('' to skip)")
+    p.add_argument("--out", help="study directory (a run directory per variant and seed)")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run, section.key=value")
     args = p.parse_args(argv)
+    preset_path = os.path.join(STUDIES, "quick.yaml") if args.quick else args.preset
+    if not os.path.isfile(preset_path):
+        raise ConfigError(f"study preset {preset_path} not found; use one of configs/studies/*.yaml")
+    with open(preset_path) as f:
+        preset = yaml.safe_load(f) or {}
+    for key in ("variants", "config", "steps", "seeds", "nproc", "tasks", "out"):
+        if getattr(args, key) is None:
+            if key not in preset:
+                raise ConfigError(f"{preset_path} has no '{key}': add it, or pass --{key}")
+            setattr(args, key, ",".join(preset[key]) if key == "variants" else preset[key])
+    args.overrides = [*preset.get("overrides", []), *args.overrides]
+    if args.seeds < 1 or args.steps < 1:
+        raise ConfigError(f"--seeds and --steps must be ≥ 1, got {args.seeds} and {args.steps}")
+    return args
+
+
+def main(argv=None) -> int:
     try:
+        args = study_settings(argv)
         cfg = load_config(args.config, args.overrides)
         variants = [v for v in args.variants.split(",") if v]
         for v in variants:
             load_config(args.config, [*args.overrides, f"model.mixer={v}"])   # a bad name fails before training
         os.makedirs(args.out, exist_ok=True)
-        rows, curves = [], {}
-        for v in tqdm(variants, desc="variants"):
-            run_dir = os.path.join(os.path.abspath(args.out), v.replace("+", "_"))
-            train(v, args, run_dir, cfg.train.warmup_steps)
-            curves[v], speed = metrics(run_dir)
-            rows.append({**evaluate(v, args, run_dir, cfg.data.shard_dir), **speed})
-            tqdm.write(f"{v}: val ppl {rows[-1]['val_ppl']:.2f}, {rows[-1]['tokens_per_s']:,.0f} tokens/s")
+        runs, curves = {}, {}
+        for v, k in tqdm([(v, k) for v in variants for k in range(args.seeds)], desc="runs"):
+            run_dir = os.path.join(os.path.abspath(args.out), v.replace("+", "_"), f"seed{k}")
+            train(v, args, run_dir, cfg.train.warmup_steps, seed_overrides(cfg, k))
+            loss, speed = metrics(run_dir)
+            row = {**evaluate(v, args, run_dir, cfg.data.shard_dir), **speed, "seed": k}
+            runs.setdefault(v, []).append(row)
+            curves.setdefault(v, []).append(loss)
+            tqdm.write(f"{v}, seed {k}: val ppl {row['val_ppl']:.2f}, {row['tokens_per_s']:,.0f} tokens/s")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_results(rows, curves, args.out, args)
+    write_results(runs, curves, args.out, args, cfg)
     print(f"wrote {args.out}/results.md, results.json and loss_curves.png")
     return 0
 

@@ -102,6 +102,7 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
     """NLL of tokens 1..n of every sample of a split (each once, in manifest order); bytes by the shards' tokenizer."""
     import sentencepiece as spm
 
+    from pretrain import remote
     from pretrain.data import TokenStream
     from pretrain.shards import DataError, check_vocab, read_manifest, tokenizer_path
 
@@ -116,7 +117,7 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
         batches = stream.val_batches(split=split)
     except DataError as e:
         raise UsageError(str(e)) from None
-    sp = spm.SentencePieceProcessor(model_file=tokenizer_path(manifest))
+    sp = spm.SentencePieceProcessor(model_file=remote.local_copy(tokenizer_path(manifest)))
     table, eos = piece_bytes(sp), manifest["eos_id"]
     dummy = sp.encode("a", out_type=str)[0].startswith("▁")
     # val_batches wraps round to the start to fill its last batch: stop after the split's sample count.

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple, get_type_hints
 
 import yaml
 
-from pretrain import config_files
+from pretrain import config_files, remote
 from model.config import ConfigError, ModelConfig, architecture_difference, plain
 from model.fields import build, check_keys, check_types, described, nearest_key, need
 
@@ -32,8 +32,13 @@ from model.fields import build, check_keys, check_types, described, nearest_key,
 @dataclass(kw_only=True)
 class DataSection:
     """Where the token shards are and how they are read."""
-    shard_dir: str = described("directory of the shards written by tools/make_shards.py (holds manifest.json)")
-    tokenizer: str | None = described("path of the sentencepiece tokenizer.model; default <shard_dir>/tokenizer.model", None)
+    shard_dir: str = described("where the shards written by tools/make_shards.py are (beside their manifest.json): a "
+                        "directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file name (pipe:aws "
+                        "s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its backend installed)")
+    tokenizer: str | None = described("path or URL of the sentencepiece tokenizer.model; default "
+                               "<shard_dir>/tokenizer.model", None)
+    cache_dir: str | None = described("a local folder that keeps a copy of each shard read from a URL (keyed by name "
+                               "and size), so later epochs and relaunches read the disk; default none", None)
     num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process)", 2)
     seed: int = described("seed of the shard/sample order", 1234)
     val_batches: int = described("validation micro-batches per evaluation (the same batches every time)", 20)
@@ -44,7 +49,7 @@ class DataSection:
         check_types(self, "data")
         need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
         if self.tokenizer is None:
-            self.tokenizer = os.path.join(self.shard_dir, "tokenizer.model")
+            self.tokenizer = remote.join(self.shard_dir, "tokenizer.model")
         need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")

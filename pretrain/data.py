@@ -2,10 +2,12 @@
 
 Public API (the shard format, the manifest and DataError: pretrain/shards.py)
     TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
-                bad_shards="fail")
+                bad_shards="fail", pin_memory=False, cache_dir=None)
         iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
-                            "skipped_shards": [paths of shards found bad while this batch was read; usually []]}
-        skipped_shards      [(path, reason)]: the train and val shards dropped at construction (bad_shards="skip")
+                            "skipped_shards": [URLs of shards found bad while this batch was read; usually []],
+                            "retries": fetches retried (network faults) while this batch was read; usually 0}
+        skipped_shards      [(URL, reason)]: the train and val shards dropped at construction (bad_shards="skip")
+        retries             fetches retried in this process (size checks, validation); the workers' ride on batches
         state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
                                                depend on; a new iterator continues exactly where the saved one was
         val_batches(max_batches=None)          finite, the same batches on every call, the same count on every rank
@@ -29,9 +31,15 @@ load_state_dict refuses it: resuming under a new layout needs an explicit remap 
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
+Where shards are: shard_dir is a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec schemes;
+pretrain/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network fault
+(resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
+from, so the same sample ids and exact resume hold for every source. A worker fetches its next group of shards in a
+thread while it hands out the current one. cache_dir (optional) keeps local copies keyed by shard name and size.
+
 Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), or is left out (bad_shards="skip").
-    At construction, without opening a shard: an empty file, or a size other than the manifest's "bytes" (when
-    recorded; older manifests lack it), makes a shard bad. With "skip" it is dropped from its split before any order
+    At construction, without opening a shard: a missing file (HTTP 404, 403…), an empty one, or a size other than
+    the manifest's "bytes" (when recorded; older manifests lack it; a pipe: command cannot tell) makes a shard bad. With "skip" it is dropped from its split before any order
     is computed and listed in stream.skipped_shards, so the same files give the same order and resume stays exact.
     While reading, a shard that tarfile cannot parse, or whose sample count or sample sizes differ from the manifest,
     is bad: with "skip" its samples are dropped, a warning naming it goes to stderr (from the DataLoader worker) and
@@ -46,15 +54,16 @@ Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), 
 import functools
 import itertools
 import math
-import os
 import random
-import sys
+import threading
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 import webdataset as wds
-from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
+from pretrain import remote
+from pretrain.shard_files import ShardFiles, ShardReader, fix
 from pretrain.shards import DTYPES, MAKE, DataError, need, read_manifest
 
 # Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".
@@ -79,70 +88,15 @@ def _worker():
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
-def _fix(shard_dir):
-    return f"rebuild {shard_dir} with {MAKE}, or set data.bad_shards=skip to train without it"
-
-
-def _read_tar(path, count, member, nbytes):
-    """The samples of one shard in file order, as raw bytes (webdataset's own tar reader), each checked to hold
-    `member` of `nbytes` bytes; any fault in the file is a DataError naming it."""
-    fix = _fix(os.path.dirname(path))
-    try:
-        samples = list(group_by_keys(tar_file_expander(url_opener([{"url": path}]))))
-    except Exception as e:  # tarfile/OS/webdataset errors; webdataset appends its stream and url to e.args
-        cause = str(e.args[0]).split(" @ ")[0] if e.args else ""
-        raise DataError(f"shard {path} is unreadable ({type(e).__name__}: {cause}): {fix}") from None
-    # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
-    need(len(samples) == count, f"shard {path} holds {len(samples)} samples but manifest.json says {count}: {fix}")
-    for s in samples:
-        size = len(s.get(member, b""))
-        need(size == nbytes, f"shard {path}: sample {s.get('__key__')} has {size} bytes of {member}, not "
-                              f"{nbytes} (seq_len+1 tokens): {fix}")
-    return samples
-
-
-class ShardReader:
-    """Reads the shards of one iterator. Under bad_shards="skip" a bad shard gives no samples, is warned about on
-    stderr once and not reopened, and its path rides on the next sample out (`tag`), so the batch that takes that
-    sample reports it: the only way out of a DataLoader worker that keeps the batch order."""
-
-    def __init__(self, fmt, bad_shards, split, n_shards):
-        self.fmt, self.bad_shards, self.split, self.n_shards = fmt, bad_shards, split, n_shards
-        self.bad, self.skipped = set(), []  # paths found bad; those not yet handed to a batch
-
-    def read(self, path, count):
-        if path in self.bad:
-            return []
-        try:
-            return _read_tar(path, count, *self.fmt)
-        except DataError as e:
-            if self.bad_shards != "skip":
-                raise
-            what = str(e).removesuffix(f": {_fix(os.path.dirname(path))}")
-            print(f"warning: {what}; skipping it (data.bad_shards=skip)", file=sys.stderr, flush=True)
-        self.bad.add(path)
-        self.skipped.append(path)
-        need(len(self.bad) < self.n_shards,  # else the reader would go round for ever without a sample
-              f"every {self.split} shard in {os.path.dirname(path)} is bad (see the warnings above): rebuild it "
-              f"with {MAKE}")
-        return []
-
-    def tag(self, sample):
-        if self.skipped:
-            sample, self.skipped = dict(sample, __skipped__=self.skipped), []
-        return sample
-
-
 class EpochShards(torch.utils.data.IterableDataset):
     """Pipeline source: what one (rank, worker) reads, epoch after epoch without end, starting `skip_batches` in.
 
-    Yields groups of up to `mix` consecutive shards of the worker's epoch list, as {"urls", "names", "skip",
-    "order_seed"}: a group's samples are pooled and shuffled together, because one shard holds consecutive text and a
+    Yields groups of up to `mix` consecutive shards of the worker's epoch list, as {"names", "skip", "order_seed"}: a group's samples are pooled and shuffled together, because one shard holds consecutive text and a
     batch drawn from one shard alone would be one passage. The first group may start part-way (skip > 0).
     """
 
-    def __init__(self, shard_dir, shards, seed, nodesplitter, mix, skip_batches, batch_size):
-        self.shard_dir, self.shards, self.seed = shard_dir, shards, seed  # shards: [(name, samples)] sorted by name
+    def __init__(self, shards, seed, nodesplitter, mix, skip_batches, batch_size):
+        self.shards, self.seed = shards, seed  # shards: [(name, samples)] sorted by name
         self.nodesplitter, self.mix, self.skip_batches, self.batch_size = nodesplitter, mix, skip_batches, batch_size
         self.rank = nodesplitter.keywords["rank"]
 
@@ -176,23 +130,46 @@ class EpochShards(torch.utils.data.IterableDataset):
         while True:
             groups = self.groups(epoch, worker, workers)
             for i in range(first, len(groups)):
-                names = [name for name, _ in groups[i]]
-                yield {"urls": [os.path.join(self.shard_dir, n) for n in names], "names": names, "skip": skip,
+                yield {"names": [name for name, _ in groups[i]], "skip": skip,
                        "order_seed": f"{self.seed}/{epoch}/{self.rank}/{worker}/{i}"}
                 skip = 0
             epoch, first = epoch + 1, 0
 
 
-def shuffled_samples(src, counts, fmt, bad_shards):
+def shuffled_samples(src, counts, files, fmt, bad_shards):
     """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded).
-    A bad shard (bad_shards="skip") adds no samples: the group is smaller, its order still a function of the seed."""
-    reader = ShardReader(fmt, bad_shards, "train", len(counts))
-    for group in src:
-        samples = [s for url, name in zip(group["urls"], group["names"]) for s in reader.read(url, counts[name])]
+    A bad shard (bad_shards="skip") adds no samples: the group is smaller, its order still a function of the seed.
+    The next group's shards are fetched by a thread while this one's samples are handed out: over a network the
+    worker does not wait a whole download at each group boundary (memory: two groups of shards)."""
+    reader = ShardReader(files, fmt, bad_shards, "train", len(counts))
+    fetch = lambda group: [reader.fetch(name, counts[name]) for name in group["names"]]  # noqa: E731
+    groups = iter(src)
+    group = next(groups)
+    fetched = in_background(fetch, group)
+    while True:
+        results = fetched.result()
+        upcoming = next(groups)   # endless
+        fetched = in_background(fetch, upcoming)
+        samples = [s for name, r in zip(group["names"], results) for s in reader.accept(name, r)]
         order = list(range(len(samples)))
         random.Random(group["order_seed"]).shuffle(order)
         for j in order[group["skip"]:]:
             yield reader.tag(samples[j])
+        group = upcoming
+
+
+def in_background(fn, *args) -> Future:
+    """fn(*args) in a daemon thread: a process that is done exits without waiting for a fetch it no longer needs."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits for the result
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="shard-prefetch").start()
+    return future
 
 
 def collate(samples, dtype, member):
@@ -201,7 +178,8 @@ def collate(samples, dtype, member):
     mid-handover (kill -9) would leave that thread printing a ConnectionResetError traceback."""
     rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
     return {"tokens": np.stack(rows).astype(np.int64), "ids": [s["__key__"] for s in samples],
-            "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())]}
+            "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())],
+            "retries": sum(s.get("__retries__", 0) for s in samples)}
 
 
 def as_is(batch):
@@ -219,7 +197,7 @@ class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail", pin_memory=False):
+                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -237,7 +215,10 @@ class TokenStream:
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
-        self.skipped_shards = []  # (path, reason) of the shards the size check dropped
+        self.skipped_shards = []  # (URL, reason) of the shards the size check dropped
+        self.files = ShardFiles(shard_dir, {s["name"]: s.get("bytes") for split in m["splits"].values()
+                                            for s in split["shards"]}, cache_dir)
+        self.retries = 0   # fetches retried in this process (size checks, validation); train batches carry theirs
         self.shards = {split: self._checked(split) for split in m["splits"]}
         self.train = self._split("train")
         needed = dp_world * max(1, num_workers)
@@ -250,13 +231,19 @@ class TokenStream:
         self._live = 0  # id of the one live iterator
 
     def _checked(self, split):
-        """The split's [(name, samples)] sorted by name, less the shards whose file size shows damage: "fail" refuses
-        them, "skip" drops them here, before any order is computed. Only sizes are read: no shard is opened."""
-        good = []
-        for s in self.manifest["splits"][split]["shards"]:
-            path = os.path.join(self.shard_dir, s["name"])
-            size = os.path.getsize(path) if os.path.isfile(path) else None  # a missing shard is named by _split
-            if size == 0:
+        """The split's [(name, samples)] sorted by name, less the shards that are missing or whose size shows damage:
+        "fail" refuses them, "skip" drops them here, before any order is computed. Only sizes are read (remote ones
+        by parallel HEAD requests or their store's size call): no shard is opened."""
+        good, listed = [], self.manifest["splits"][split]["shards"]
+        sizes, retries = remote.sizes([self.files.url(s["name"]) for s in listed])
+        self.retries += retries
+        for s in listed:
+            path = self.files.url(s["name"])
+            size = sizes[path]   # None: the source cannot tell (a pipe: command); checked when read
+            if isinstance(size, remote.Missing):
+                reason = "is missing (listed in manifest.json)" if size == "not found" else f"cannot be read: {size}"
+                size = None
+            elif size == 0:
                 reason = "is empty (0 bytes)"
             elif size is not None and s.get("bytes", size) != size:
                 reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
@@ -264,7 +251,7 @@ class TokenStream:
             else:
                 good.append((s["name"], s["samples"]))
                 continue
-            need(self.bad_shards == "skip", f"shard {path} {reason}: {_fix(self.shard_dir)}")
+            need(self.bad_shards == "skip", f"shard {path} {reason}: {fix(self.shard_dir)}")
             self.skipped_shards.append((path, reason))
         return sorted(good)
 
@@ -275,22 +262,18 @@ class TokenStream:
                             f"rebuild it with {MAKE}")
         need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
                       f"{MAKE}" + (" --val-fraction > 0" if split == "val" else ""))
-        for name, _ in shards:
-            path = os.path.join(self.shard_dir, name)
-            need(os.path.isfile(path), f"shard {path} listed in manifest.json is missing: rebuild {self.shard_dir}")
         return shards
 
     # ---- train stream ----
 
     def _source(self, skip_batches):
         nodesplitter = functools.partial(split_by_dp_rank, rank=self.dp_rank, world=self.dp_world)
-        return EpochShards(self.shard_dir, self.train, self.seed, nodesplitter, self.mix_shards, skip_batches,
-                           self.micro_batch_size)
+        return EpochShards(self.train, self.seed, nodesplitter, self.mix_shards, skip_batches, self.micro_batch_size)
 
     def _loader(self, skip_batches):
         pipeline = wds.DataPipeline(
             self._source(skip_batches),
-            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.fmt, self.bad_shards),
+            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.files, self.fmt, self.bad_shards),
             wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
         )
         return torch.utils.data.DataLoader(pipeline, batch_size=None, collate_fn=as_is,
@@ -359,13 +342,15 @@ class TokenStream:
     def _samples_from(self, split, shards, start):
         """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened. A
         shard found bad here (bad_shards="skip") is passed over, so the rest of the split moves up."""
-        reader = ShardReader(self.fmt, self.bad_shards, split, len(shards))
+        reader = ShardReader(self.files, self.fmt, self.bad_shards, split, len(shards))
         i = 0
         while start >= shards[i][1]:
             start -= shards[i][1]
             i += 1
         while True:
             name, count = shards[i]
-            for sample in reader.read(os.path.join(self.shard_dir, name), count)[start:]:
+            samples = reader.read(name, count)[start:]
+            self.retries, reader.retries = self.retries + reader.retries, 0   # read in this process: counted here
+            for sample in samples:
                 yield reader.tag(sample)
             i, start = (i + 1) % len(shards), 0

@@ -52,9 +52,9 @@ def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)
 
 
-def dp_sum(count: int, lay: Layout) -> torch.Tensor:
-    """A count summed over the data-parallel ranks, on the device (not read)."""
-    return all_reduce(torch.full((1,), float(count), device=lay.device), lay, group=lay.dp_group)
+def dp_sum(counts: list[int], lay: Layout) -> torch.Tensor:
+    """Counts, each summed over the data-parallel ranks, on the device (not read)."""
+    return all_reduce(torch.tensor([float(c) for c in counts], device=lay.device), lay, group=lay.dp_group)
 
 
 def any_rank(flags: list[bool], lay: Layout) -> torch.Tensor:

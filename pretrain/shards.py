@@ -36,19 +36,32 @@ def need(cond, msg):
 
 
 def read_manifest(shard_dir):
-    """Load and validate shard_dir/manifest.json; the result also carries "shard_dir"."""
-    need(os.path.isdir(shard_dir), f"shard directory {shard_dir} does not exist: build it with {MAKE} --out ...")
-    path = os.path.join(shard_dir, "manifest.json")
-    if not os.path.isfile(path):
-        tars = glob.glob(os.path.join(shard_dir, "*.tar"))
-        need(tars, f"shard directory {shard_dir} is empty (no manifest.json, no .tar shards): build it with {MAKE}")
-        raise DataError(f"{shard_dir} has {len(tars)} shards but no manifest.json (an unfinished {MAKE} run?): "
-                        "rebuild it")
+    """Load and validate <shard_dir>/manifest.json (shard_dir: a directory or a URL, pretrain/remote.py); the result
+    also carries "shard_dir"."""
+    from pretrain import remote   # not at the top: remote.py imports DataError from here
+
+    path = remote.join(shard_dir, "manifest.json")
+    if remote.is_remote(shard_dir):
+        try:
+            text = remote.fetch(path, what="manifest")[0]
+        except DataError as e:
+            raise DataError(f"{e}: is data.shard_dir={shard_dir} right? (shards written with {MAKE} --out, "
+                            "manifest.json beside them)") from None
+    else:
+        need(os.path.isdir(shard_dir), f"shard directory {shard_dir} does not exist: build it with {MAKE} --out ...")
+        if not os.path.isfile(path):
+            tars = glob.glob(os.path.join(shard_dir, "*.tar"))
+            need(tars, f"shard directory {shard_dir} is empty (no manifest.json, no .tar shards): build it with {MAKE}")
+            raise DataError(f"{shard_dir} has {len(tars)} shards but no manifest.json (an unfinished {MAKE} run?): "
+                            "rebuild it")
+        with open(path, "rb") as f:
+            text = f.read()
     try:
-        with open(path) as f:
-            m = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DataError(f"malformed manifest {path}: {e.msg} at line {e.lineno}: rebuild it with {MAKE}") from None
+        m = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "(not UTF-8 text)"
+        raise DataError(f"malformed manifest {path}: {getattr(e, 'msg', 'bad bytes')} {where}: rebuild it with "
+                        f"{MAKE}") from None
     bad = f"malformed manifest {path}:"
     need(isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT,
           f"{bad} expected a JSON object with \"format\": {MANIFEST_FORMAT}: rebuild it with {MAKE}")
@@ -71,7 +84,9 @@ def read_manifest(shard_dir):
 
 
 def tokenizer_path(manifest):
-    return os.path.join(manifest["shard_dir"], manifest["tokenizer"])
+    from pretrain import remote
+
+    return remote.join(manifest["shard_dir"], manifest["tokenizer"])
 
 
 def check_vocab(manifest, model_vocab_size):
@@ -81,8 +96,21 @@ def check_vocab(manifest, model_vocab_size):
           f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} or rebuild the shards")
 
 
+def write_file(location: str, name: str, data: bytes) -> None:
+    """One whole file into a shard location (a directory, pipe:, fsspec URL: pretrain/remote.py)."""
+    from pretrain import remote
+
+    f = remote.writer(remote.join(location, name))
+    f.write(data)
+    f.close()
+
+
 def write_manifest(out_dir: str, manifest: dict) -> None:
-    """manifest.json, written under a temporary name and renamed: a reader sees all of it or none."""
+    """manifest.json, written last; in a directory under a temporary name and renamed: a reader sees all or none."""
+    from pretrain import remote
+
+    if remote.is_remote(out_dir):   # an object store's upload appears whole; a pipe: command's target is its own
+        return write_file(out_dir, "manifest.json", json.dumps(manifest, indent=1).encode())
     tmp = os.path.join(out_dir, "manifest.json.tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -97,17 +125,19 @@ class SplitWriter:
         self.member = DTYPES[dtype][1]
         self.shards = []  # manifest records of the shards written so far
         self.samples = 0
-        self.tar = self.path = None
+        self.tar = self.file = None
 
     def write(self, payload):
         if self.tar is None:
             import webdataset as wds  # loaded already by make_shards(); not at the top, so --help and errors are quick
 
+            from pretrain import remote
+
             index = len(self.shards)
             name = f"{self.split}-{index:06d}.tar"
             # mtime fixed and no encoder: the same input gives byte-identical shards
-            self.path = os.path.join(self.out_dir, name)
-            self.tar = wds.TarWriter(self.path, encoder=False, mtime=0.0)
+            self.file = CountingWriter(remote.writer(remote.join(self.out_dir, name)))
+            self.tar = wds.TarWriter(self.file, encoder=False, mtime=0.0)
             self.shards.append({"name": name, "samples": 0, "first_id": f"{self.split}-{index:06d}-000000",
                                 "first_index": self.samples})
         record = self.shards[-1]
@@ -121,19 +151,38 @@ class SplitWriter:
     def close(self):
         if self.tar is not None:
             self.tar.close()
-            self.shards[-1]["bytes"] = os.path.getsize(self.path)  # after close: the tar's end blocks are written
+            self.file.close()
+            self.shards[-1]["bytes"] = self.file.bytes  # after close: the tar's end blocks are written
             self.tar = None
+
+
+class CountingWriter:
+    """A binary file object that counts the bytes written through it: a shard's size wherever it goes."""
+
+    def __init__(self, f):
+        self.f, self.bytes = f, 0
+
+    def write(self, data):
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def close(self):
+        self.f.close()
 
 
 def first_sample(manifest: dict, split: str = "val"):
     """The token ids (numpy) of the first sample of a split's first shard, read with tarfile alone."""
+    import io
     import tarfile
 
     import numpy as np
 
+    from pretrain import remote
+
     shards = manifest["splits"].get(split, {}).get("shards") or manifest["splits"]["train"]["shards"]
     dtype, member = DTYPES[manifest["dtype"]]
-    with tarfile.open(os.path.join(manifest["shard_dir"], shards[0]["name"])) as tar:
+    data, _ = remote.fetch(remote.join(manifest["shard_dir"], shards[0]["name"]), shards[0].get("bytes"))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         info = next(m for m in tar if m.name.endswith("." + member))
         return np.frombuffer(tar.extractfile(info).read(), dtype=dtype).astype(np.int64)
 

@@ -23,7 +23,7 @@ from model import ConfigError, SynthesizerLM
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed
+from pretrain import distributed, remote
 from pretrain.checkpoint import CheckpointError, Checkpointer, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
@@ -49,8 +49,11 @@ class Trainer:
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
-                                  pin_memory=lay.device.type == "cuda")
+                                  pin_memory=lay.device.type == "cuda", cache_dir=cfg.data.cache_dir)
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
+        self.retries_read = 0   # network fetches the train batches' workers retried
+        # sentencepiece reads a local file: a tokenizer beside remote shards is fetched into the run directory
+        self.tokenizer = remote.local_copy(cfg.data.tokenizer, cfg.train.run_dir)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world)
@@ -62,7 +65,7 @@ class Trainer:
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
         self.faults = Faults.from_environment(lay.rank)   # the fault-tolerance tests' hooks; none by default
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
-                                         {"data": self.stream, "guard": self.guard}, cfg.to_dict(), cfg.data.tokenizer,
+                                         {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
                                          lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
         if self.stream.skipped_shards:
@@ -166,6 +169,7 @@ class Trainer:
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""
         for batch in batches:
             self.bad_shards_read.update(batch["skipped_shards"])
+            self.retries_read += batch["retries"]
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
                 self.ids_file.flush()
@@ -249,10 +253,12 @@ class Trainer:
                     return row["step"], row["val/ppl"]
         return 0, float("nan")
 
-    def skipped_shards(self) -> int:
-        """Bad shards left out so far: at the start (every rank alike) + found while reading (summed over DP)."""
-        found = self.read(distributed.dp_sum(len(self.bad_shards_read), self.layout))[0]
-        return len(self.stream.skipped_shards) + round(found)
+    def data_faults(self) -> tuple[int, int]:
+        """(bad shards left out so far: at the start, every rank alike, + found while reading, summed over DP;
+        fetches retried after network faults by this run's processes, summed over DP), in one collective."""
+        found, retries = self.read(distributed.dp_sum([len(self.bad_shards_read),
+                                                       self.retries_read + self.stream.retries], self.layout))
+        return len(self.stream.skipped_shards) + round(found), round(retries)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def log_step(self, loss: float, tokens_per_s: float) -> None:
@@ -267,7 +273,7 @@ class Trainer:
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
-                  "data/skipped_shards": self.skipped_shards()}
+                  **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults()))}
         if grad_norm is not None:   # DeepSpeed reports none under ZeRO-0 fp32 (its clipping keeps the norm)
             values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
@@ -310,7 +316,7 @@ class Trainer:
         first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1]
         maps = [tp.gather_heads(A) for A in model.attention_maps(first[:, :IMAGE_TOKENS].to(dev))]
         self.log.attention(self.step, layer_maps(cfg.model, maps))
-        sp = spm.SentencePieceProcessor(model_file=cfg.data.tokenizer)
+        sp = spm.SentencePieceProcessor(model_file=self.tokenizer)
         ids = (sp.encode(cfg.logging.sample_prompt) if cfg.logging.sample_prompt is not None
                else opening(first[0], sp.eos_id(), OPENING_TOKENS))   # the opening of a validation document
         out = sample(model, torch.tensor([ids], device=dev), cfg.logging.sample_tokens, temperature=0.8, top_k=50,

@@ -21,7 +21,7 @@ def reductions_on_meta(rank, world):
 
     lay, meta = layout("meta"), torch.device("meta")
     loss, count = torch.ones((), device=meta), torch.zeros((), device=meta)
-    built = {"dp_mean": distributed.dp_mean(loss, lay), "dp_sum": distributed.dp_sum(3, lay),
+    built = {"dp_mean": distributed.dp_mean(loss, lay), "dp_sum": distributed.dp_sum([3, 4], lay),
              "any_rank": distributed.any_rank([True, False], lay),
              "step_outcome": distributed.step_outcome(loss, count, [False, True], lay)}
     devices = {name: (str(t.device), tuple(t.shape)) for name, t in built.items()}
@@ -35,7 +35,7 @@ def reductions_on_meta(rank, world):
 
 def test_trainer_collectives_build_their_tensors_on_the_layouts_device():
     devices, refused = run_distributed(reductions_on_meta, 1)[0]
-    assert devices == {"dp_mean": ("meta", (1,)), "dp_sum": ("meta", (1,)), "any_rank": ("meta", (2,)),
+    assert devices == {"dp_mean": ("meta", (1,)), "dp_sum": ("meta", (2,)), "any_rank": ("meta", (2,)),
                        "step_outcome": ("meta", (4,))}
     assert refused and "on cpu" in refused and "device is meta" in refused
 

@@ -1,6 +1,7 @@
-"""Crashes at random moments: `kill -9` of one rank at a random step, and death in the middle of a checkpoint save
-at a random phase. Each time the same command is launched again; at the end every loss the run ever logged (before
-and after each crash) and every sample id it read equal those of a run that was never interrupted, bit for bit."""
+"""Crashes at random moments: `kill -9` of one rank at a random step (its shards streamed over HTTP), and death in
+the middle of a checkpoint save at a random phase (shards on disk). Each time the same command is launched again; at
+the end every loss the run ever logged (before and after each crash) and every sample id it read equal those of a run
+that was never interrupted and read the local directory, bit for bit."""
 import os
 import random
 import signal
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from pretrain.faults import SAVE_PHASES
+from tests.http_shards import ShardServer
 from tests.runs import (finish, free_port, id_rows, launch, metric_rows, output, reference_config, start,
                         trainer_ranks)
 
@@ -68,7 +70,12 @@ def check_resumed(out: str, step: int):
 
 
 def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference):
-    rng, run, cfg = random.Random(7), tmp_path / "run", reference_config(tmp_path, shards, "run")
+    with ShardServer(shards) as srv:   # the ranks stream their shards from http://127.0.0.1:PORT
+        kill_9_and_relaunch(reference_config(tmp_path, srv.url, "run"), tmp_path / "run", reference)
+
+
+def kill_9_and_relaunch(cfg, run, reference):
+    rng = random.Random(7)
     resume_at, kills = 0, []
     for _ in range(TRIALS or 3):
         target = min(STEPS - 1, resume_at + rng.randint(1, 2 * EVERY + 1))

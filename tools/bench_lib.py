@@ -24,6 +24,7 @@ import time
 
 from pretrain.metrics import memory_mb, reset_peak_memory
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
 READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up; one repetition's rate
 # Memory at 4 × the first n ÷ at the first: the goals of tools/bench.py's memory part and tools/bench_mixer.py
@@ -264,15 +265,26 @@ def run_train(spec: dict) -> dict:
 
 
 def run_data(spec: dict) -> dict:
-    """Batches of pretrain.data.TokenStream read from the shards on disk by its DataLoader workers, nothing else."""
+    """Batches of pretrain.data.TokenStream read by its DataLoader workers, nothing else: from the shards on disk,
+    or (spec["http"]) from a tools/serve_shards.py process serving them on 127.0.0.1."""
     from pretrain.data import TokenStream
     from pretrain.shards import read_manifest
 
-    seq_len = read_manifest(spec["shard_dir"])["seq_len"]
-    stream = TokenStream(spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"], seed=0)
-    batches = iter(stream)
-    out = measure(lambda: next(batches), lambda: None, spec["batch"] * seq_len, spec["warmup"], spec["reps"],
-                  spec["steps"])
+    server = location = None
+    try:
+        if spec.get("http"):
+            server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve_shards.py"),
+                                       spec["shard_dir"], "--port", "0"], stdout=subprocess.PIPE, text=True)
+            location = server.stdout.readline().split(" at ")[1].split()[0]   # "serving DIR at http://HOST:PORT ..."
+        seq_len = read_manifest(spec["shard_dir"])["seq_len"]
+        stream = TokenStream(location or spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"],
+                             seed=0)
+        batches = iter(stream)
+        out = measure(lambda: next(batches), lambda: None, spec["batch"] * seq_len, spec["warmup"], spec["reps"],
+                      spec["steps"])
+    finally:
+        if server:
+            server.kill()
     out.update(seq_len=seq_len, rank=0)
     return out
 

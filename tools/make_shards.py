@@ -22,6 +22,13 @@ Output directory:
 Each sample: __key__ "<split>-<shard:06d>-<index in shard:06d>" (unique over the directory) and one member
 "tokens.u16" (or "tokens.i32" when V > 65535): the n+1 ids as raw little-endian integers.
 
+--out may also be a pipe: command that reads one file from stdin ({} is its name) or an fsspec URL (with fsspec's
+backend for it installed), which writes straight into a bucket:
+    python tools/make_shards.py ... --out "pipe:aws s3 cp - s3://bucket/shards/{}"
+or write a directory and upload it (aws s3 sync runs/shards s3://bucket/shards; gsutil -m rsync -r …). The trainer
+then streams data.shard_dir=https://bucket.s3.amazonaws.com/shards, "pipe:aws s3 cp s3://bucket/shards/{} -" or
+s3://bucket/shards. manifest.json is written last; --force has no meaning there (nothing is listed or removed).
+
 Memory is bounded whatever the input size: lines are read and encoded in batches, only the tail of the token stream that
 does not fill a sample is kept between batches, and shards are written as they fill. manifest.json is written last, so
 a directory without one is an unfinished run.
@@ -38,7 +45,8 @@ import time
 
 import numpy as np
 
-from pretrain.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_manifest
+from pretrain import remote
+from pretrain.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
 
 from evaluation.cli import UsageError, one_line_errors
 from pretrain.corpus import check_inputs, iter_documents
@@ -52,6 +60,8 @@ def sha256_file(path):
 
 
 def prepare_out_dir(out, force):
+    if remote.is_remote(out):   # a pipe: command or a bucket: nothing to list or clear here; the manifest comes last
+        return
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory")
     old = glob.glob(os.path.join(out, "*.tar")) + glob.glob(os.path.join(out, "manifest.json"))
@@ -126,12 +136,15 @@ def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fra
         raise UsageError(f"{', '.join(inputs)}: only {n_tokens} tokens, not one train sample of {seq_len + 1}: "
                          "give more text or a smaller --seq-len")
 
-    tok_copy = os.path.join(out, "tokenizer.model")
-    if os.path.abspath(tok_copy) != os.path.abspath(tokenizer):
+    tok_copy = remote.join(out, "tokenizer.model")
+    if remote.is_remote(out):
+        with open(tokenizer, "rb") as f:
+            write_file(out, "tokenizer.model", f.read())
+    elif os.path.abspath(tok_copy) != os.path.abspath(tokenizer):
         shutil.copyfile(tokenizer, tok_copy)
     manifest = {
         "format": MANIFEST_FORMAT, "seq_len": seq_len, "vocab_size": vocab, "eos_id": eos,
-        "tokenizer": "tokenizer.model", "tokenizer_sha256": sha256_file(tok_copy),
+        "tokenizer": "tokenizer.model", "tokenizer_sha256": sha256_file(tokenizer),
         "tokenizer_source": os.path.abspath(tokenizer),
         "dtype": dtype, "seed": seed, "val_fraction": val_fraction,
         "inputs": [os.path.abspath(p) for p in inputs],
@@ -151,7 +164,10 @@ def parse_args(argv=None):
                    help="text files, plain or .gz, one document per line")
     p.add_argument("--tokenizer", required=True, metavar="PATH",
                    help="sentencepiece model from tools/train_tokenizer.py")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory for shards and manifest.json")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where the shards and manifest.json go: a directory, or pipe:COMMAND that reads one file "
+                        "from stdin, with {} for its name (pipe:aws s3 cp - s3://bucket/shards/{}), or an fsspec URL "
+                        "with its backend installed (s3://bucket/shards)")
     p.add_argument("--seq-len", type=int, required=True, help="n: each sample holds n+1 tokens")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="samples in each .tar (default 1000)")
     p.add_argument("--val-fraction", type=float, default=0.01,

@@ -1,0 +1,241 @@
+"""Where shards live: a local directory, `http(s)://…`, `pipe:COMMAND`, or any fsspec URL (`s3://`, `gs://`, `az://`…,
+with fsspec and its backend installed). Everything that reads or writes a shard set goes through these functions.
+
+    location  data.shard_dir / make_shards --out: a directory path or URL. A file in it is `join(location, name)`:
+              a path or URL joined by "/", or for `pipe:` the command with `{}` replaced by the name (appended after a
+              "/" when the command has no `{}`):  pipe:aws s3 cp s3://bucket/shards/{} -
+    fetch(url, size, cache)   the whole file's bytes, retried on transient faults; ("bytes", retries it took)
+    sizes(urls)               {url: bytes | None (unknown) | Missing(reason)}, checked in parallel before training
+    writer(url)               a binary file object that writes there (local, pipe:, fsspec)
+
+Faults. Transient: a dropped or reset connection, a read cut short, a timeout, HTTP 408/425/429/5xx, a pipe: command
+that exits non-zero (a command cannot say which it was). Each is retried up to RETRIES times with exponential backoff;
+an HTTP read resumes at the byte it had reached (a Range request; from the start, discarding what was read, where the
+server ignores ranges), and a file is handed on only whole, so a retry never reads a sample twice or loses one.
+Permanent: HTTP 4xx other than those, a missing file or object: a DataError naming the URL and the status at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
+
+from pretrain.shards import DataError
+
+RETRIES = int(os.environ.get("SYNTHFORMER_DATA_RETRIES", 6))   # ~25 s of backoff before a fault counts as permanent
+BACKOFF_S, BACKOFF_MAX_S = 0.2, 8.0
+TIMEOUT_S = 60                            # a stalled read is a transient fault, not a hang
+TRANSIENT_HTTP = {408, 425, 429, 500, 502, 503, 504}
+CHUNK = 1 << 20
+
+
+class Transient(Exception):
+    """A fault worth retrying (the message says what happened)."""
+
+
+class Missing(str):
+    """Why a file cannot be had at all: "HTTP 404 Not Found", "not found"…"""
+
+
+def is_remote(location: str) -> bool:
+    return location.startswith("pipe:") or "://" in location
+
+
+def join(location: str, name: str) -> str:
+    if location.startswith("pipe:"):
+        return location.replace("{}", name) if "{}" in location else f"{location.rstrip('/')}/{name}"
+    return f"{location.rstrip('/')}/{name}" if "://" in location else os.path.join(location, name)
+
+
+def _http(url: str, method: str = "GET", offset: int = 0):
+    headers = {"Range": f"bytes={offset}-"} if offset else {}
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers), timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as e:
+        e.close()
+        if e.code in TRANSIENT_HTTP:
+            raise Transient(f"HTTP {e.code} {e.reason}") from None
+        raise FileNotFoundError(f"HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError, HTTPException) as e:
+        raise Transient(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+
+
+def _chunks(url: str, offset: int):
+    """The file's bytes from `offset` on, in chunks; Transient or FileNotFoundError/PermissionError on faults."""
+    if url.startswith("pipe:"):
+        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        data, err = proc.communicate()
+        if proc.returncode != 0:
+            last = (err.decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise Transient(f"the command exited with status {proc.returncode}: {last}")
+        yield data[offset:]   # a command has no ranges: it starts over, and what was read before is dropped
+    elif url.startswith(("http://", "https://")):
+        with _http(url, offset=offset) as resp:
+            skip = offset if resp.status == 200 else 0   # a server that ignores Range sends the file from the start
+            try:
+                while chunk := resp.read(CHUNK):
+                    chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+                    yield chunk
+            except (OSError, HTTPException) as e:   # IncompleteRead, a reset or a timeout in mid-file
+                raise Transient(f"{type(e).__name__} after {resp.length or 0} bytes were left unread") from None
+    elif "://" in url:
+        fs, path = _fsspec(url)
+        try:
+            with fs.open(path, "rb") as f:
+                f.seek(offset)
+                while chunk := f.read(CHUNK):
+                    yield chunk
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as e:   # the backends' own network errors
+            raise Transient(f"{type(e).__name__}: {e}") from None
+    else:
+        with open(url, "rb") as f:
+            f.seek(offset)
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+
+def _fsspec(url: str):
+    try:
+        import fsspec
+    except ImportError:
+        raise DataError(f"{url}: reading {url.split('://')[0]}:// URLs needs fsspec and its backend "
+                        "(pip install fsspec s3fs / gcsfs / adlfs)") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        raise DataError(f"{url}: {e}") from None
+
+
+def retrying(what: str, url: str, attempt):
+    """attempt(progress) until it returns, retrying Transient faults with backoff; (result, retries). `progress` is
+    a dict the attempt may keep state in across tries (how far it got)."""
+    progress, retries = {}, 0
+    while True:
+        try:
+            return attempt(progress), retries
+        except Transient as e:
+            if retries == RETRIES:
+                raise DataError(f"{what} {url}: {e}, still after {RETRIES} retries") from None
+            time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** retries))
+            retries += 1
+        except (FileNotFoundError, PermissionError) as e:
+            raise DataError(f"{what} {url}: {_reason(e)}") from None
+
+
+def _reason(e: OSError) -> str:
+    return e.args[0] if e.args and isinstance(e.args[0], str) and e.args[0].startswith("HTTP") else \
+        ("not found" if isinstance(e, FileNotFoundError) else "permission denied")
+
+
+def fetch(url: str, size: int | None = None, cache: str | None = None, what: str = "shard") -> tuple[bytes, int]:
+    """(the file's bytes, retries it took). `size` (the manifest's) makes a short read a transient fault and keys the
+    cache: with `cache` (a local file path, unique to the name and size) a file already there is read from it, and a
+    fetched one is written there (under a temporary name, then renamed: readers on the node share it)."""
+    if cache and size is not None and os.path.isfile(cache) and os.path.getsize(cache) == size:
+        url = cache
+
+    def attempt(got):
+        data = got.setdefault("data", bytearray())
+        for chunk in _chunks(url, len(data)):
+            data += chunk
+        if size is not None and len(data) < size and is_remote(url):
+            raise Transient(f"the read ended after {len(data)} of {size} bytes")
+        return bytes(data)
+
+    data, retries = retrying(what, url, attempt)
+    if cache and url != cache and size is not None and len(data) == size:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, cache)
+    return data, retries
+
+
+def _size(url: str) -> int | None:
+    """The file's size without reading it (None where the source cannot tell: a pipe: command, no Content-Length)."""
+    if url.startswith("pipe:"):
+        return None
+    if url.startswith(("http://", "https://")):
+        with _http(url, method="HEAD") as resp:   # (resp.length is 0 for a HEAD: no body follows)
+            length = resp.headers.get("Content-Length")
+            return int(length) if length is not None and length.isdigit() else None
+    if "://" in url:
+        fs, path = _fsspec(url)
+        try:
+            return fs.size(path)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as e:
+            raise Transient(f"{type(e).__name__}: {e}") from None
+    if not os.path.isfile(url):
+        raise FileNotFoundError("not found")
+    return os.path.getsize(url)
+
+
+def sizes(urls: list[str]) -> tuple[dict, int]:
+    """({url: size | None | Missing(reason)}, retries): every file checked, remote ones in parallel."""
+    def check(url):
+        try:
+            return retrying("shard", url, lambda _: _size(url))
+        except DataError as e:
+            return Missing(str(e).removeprefix(f"shard {url}: ")), 0
+
+    with ThreadPoolExecutor(max_workers=64 if any(map(is_remote, urls)) else 1) as pool:
+        results = list(pool.map(check, urls))
+    return {u: s for u, (s, _) in zip(urls, results)}, sum(r for _, r in results)
+
+
+def local_copy(url: str, directory: str | None = None) -> str:
+    """A local path holding the file at `url`: the path itself when local; a remote file is fetched into `directory`
+    (default: the temporary folder) under a name unique to the URL, once, and renamed into place when whole."""
+    if not is_remote(url):
+        return url
+    directory = directory or tempfile.gettempdir()
+    tail = re.sub(r"[^\w.-]", "_", url.rstrip("/ -").rsplit("/", 1)[-1])[-40:]   # readable; the hash makes it unique
+    path = os.path.join(directory, f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{tail}")
+    if not os.path.isfile(path):
+        data, _ = fetch(url, what="file")
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return path
+
+
+class _PipeWriter:
+    """stdin of a pipe: command as a binary file; close() waits for it and raises on a non-zero exit."""
+
+    def __init__(self, url):
+        self.url, self.proc = url, subprocess.Popen(url[len("pipe:"):], shell=True, stdin=subprocess.PIPE)
+
+    def write(self, data):
+        return self.proc.stdin.write(data)
+
+    def close(self):
+        self.proc.stdin.close()
+        if self.proc.wait() != 0:
+            raise DataError(f"writing {self.url}: the command exited with status {self.proc.returncode}")
+
+
+def writer(url: str):
+    """A binary file object writing `url` (a path, pipe:COMMAND, or an fsspec URL); closing it finishes the write."""
+    if url.startswith("pipe:"):
+        return _PipeWriter(url)
+    if url.startswith(("http://", "https://")):
+        raise DataError(f"{url}: HTTP is read-only here; write to a directory or a pipe: command (pipe:aws s3 cp - "
+                        "s3://bucket/shards/{}) and serve or upload that")
+    if "://" in url:
+        fs, path = _fsspec(url)
+        return fs.open(path, "wb")
+    return open(url, "wb")

@@ -1,0 +1,170 @@
+"""Shards streamed from where clusters keep them (pretrain/remote.py): over HTTP from a real server on 127.0.0.1 that
+drops connections, answers 503 and 404; through a `pipe:` command; through fsspec. The batches must be those of the
+local directory, sample for sample, whatever the network did."""
+import os
+import shutil
+
+import pytest
+
+from pretrain import remote
+from pretrain.config import load_config
+from pretrain.data import TokenStream
+from pretrain.prelaunch import check_launch
+from pretrain.shards import DataError, read_manifest
+from tests.http_shards import ShardServer
+from tests.runs import built_once, launch, losses, ids_per_step, metric_rows, reference_config, tool, write_config
+
+SEQ, B, BATCHES = 32, 4, 12
+
+
+@pytest.fixture(scope="module")
+def few_shards(shards, tmp_path_factory):
+    """The trainer tests' text and tokenizer in shards of 8 samples (~110 train shards): fewer requests per test."""
+    def build(tmp):
+        src = os.path.dirname(shards)
+        tool("make_shards.py", "--input", f"{src}/corpus.txt", "--tokenizer", f"{src}/tokenizer.model", "--out",
+             tmp / "shards", "--seq-len", SEQ, "--samples-per-shard", 8, "--val-fraction", 0.05, "--quiet")
+    return str(built_once(tmp_path_factory, "remote-shards", build) / "shards")
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
+def stream(location, rank=0, **kw):
+    return TokenStream(location, B, SEQ, dp_rank=rank, dp_world=2, num_workers=kw.pop("num_workers", 1), seed=3, **kw)
+
+
+def batches(s, n=BATCHES):
+    """(ids, tokens) of the first n train batches, and the fetches they retried."""
+    got, retries, it = [], 0, iter(s)
+    for _ in range(n):
+        b = next(it)
+        got.append((b["ids"], b["tokens"].tolist()))
+        retries += b["retries"]
+    return got, retries
+
+
+def val(s):
+    return [(b["ids"], b["tokens"].tolist()) for b in s.val_batches(3)]
+
+
+def first_read(s, k):
+    """The first k shards this rank's worker reads: their faults come back within the first batches."""
+    return s.worker_shards(0, 0)[:k]
+
+
+def test_http_shards_give_the_local_batches_through_dropped_connections_and_503s(few_shards):
+    local = [stream(few_shards, rank) for rank in (0, 1)]
+    with ShardServer(few_shards) as srv:
+        for rank in (0, 1):
+            drop, busy = first_read(local[rank], 2), first_read(local[rank], 4)[2:]
+            srv.faults.update({**{n: ["drop"] for n in drop}, **{n: ["503"] for n in busy}})
+            s = stream(srv.url, rank)
+            got, retries = batches(s)
+            assert got == batches(local[rank])[0]
+            assert retries == 4 and all(srv.gets[n] == 2 for n in drop + busy)   # one failed GET, one retry each
+            assert val(s) == val(local[rank]) and s.state_dict() == local[rank].state_dict()
+        resumed = stream(srv.url, 1)   # exact resume: batches 6-8 of a new stream told it has consumed 5
+        resumed.load_state_dict(local[1].state_dict() | {"consumed_batches": 5})
+        assert batches(resumed, 3)[0] == batches(stream(few_shards, 1), 8)[0][5:]
+
+
+def test_a_fault_that_does_not_pass_is_one_line_after_the_retries(few_shards, monkeypatch):
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    with ShardServer(few_shards) as srv:
+        s = stream(srv.url, num_workers=0)
+        name = first_read(s, 1)[0]
+        srv.faults[name] = ["503", "drop", "503"]   # the first try and both retries fail
+        with pytest.raises(DataError) as e:
+            batches(s, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and srv.gets[name] == 3, msg
+    assert msg.startswith(f"shard {srv.url}/{name}: HTTP 503 Service Unavailable, still after 2 retries: "), msg
+
+
+def test_a_404_shard_fails_in_one_line_or_is_skipped_as_a_local_bad_shard_is(few_shards, tmp_path):
+    local = stream(few_shards)
+    name = first_read(local, 3)[1]
+    with ShardServer(few_shards) as srv:
+        srv.missing.add(name)
+        with pytest.raises(DataError) as e:
+            stream(srv.url)
+        assert str(e.value) == (f"shard {srv.url}/{name} cannot be read: HTTP 404 Not Found: rebuild {srv.url} with "
+                                "tools/make_shards.py, or set data.bad_shards=skip to train without it")
+        s = stream(srv.url, bad_shards="skip")
+        assert s.skipped_shards == [(f"{srv.url}/{name}", "cannot be read: HTTP 404 Not Found")]
+        got = batches(s)[0]
+    # the same order as a local directory where that shard is damaged (empty) and skipped at the start
+    damaged = tmp_path / "shards"
+    shutil.copytree(few_shards, damaged)
+    (damaged / name).write_bytes(b"")
+    assert got == batches(stream(str(damaged), bad_shards="skip"))[0]
+    assert name.removesuffix(".tar") not in str(got)
+
+
+def test_a_pipe_command_and_an_fsspec_url_read_the_local_batches(few_shards):
+    expected = batches(stream(few_shards))[0]
+    assert batches(stream(f"pipe:cat {few_shards}/{{}}"))[0] == expected
+    assert batches(stream(f"file://{few_shards}"))[0] == expected
+    assert read_manifest(f"pipe:cat {few_shards}/{{}}")["splits"] == read_manifest(few_shards)["splits"]
+
+
+def test_cache_dir_fetches_each_shard_once(few_shards, tmp_path):
+    cache = tmp_path / "cache"
+    with ShardServer(few_shards) as srv:
+        expected = batches(stream(few_shards), 30)[0]
+        assert batches(stream(srv.url, num_workers=0, cache_dir=str(cache)), 30)[0] == expected
+        first = {n for n in srv.gets if n.startswith("train")}
+        assert batches(stream(srv.url, num_workers=0, cache_dir=str(cache)), 30)[0] == expected
+        # no shard fetched twice: the second run read the first one's from the disk (and fetched only what its
+        # prefetch reached beyond them)
+        assert all(count == 1 for name, count in srv.gets.items() if name != "manifest.json"), srv.gets
+    sizes = {s["name"]: s["bytes"] for s in read_manifest(few_shards)["splits"]["train"]["shards"]}
+    assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in cache.iterdir()}
+
+
+def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):
+    with ShardServer(few_shards) as srv:
+        cfg = load_config(write_config(tmp_path / "c.yaml", srv.url, tmp_path / "run"), [])
+        assert check_launch(cfg, 2).dp == 2
+        cfg = load_config(write_config(tmp_path / "c.yaml", srv.url + "/nothing", tmp_path / "run"), [])
+        with pytest.raises(DataError) as e:
+            check_launch(cfg, 2)
+    assert str(e.value).startswith(f"manifest {srv.url}/nothing/manifest.json: HTTP 404 File not found: is "
+                                   f"data.shard_dir={srv.url}/nothing right?"), str(e.value)
+
+
+def test_make_shards_writes_through_a_pipe_command_the_files_it_writes_to_a_directory(shards, tmp_path):
+    src, piped = os.path.dirname(shards), tmp_path / "piped"
+    piped.mkdir()
+    args = ["--input", f"{src}/corpus.txt", "--tokenizer", f"{src}/tokenizer.model", "--seq-len", SEQ,
+            "--samples-per-shard", 50, "--quiet"]
+    tool("make_shards.py", *args, "--out", tmp_path / "local")
+    tool("make_shards.py", *args, "--out", f"pipe:cat > {piped}/{{}}")
+    names = sorted(os.listdir(tmp_path / "local"))
+    assert sorted(os.listdir(piped)) == names and "manifest.json" in names and len(names) > 5
+    assert all((piped / n).read_bytes() == (tmp_path / "local" / n).read_bytes() for n in names)
+
+
+def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):
+    """The first shard each DataLoader worker of each rank reads in tests/runs.py's reference run."""
+    return [TokenStream(shards, batch, SEQ, dp_rank=r, dp_world=ranks, num_workers=workers, seed=seed)
+            .worker_shards(0, w)[0] for r in range(ranks) for w in range(workers)]
+
+
+@pytest.mark.slow
+def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, reference_run, tmp_path):
+    """tests/runs.py's reference run (2 ranks, 2 data workers each, 40 steps), its shards served over HTTP: the first
+    shard of each worker has its connection dropped half-way or gets a 503. Same losses and sample ids, bit for bit,
+    as the run from the local directory; the four retries are counted in metrics.jsonl (and TensorBoard)."""
+    firsts = first_shards_of_each_worker(shards)
+    with ShardServer(shards) as srv:
+        srv.faults.update({name: [fault] for name, fault in zip(firsts, ["drop", "503", "503", "drop"])})
+        launch(reference_config(tmp_path, srv.url, "run"), 2)
+    run = tmp_path / "run"
+    assert losses(run) == losses(reference_run)
+    assert all(ids_per_step(run, r) == ids_per_step(reference_run, r) for r in (0, 1))
+    assert [r["data/retries"] for r in metric_rows(run) if "data/retries" in r][-1] == 4
+    assert all(srv.gets[n] == 2 for n in firsts)

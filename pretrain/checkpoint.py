@@ -139,15 +139,9 @@ class Checkpointer:
         if problem:
             raise ConfigError(problem)
 
-    def load(self, resume: str) -> int:
-        """Restore the checkpoint `resume_point` picks: the newest complete one (resume='auto'), or the universal
-        one written by tools/convert.py to-universal when it is newer or the layout changed; a given one (a path);
-        or nothing ('none'). Returns the step."""
-        if resume not in ("auto", "none"):
-            problem = verify(os.path.abspath(resume))
-            if problem:
-                raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
-        path = resume_point(resume, self.dir, self.config, self.world, announce=self.rank == 0)
+    def load(self, path: str | None) -> int:
+        """Restore the checkpoint at `path` (a tag directory: `resume_point`'s choice), or nothing (None). Returns
+        the step."""
         if path is None:
             return 0
         self.check_compatible(path)
@@ -211,6 +205,9 @@ def resume_point(resume: str, directory: str, config: dict, world: int, announce
     if resume == "none":
         return None
     if resume != "auto":
+        problem = verify(os.path.abspath(resume))
+        if problem:
+            raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
         return os.path.abspath(resume)
     tag, uni = newest_complete(directory, announce), newest_universal(directory)
     step = lambda t: int(t.rsplit("_", 1)[-1])   # noqa: E731  step_00000100, universal_step_00000100

@@ -92,17 +92,25 @@ def _module_weights(tag_dir: str, cfg: TrainConfig) -> dict[tuple[str, int], tor
     return out
 
 
-def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, torch.Tensor]]:
-    """(the run's config, full fp32 tensors by canonical name) of a checkpoint tag directory."""
+def canonical_names(cfg: TrainConfig):
+    """name -> canonical name of a run's parameters: a pipeline run's stage-local names (`3.mixer…`) become the plain
+    model's (`blocks.2.mixer…`); other runs already use those."""
+    if cfg.parallel.pp == 1:
+        return lambda name: name
     from pretrain.pipeline import canonical_name, stage_prefixes
 
+    return partial(canonical_name, prefixes=stage_prefixes(cfg.model))
+
+
+def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, torch.Tensor]]:
+    """(the run's config, full fp32 tensors by canonical name) of a checkpoint tag directory."""
     cfg = read_config(tag_dir)
     p = cfg.parallel
     for m in range(p.tp * p.pp):
         if not glob.glob(os.path.join(tag_dir, f"*mp_rank_{m:02d}_model_states.pt")):
             raise ConfigError(f"{tag_dir} lacks the files of model-parallel rank {m} (config.yaml says tp={p.tp}, "
                               f"pp={p.pp}): the checkpoint is incomplete")
-    rename = partial(canonical_name, prefixes=stage_prefixes(cfg.model)) if p.pp > 1 else (lambda name: name)
+    rename = canonical_names(cfg)
     weights = _module_weights(tag_dir, cfg)                      # frozen tensors (random_fixed's R) live only here
     if p.zero_stage >= 1 and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_optim_states.pt")):
         ranks = range(p.tp * p.pp)

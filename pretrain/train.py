@@ -56,7 +56,8 @@ class Trainer:
         self.tokenizer = remote.local_copy(cfg.data.tokenizer, cfg.train.run_dir)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
-        resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world)
+        resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world,
+                              announce=lay.rank == 0)
         self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume))
         self.pipeline = cfg.parallel.pp > 1   # one module per rank, or this rank's stage of a PipelineEngine
         self.forward_backward, self.val_loss = ((self.pipeline_forward_backward, self.pipeline_val_loss)
@@ -74,7 +75,7 @@ class Trainer:
         self.started, self.stop_reason = time.time(), None
         for name in cfg.train.preempt_signals:   # SLURM and other schedulers warn before they kill
             signal.signal(getattr(signal, name), self.on_signal)
-        self.step = self.checkpointer.load(cfg.checkpoint.resume)
+        self.step = self.checkpointer.load(resume)
         if self.step == 0 and cfg.train.init_from:
             self.step = self.continue_release(cfg.train.init_from)
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py

@@ -61,7 +61,7 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     from deepspeed.checkpoint import ds_to_universal
 
     from pretrain.checkpoint import _write_durably, record_complete
-    from pretrain.ds_checkpoint import read_config, step_of
+    from pretrain.ds_checkpoint import canonical_names, read_config, step_of
 
     cfg = read_config(tag_dir)
     step = step_of(tag_dir)
@@ -69,7 +69,7 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
         raise ConfigError(f"{tag_dir} was written with ZeRO-0 in fp32, whose optimizer state DeepSpeed keeps whole, "
                           f"not per parameter: a universal checkpoint needs ZeRO-1/2/3 (or bf16); to change the "
                           f"layout without the optimizer state use tools/convert.py to-release and train.init_from")
-    rename = _canonical(cfg)
+    rename = canonical_names(cfg)
     params = parameters(cfg.model)
     tag = f"{PREFIX}step_{step:08d}"
     final, partial = os.path.join(out_dir, tag), os.path.join(out_dir, tag + ".partial")
@@ -102,15 +102,6 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     os.rename(partial, final)
     _write_durably(os.path.join(out_dir, "latest_universal"), tag)
     return final
-
-
-def _canonical(cfg):
-    if cfg.parallel.pp == 1:
-        return lambda name: name
-    from functools import partial
-
-    from pretrain.pipeline import canonical_name, stage_prefixes
-    return partial(canonical_name, prefixes=stage_prefixes(cfg.model))
 
 
 def _stage(tag_dir: str, staging: str, params: dict, rename) -> None:

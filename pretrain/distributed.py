@@ -52,6 +52,14 @@ def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)
 
 
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now: for a process group of this host's processes that must not meet another
+    job's (launch/pretrain.sh's default 29500 is taken by any other run on the machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def dp_sum(counts: list[int], lay: Layout) -> torch.Tensor:
     """Counts, each summed over the data-parallel ranks, on the device (not read)."""
     return all_reduce(torch.tensor([float(c) for c in counts], device=lay.device), lay, group=lay.dp_group)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from model import ConfigError
 from model.accounting import model_stats
 from pretrain.config import load_config
+from pretrain.distributed import free_local_port
 
 STUDIES = os.path.join(ROOT, "configs", "studies")
 # The paper's LM1B perplexities (Tay et al. 2020, Table 3): another corpus, model size and budget than any study here
@@ -68,7 +69,8 @@ def train(variant: str, args, run_dir: str, warmup: int, seeds: list[str]) -> No
     overrides = [f"model.mixer={variant}", f"train.run_dir={run_dir}", f"train.max_steps={args.steps}",
                  f"train.warmup_steps={min(warmup, args.steps // 10)}", f"checkpoint.every={args.steps}",
                  "checkpoint.keep=1", "logging.image_every=0", *seeds, *args.overrides]
-    env = {"PYTHON": sys.executable, **os.environ, "NPROC": str(args.nproc)}   # the trainers run in this Python
+    # the trainers run in this Python, on a free port: another run on the machine may hold the launcher's default
+    env = {"PYTHON": sys.executable, "MASTER_PORT": str(free_local_port()), **os.environ, "NPROC": str(args.nproc)}
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
         r = subprocess.run([os.path.join(ROOT, "launch", "pretrain.sh"), args.config, *overrides], cwd=ROOT, env=env,

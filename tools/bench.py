@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,9 +60,9 @@ from tools.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, plan, variant_con
 
 def rank_env(spec: dict) -> list[dict]:
     """The launcher's environment of each rank of spec's world (a free local port for the process group)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pretrain.distributed import free_local_port
+
+    port = free_local_port()
     world = spec["world"]
     env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": str(world), "LOCAL_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **spec["env"]}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
@@ -86,9 +85,9 @@ def to_deepspeed(args) -> str:
     cfg = training_config(args)
     world = args.tp * args.pp
     cfg.check_runtime(world, cuda=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from pretrain.distributed import free_local_port
+
+    port = str(free_local_port())
     worker_args = [args.release, args.out, *args.overrides, f"--tp={args.tp}", f"--pp={args.pp}",
                    *([f"--config={args.config}"] if args.config else [])]   # positionals first: argparse
     procs = []

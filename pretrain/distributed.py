@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,7 @@ def init(cfg: TrainConfig) -> Layout:
 
 
 # What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers.
+LOSS_GRACE_S = 3.0   # how long a rank that saw a peer's connection drop waits to see that peer's process gone
 PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
              "NCCL communicator was aborted", "DataLoader worker")
 
@@ -226,7 +228,12 @@ def lost_peer(e: BaseException, lay: Layout) -> str | None:
     if not is_peer_loss(e):
         return None
     here = socket.gethostname()
-    lost = [r for r, (host, pid) in enumerate(lay.peers) if host == here and r != lay.rank and not _alive(pid)]
+    deadline = time.monotonic() + LOSS_GRACE_S
+    while True:   # a killed rank's sockets close before its process is gone: give it a moment to be seen gone
+        lost = [r for r, (host, pid) in enumerate(lay.peers) if host == here and r != lay.rank and not _alive(pid)]
+        if lost or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     who = (f"rank {', '.join(map(str, lost))} (its process is gone: killed, or out of memory)" if lost else
            "another rank (on another host, or still stopping)")
     return (f"lost {who} in the middle of a step; relaunch the same command to resume from the newest "
@@ -240,7 +247,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:   # someone else's process under that number: not ours, so ours is gone
         return False
-    return True
+    try:   # a zombie (dead, not yet reaped by the launcher) still answers kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):   # no /proc here (macOS): alive as far as this host can tell
+        return True
 
 
 def shutdown() -> None:

@@ -153,12 +153,17 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
 
     data, retries = retrying(what, url, attempt)
     if cache and url != cache and size is not None and len(data) == size:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, cache)
+        _write_whole(cache, data)
     return data, retries
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """A local file written under a temporary name and renamed: processes of a node that share it see all or none."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _size(url: str) -> int | None:
@@ -204,12 +209,7 @@ def local_copy(url: str, directory: str | None = None) -> str:
     tail = re.sub(r"[^\w.-]", "_", url.rstrip("/ -").rsplit("/", 1)[-1])[-40:]   # readable; the hash makes it unique
     path = os.path.join(directory, f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{tail}")
     if not os.path.isfile(path):
-        data, _ = fetch(url, what="file")
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        _write_whole(path, fetch(url, what="file")[0])
     return path
 
 

@@ -27,13 +27,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 
-from pretrain.shards import DataError
-
 RETRIES = int(os.environ.get("SYNTHFORMER_DATA_RETRIES", 6))   # ~25 s of backoff before a fault counts as permanent
 BACKOFF_S, BACKOFF_MAX_S = 0.2, 8.0
 TIMEOUT_S = 60                            # a stalled read is a transient fault, not a hang
 TRANSIENT_HTTP = {408, 425, 429, 500, 502, 503, 504}
 CHUNK = 1 << 20
+
+
+class DataError(ValueError):
+    """A problem with the shard data or its settings; the message is one line that names the path/value and the fix."""
 
 
 class Transient(Exception):

@@ -12,8 +12,15 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
+import tarfile
+
+import numpy as np
+
+from pretrain import remote
+from pretrain.remote import DataError  # defined beside the opener that raises it first; imported from here by the rest
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -26,10 +33,6 @@ DTYPES = {"uint16": ("<u2", "tokens.u16"), "int32": ("<i4", "tokens.i32")}  # ma
 MAKE = "tools/make_shards.py"
 
 
-class DataError(ValueError):
-    """A problem with the shard data or its settings; the message is one line that names the path/value and the fix."""
-
-
 def need(cond, msg):
     if not cond:
         raise DataError(msg)
@@ -38,8 +41,6 @@ def need(cond, msg):
 def read_manifest(shard_dir):
     """Load and validate <shard_dir>/manifest.json (shard_dir: a directory or a URL, pretrain/remote.py); the result
     also carries "shard_dir"."""
-    from pretrain import remote   # not at the top: remote.py imports DataError from here
-
     path = remote.join(shard_dir, "manifest.json")
     if remote.is_remote(shard_dir):
         try:
@@ -84,8 +85,6 @@ def read_manifest(shard_dir):
 
 
 def tokenizer_path(manifest):
-    from pretrain import remote
-
     return remote.join(manifest["shard_dir"], manifest["tokenizer"])
 
 
@@ -98,8 +97,6 @@ def check_vocab(manifest, model_vocab_size):
 
 def write_file(location: str, name: str, data: bytes) -> None:
     """One whole file into a shard location (a directory, pipe:, fsspec URL: pretrain/remote.py)."""
-    from pretrain import remote
-
     f = remote.writer(remote.join(location, name))
     f.write(data)
     f.close()
@@ -107,8 +104,6 @@ def write_file(location: str, name: str, data: bytes) -> None:
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
     """manifest.json, written last; in a directory under a temporary name and renamed: a reader sees all or none."""
-    from pretrain import remote
-
     if remote.is_remote(out_dir):   # an object store's upload appears whole; a pipe: command's target is its own
         return write_file(out_dir, "manifest.json", json.dumps(manifest, indent=1).encode())
     tmp = os.path.join(out_dir, "manifest.json.tmp")
@@ -130,8 +125,6 @@ class SplitWriter:
     def write(self, payload):
         if self.tar is None:
             import webdataset as wds  # loaded already by make_shards(); not at the top, so --help and errors are quick
-
-            from pretrain import remote
 
             index = len(self.shards)
             name = f"{self.split}-{index:06d}.tar"
@@ -172,13 +165,6 @@ class CountingWriter:
 
 def first_sample(manifest: dict, split: str = "val"):
     """The token ids (numpy) of the first sample of a split's first shard, read with tarfile alone."""
-    import io
-    import tarfile
-
-    import numpy as np
-
-    from pretrain import remote
-
     shards = manifest["splits"].get(split, {}).get("shards") or manifest["splits"]["train"]["shards"]
     dtype, member = DTYPES[manifest["dtype"]]
     data, _ = remote.fetch(remote.join(manifest["shard_dir"], shards[0]["name"]), shards[0].get("bytes"))

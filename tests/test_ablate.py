@@ -5,6 +5,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 
 from model.accounting import model_stats
 from pretrain.config import load_config
@@ -59,3 +60,26 @@ def test_ablate_trains_evaluates_reports_and_resumes(shards, tmp_path):
     assert (out / "loss_curves.png").stat().st_size > 10_000
     bad = subprocess.run(cmd[:5] + ["dot,randm"] + cmd[6:], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "randm" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_recorded_default_study_keeps_its_ranking_at_twice_the_budget():
+    """docs/study: the default study (600 steps) and its 2× check (1200), as run: every pair ranked at 600 is ranked the
+    same way at 1200 or indistinguishable there (never reversed), and the README quotes their perplexities."""
+    def verdicts(steps):
+        with open(os.path.join(ROOT, "docs", "study", f"cpu-{steps}.json")) as f:
+            study = json.load(f)
+        assert study["steps"] == steps and study["seeds"] == 2
+        ppl = {v: [r["val_ppl"] for r in runs] for v, runs in study["runs"].items()}
+        return ppl, {(a, b) for a, b, ranked in ranking(ppl) if ranked}
+
+    ppl_600, ranked_600 = verdicts(600)
+    ppl_1200, ranked_1200 = verdicts(1200)
+    with open(os.path.join(ROOT, "configs", "studies", "cpu.yaml")) as f:
+        assert set(ppl_600) == set(ppl_1200) == set(yaml.safe_load(f)["variants"])
+    assert ranked_600, "the default budget ranks no pair: nothing to check"
+    assert not {(b, a) for a, b in ranked_600} & ranked_1200, "a pair ranked at 600 steps is reversed at 1200"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for ppl in (ppl_600, ppl_1200):
+        for v, values in ppl.items():
+            assert f"| {v} | {cell(values, '{:.2f}')}" in readme, f"README's table row of {v} differs from docs/study"

@@ -2,7 +2,9 @@
 
 Public API (the shard format, the manifest and DataError: pretrain/shards.py)
     TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
-                bad_shards="fail", pin_memory=False, cache_dir=None)
+                bad_shards="fail", pin_memory=False, cache_dir=None, decide=None)
+                            decide(fn): fn's result as one rank computed it, on every rank, for the size check
+                            (the trainer's pretrain.distributed.from_rank0; None: this process checks alone)
         iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
                             "skipped_shards": [URLs of shards found bad while this batch was read; usually []],
                             "retries": fetches retried (network faults) while this batch was read; usually 0}
@@ -197,7 +199,7 @@ class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None):
+                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -215,11 +217,12 @@ class TokenStream:
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
-        self.skipped_shards = []  # (URL, reason) of the shards the size check dropped
         self.files = ShardFiles(shard_dir, {s["name"]: s.get("bytes") for split in m["splits"].values()
                                             for s in split["shards"]}, cache_dir)
         self.retries = 0   # fetches retried in this process (size checks, validation); train batches carry theirs
-        self.shards = {split: self._checked(split) for split in m["splits"]}
+        # the good shards of each split and (URL, reason) of those the size check dropped. decide(fn): fn's result as
+        # one rank computed it, on every rank (the trainer's: all train on one list, checked by one rank's requests)
+        self.shards, self.skipped_shards = (decide or (lambda fn: fn()))(self._check_shards)
         self.train = self._split("train")
         needed = dp_world * max(1, num_workers)
         dropped = len(m["splits"]["train"]["shards"]) - len(self.train)
@@ -230,30 +233,33 @@ class TokenStream:
         self._consumed = 0  # batches handed to the trainer: the whole resumable position
         self._live = 0  # id of the one live iterator
 
-    def _checked(self, split):
-        """The split's [(name, samples)] sorted by name, less the shards that are missing or whose size shows damage:
-        "fail" refuses them, "skip" drops them here, before any order is computed. Only sizes are read (remote ones
-        by parallel HEAD requests or their store's size call): no shard is opened."""
-        good, listed = [], self.manifest["splits"][split]["shards"]
-        sizes, retries = remote.sizes([self.files.url(s["name"]) for s in listed])
+    def _check_shards(self):
+        """({split: [(name, samples)] sorted by name}, [(URL, reason) skipped]): every listed shard less
+        those that are missing or whose size shows damage: "fail" refuses them, "skip" drops them here, before any
+        order is computed. Only sizes are read (remote ones by parallel HEAD requests or their store's size call): no
+        shard is opened."""
+        listed = {split: s["shards"] for split, s in self.manifest["splits"].items()}
+        sizes, retries = remote.sizes([self.files.url(s["name"]) for shards in listed.values() for s in shards])
         self.retries += retries
-        for s in listed:
-            path = self.files.url(s["name"])
-            size = sizes[path]   # None: the source cannot tell (a pipe: command); checked when read
-            if isinstance(size, remote.Missing):
-                reason = "is missing (listed in manifest.json)" if size == "not found" else f"cannot be read: {size}"
-                size = None
-            elif size == 0:
-                reason = "is empty (0 bytes)"
-            elif size is not None and s.get("bytes", size) != size:
-                reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
-                    " (truncated?)" if size < s["bytes"] else " (overwritten?)")
-            else:
-                good.append((s["name"], s["samples"]))
-                continue
-            need(self.bad_shards == "skip", f"shard {path} {reason}: {fix(self.shard_dir)}")
-            self.skipped_shards.append((path, reason))
-        return sorted(good)
+        good, skipped = {split: [] for split in listed}, []
+        for split, shards in listed.items():
+            for s in shards:
+                path = self.files.url(s["name"])
+                size = sizes[path]   # None: the source cannot tell (a pipe: command); checked when read
+                if isinstance(size, remote.Missing):
+                    reason = ("is missing (listed in manifest.json)" if size == "not found" else
+                              f"cannot be read: {size}")
+                elif size == 0:
+                    reason = "is empty (0 bytes)"
+                elif size is not None and s.get("bytes", size) != size:
+                    reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
+                        " (truncated?)" if size < s["bytes"] else " (overwritten?)")
+                else:
+                    good[split].append((s["name"], s["samples"]))
+                    continue
+                need(self.bad_shards == "skip", f"shard {path} {reason}: {fix(self.shard_dir)}")
+                skipped.append((path, reason))
+        return {split: sorted(shards) for split, shards in good.items()}, skipped
 
     def _split(self, split):
         shards = self.shards.get(split, [])

@@ -6,6 +6,7 @@ The backend follows DeepSpeed's accelerator (NCCL on GPUs, gloo on CPU); no devi
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
@@ -51,6 +52,25 @@ def all_reduce(t: torch.Tensor, lay: Layout, op=dist.ReduceOp.SUM, group=None) -
 def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     """The mean of a scalar over the data-parallel ranks, as a 1-element fp32 tensor on the device (not read)."""
     return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)
+
+
+def from_rank0(fn, lay: Layout):
+    """fn() run on global rank 0 alone, its result on every rank (or the error it raised, raised on every rank): a
+    decision all ranks must share, made once (which shards are good: one rank's requests, not every rank's)."""
+    box, error = [None], None
+    if lay.rank == 0:
+        try:
+            box[0] = (fn(), None)
+        except Exception as e:   # handed to every rank, which raise it (as a RuntimeError if it does not pickle)
+            error = e
+            try:
+                box[0] = (None, pickle.loads(pickle.dumps(e)))
+            except Exception:
+                box[0] = (None, RuntimeError(f"{type(e).__name__}: {e}"))
+    dist.broadcast_object_list(box, src=0, device=lay.device)
+    if box[0][1] is not None:
+        raise error or box[0][1]
+    return box[0][0]
 
 
 def free_local_port() -> int:

@@ -49,7 +49,8 @@ class Trainer:
         self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
-                                  pin_memory=lay.device.type == "cuda", cache_dir=cfg.data.cache_dir)
+                                  pin_memory=lay.device.type == "cuda", cache_dir=cfg.data.cache_dir,
+                                  decide=lambda check: distributed.from_rank0(check, lay))
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.retries_read = 0   # network fetches the train batches' workers retried
         # sentencepiece reads a local file: a tokenizer beside remote shards is fetched into the run directory

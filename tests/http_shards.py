@@ -38,6 +38,8 @@ class FaultyHandler(Handler):
         return super().do_GET()
 
     def do_HEAD(self):
+        with self.server.lock:
+            self.server.heads[os.path.basename(self.path)] += 1
         if os.path.basename(self.path) in self.server.missing:
             return self.send_error(404)
         return super().do_HEAD()
@@ -46,17 +48,18 @@ class FaultyHandler(Handler):
 class ShardServer:
     """`with ShardServer(root) as srv:` serves root at srv.url (http://127.0.0.1:PORT). srv.faults[name] = ["drop",
     "503", …]: the next GETs of that file fail that way, one each; srv.missing holds names answered with 404;
-    srv.gets counts the GETs of each name."""
+    srv.gets and srv.heads count the GETs and HEADs of each name."""
 
     def __init__(self, root: str):
         self.httpd = serve(root, handler=FaultyHandler)
         self.httpd.lock, self.httpd.faults, self.httpd.missing = threading.Lock(), {}, set()
-        self.httpd.gets = collections.Counter()
+        self.httpd.gets, self.httpd.heads = collections.Counter(), collections.Counter()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     faults = property(lambda self: self.httpd.faults)
     missing = property(lambda self: self.httpd.missing)
     gets = property(lambda self: self.httpd.gets)
+    heads = property(lambda self: self.httpd.heads)
 
     def __enter__(self):
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -66,3 +66,33 @@ def test_guarded_adamw_drops_a_step_that_is_nonfinite_on_any_rank_without_touchi
         assert skipped_bad == 1 and skipped == 1, rank
         torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)      # the next step is Adam's first step
         assert step == 1, rank
+
+
+def decided_on_rank0(rank, world):
+    """from_rank0 with a function that differs by rank: every rank gets rank 0's result, and rank 0's error."""
+    from pretrain import distributed
+    from pretrain.shards import DataError
+
+    lay, calls = layout("cpu", world), []
+
+    def check():
+        calls.append(rank)
+        return {"rank": rank, "shards": [("train-000000.tar", 8)]}
+
+    def fail():
+        raise DataError(f"shard x is missing (seen by rank {rank})")
+
+    result = distributed.from_rank0(check, lay)
+    try:
+        distributed.from_rank0(fail, lay)
+        error = None
+    except DataError as e:
+        error = str(e)
+    return result, calls, error
+
+
+def test_a_decision_is_made_on_rank_0_alone_and_shared_with_its_error():
+    results = run_distributed(decided_on_rank0, 3)
+    assert [r[0] for r in results] == [{"rank": 0, "shards": [("train-000000.tar", 8)]}] * 3
+    assert [r[1] for r in results] == [[0], [], []]   # the function ran on rank 0 only
+    assert [r[2] for r in results] == ["shard x is missing (seen by rank 0)"] * 3

@@ -158,7 +158,8 @@ def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):
 def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, reference_run, tmp_path):
     """tests/runs.py's reference run (2 ranks, 2 data workers each, 40 steps), its shards served over HTTP: the first
     shard of each worker has its connection dropped half-way or gets a 503. Same losses and sample ids, bit for bit,
-    as the run from the local directory; the four retries are counted in metrics.jsonl (and TensorBoard)."""
+    as the run from the local directory; the four retries are counted in metrics.jsonl (and TensorBoard). The shards'
+    sizes are checked once, by one rank, for both."""
     firsts = first_shards_of_each_worker(shards)
     with ShardServer(shards) as srv:
         srv.faults.update({name: [fault] for name, fault in zip(firsts, ["drop", "503", "503", "drop"])})
@@ -168,3 +169,5 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     assert all(ids_per_step(run, r) == ids_per_step(reference_run, r) for r in (0, 1))
     assert [r["data/retries"] for r in metric_rows(run) if "data/retries" in r][-1] == 4
     assert all(srv.gets[n] == 2 for n in firsts)
+    listed = [s["name"] for split in read_manifest(shards)["splits"].values() for s in split["shards"]]
+    assert sorted(srv.heads) == sorted(listed) and set(srv.heads.values()) == {1}

@@ -142,11 +142,8 @@ class MegatronMPU:
 def _single_process_env() -> None:
     """A bare `python -m pretrain.train` (no launcher) runs as a world of one."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(free_local_port()))
 
 
 def _release_shm_segment_name() -> None:

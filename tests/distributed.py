@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -10,11 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pretrain.distributed import free_local_port
 
 
 def _entry(rank, world, port, out_dir, fn, args):
@@ -36,7 +31,7 @@ def run_distributed(fn, world: int, *args):
     """fn(rank, world, *args) on `world` gloo processes; returns the list of per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world,
+            mp.start_processes(_entry, args=(world, free_local_port(), out_dir, fn, args), nprocs=world,
                                start_method="spawn")
         except mp.ProcessRaisedException:
             pass   # reported below with the rank's traceback

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,11 @@ import psutil
 import yaml
 from filelock import FileLock
 
+from pretrain.distributed import free_local_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tool(name, *args):
@@ -135,7 +130,7 @@ def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
     pinned = "MASTER_PORT" in (env or {})
     for _ in range(3):   # again with another port when the one picked was taken before the rendezvous listened
         if launcher:
-            r = finish(start(config, *overrides, env={"NPROC": str(nproc), "MASTER_PORT": str(free_port()),
+            r = finish(start(config, *overrides, env={"NPROC": str(nproc), "MASTER_PORT": str(free_local_port()),
                                                       **(env or {})}))
         else:
             r = run_ranks(config, nproc, *overrides, env=env or {})
@@ -157,7 +152,7 @@ def ranks(cmd, nproc, env, timeout):
     fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files, not
     pipes: no rank blocks on a full pipe); the return code is the first failure's."""
     shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
-              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
     logs = [[tempfile.TemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,
                               stderr=err, text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]

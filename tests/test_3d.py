@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from tests.distributed import run_distributed
-from tests.runs import PY, ROOT, finish, free_port, launch, losses, start, write_config
+from tests.runs import PY, ROOT, finish, free_local_port, launch, losses, start, write_config
 
 MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot", "random_fixed", "factorized_dense", "sgu",
           "dense+dot"]   # one layer of each: every stage holds several variants
@@ -89,7 +89,7 @@ def test_two_nodes_match_one_node(shards, tmp_path, run_221):
     """(2, 2, 1) as two launchers of 2 ranks each, as a scheduler starts them on two nodes (the pipeline's stages
     on different nodes): the one-node run's losses."""
     two = config(tmp_path, shards, "two-nodes", tp=2, pp=2)
-    port = free_port()
+    port = free_local_port()
     procs = [start(two, env={"NNODES": "2", "NODE_RANK": str(r), "NPROC": "2", "MASTER_PORT": str(port)})
              for r in (0, 1)]
     try:

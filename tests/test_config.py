@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import yaml
 
 from model.config import ConfigError
 from pretrain.config import TrainConfig, load_config, main
+from pretrain.distributed import free_local_port
 from pretrain.engine import deepspeed_config, lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,10 +329,8 @@ print("RESULT", engine.global_steps, engine.gradient_accumulation_steps(), engin
 def test_deepspeed_initialize_accepts_the_generated_config(tmp_path):
     """One gloo process, the demo's ZeRO-2 fp32 dict (accumulation 2 at dp=1) and our LambdaLR. The first run on a
     machine JIT-builds deepspeed_shm_comm (~65 s); later runs take a few seconds."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_local_port()),
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     script = write(tmp_path, "engine.py", ENGINE_SCRIPT)
     out = subprocess.run([sys.executable, str(script), str(DEMO)], cwd=tmp_path, env=env, capture_output=True,

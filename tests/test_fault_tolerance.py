@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain.checkpoint import verify
-from tests.runs import (PY, ROOT, finish, free_port, launch, losses, metric_rows, reference_config, start,
+from tests.runs import (PY, ROOT, finish, free_local_port, launch, losses, metric_rows, reference_config, start,
                         trainer_ranks, write_config)
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(shard
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_exit_0(shards, tmp_path):
     cfg = config(tmp_path, shards, "preempted", max_steps=2000)
-    proc = start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_port())})
+    proc = start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_local_port())})
     metrics = tmp_path / "preempted" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and '"train/loss"' in metrics.read_text()) and time.time() < deadline:
@@ -130,10 +130,10 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(shards, tmp_path):
     cfg = write_config(tmp_path / "full.yaml", shards, tmp_path / "full", train={"max_steps": 9},
                        checkpoint={"every": 3, "keep": 5, "dir": str(mnt)})
     script = (f"mount -t tmpfs -o size=2500k tmpfs {mnt}\n"
-              f"MASTER_PORT={free_port()} launch/pretrain.sh {cfg}; echo exit=$?\n"
+              f"MASTER_PORT={free_local_port()} launch/pretrain.sh {cfg}; echo exit=$?\n"
               f"cp -a {mnt} {tmp_path}/after-full\n"
               f"mount -o remount,size=64m {mnt}\n"
-              f"MASTER_PORT={free_port()} launch/pretrain.sh {cfg}; echo exit=$?\n"
+              f"MASTER_PORT={free_local_port()} launch/pretrain.sh {cfg}; echo exit=$?\n"
               f"cp -a {mnt} {tmp_path}/after-resume\n")
     r = subprocess.run(["unshare", "-Urm", "bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHON": PY, "NPROC": "2"}, timeout=600)

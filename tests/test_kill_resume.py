@@ -11,7 +11,7 @@ import pytest
 
 from pretrain.faults import SAVE_PHASES
 from tests.http_shards import ShardServer
-from tests.runs import (finish, free_port, id_rows, launch, metric_rows, output, reference_config, start,
+from tests.runs import (finish, free_local_port, id_rows, launch, metric_rows, output, reference_config, start,
                         trainer_ranks)
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def latest(run) -> int:
 
 
 def relaunch(cfg, env=None):
-    return start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_port()), **(env or {})})
+    return start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_local_port()), **(env or {})})
 
 
 def check_resumed(out: str, step: int):

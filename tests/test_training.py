@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from tests.runs import PY, ROOT, free_port, ids_per_step, launch, losses, reference_config, spawn, write_config
+from tests.runs import PY, ROOT, free_local_port, ids_per_step, launch, losses, reference_config, spawn, write_config
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_a_step_makes_the_host_wait_once(shards, tmp_path, overrides):
 
 def tensorboard_serves_the_run(run_dir):
     """A real TensorBoard server over the run: one loss point per logged step, and the attention images."""
-    port = free_port()
+    port = free_local_port()
     proc = subprocess.Popen([PY, "-m", "tensorboard.main", "--logdir", str(run_dir / "tensorboard"),
                              "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

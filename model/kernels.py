@@ -3,9 +3,10 @@
 Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
 
 Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
-- `qk_attention`: S = q·kᵀ for synthesized q/k (dot, dense and their mixtures) through torch
-  SDPA. The flash kernel runs only if q, k, v share batch size and width and no mask needs grad, so batch-shared
-  keys are `.expand()`ed (stride 0, no copy) and the narrower side is zero-padded.
+- `qk_attention`: S = q·kᵀ + b for synthesized q/k (dot, dense and their mixtures) and a per-key bias b (dense's
+  b_2) through torch SDPA. The flash kernel runs only if q, k, v share batch size and width (≤ 256 on CUDA) and no
+  mask needs grad, so batch-shared keys are `.expand()`ed (stride 0, no copy), the narrower side is zero-padded,
+  and b rides as a feature column — or, where that column would pass 256, as a factor of the values.
 - `shared_map_attention`: S does not depend on the input (random, factorized_random, their mixture): A is the same
   for every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
   keys only, a factored map (R_1 R_2ᵀ) built block by block; no n² buffer is kept for backward.
@@ -53,6 +54,11 @@ def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
     return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)
 
 
+# The widest q/k/v that CUDA's flash kernel takes; wider ones fall to the memory-efficient kernel's slow generic
+# path (dense+dot at d_h 128 with its bias column, 264 wide: 12.9 ms a layer's backward on an H100, dot's 0.85).
+SDPA_MAX_WIDTH = 256
+
+
 def _common_width(q: torch.Tensor, d_h: int) -> int:
     """The width q, k, v are padded to: d_h when the features fit, else a multiple of 8 (the CPU kernels' vector
     width: 129 → 136 runs dense+dot's flash kernel ~10% faster than 129, measured)."""
@@ -63,16 +69,46 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
-def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scale·q kᵀ + M) v on the fused kernel.
+def with_key_bias(q: torch.Tensor, k: torch.Tensor, key_bias, scale: float):
+    """q, k with one more feature each, so that scale·q kᵀ gains b_j: q's column 1/scale, k's column b (Hl, n)."""
+    if key_bias is None:
+        return q, k
+    ones = q.new_full(q.shape[:-1] + (1,), 1.0 / scale)
+    b = key_bias[None, :, :, None].to(k.dtype).expand(k.shape[0], -1, -1, -1)   # (B or 1, Hl, n, 1)
+    return torch.cat((q, ones), -1), torch.cat((k, b), -1)
 
-    q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h). Returns (B, Hl, n, d_h).
+
+def _key_bias_as_value_factor(q, k, v, scale: float, key_bias: torch.Tensor) -> torch.Tensor:
+    """softmax(s·q kᵀ + b + M) v without b among the features. With P = softmax(s·q kᵀ + M), e_j = e^{b_j − c}:
+        softmax(s·q kᵀ + b + M) v = P (e ⊙ v) / P e
+    (e_j scales key j's weight in numerator and denominator alike; c = max_j b_j per head cancels and keeps e ≤ 1),
+    so one SDPA call over the values [e ⊙ v, e] gives both. Exact while b's spread within a head stays below ~80
+    (e^{−87} is the smallest normal float of fp32 and bf16)."""
+    B, d_h = v.shape[0], v.shape[-1]
+    e = torch.exp(key_bias.float() - key_bias.detach().float().amax(-1, keepdim=True))[None, :, :, None]   # (1, Hl, n, 1)
+    values = torch.cat((v * e, e.expand(B, -1, -1, -1)), -1).to(v.dtype)          # (B, Hl, n, d_h + 1)
+    width = -(-max(q.shape[-1], d_h + 1) // 8) * 8
+    q, k = _pad_last(q, width).expand(B, -1, -1, -1), _pad_last(k, width).expand(B, -1, -1, -1)
+    out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), _pad_last(values, width), is_causal=True,
+                                         scale=scale)
+    return (out[..., :d_h].float() / out[..., d_h:d_h + 1].float()).to(out.dtype)
+
+
+def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_bias=None) -> torch.Tensor:
+    """softmax(scale·q kᵀ + b + M) v on the fused kernel.
+
+    q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h); key_bias b: (Hl, n) or
+    None. Returns (B, Hl, n, d_h).
     """
+    gpu = on_gpu_path(v)
+    if key_bias is not None and gpu and q.shape[-1] + 1 > SDPA_MAX_WIDTH >= q.shape[-1]:
+        return _key_bias_as_value_factor(q, k, v, scale, key_bias)   # the bias column would leave flash's widths
+    q, k = with_key_bias(q, k, key_bias, scale)
     B, d_h = v.shape[0], v.shape[-1]
     width = _common_width(q, d_h)
     q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
     k = _pad_last(k, width).expand(B, -1, -1, -1)
-    if on_gpu_path(v):   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
+    if gpu:   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
         q, k = q.contiguous(), k.contiguous()
     v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
     out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)

@@ -73,7 +73,7 @@ class SynthesizedAttention(nn.Module):
         if first.kind == "factors":   # factorized dense, never mixed (config.MIXABLE): its own kernel
             A, Bf = first.factors(x)
             return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
-        qs, ks, scale, bias, bias_weight, input_dependent = [], [], 1.0, None, None, False
+        qs, ks, scale, bias, bias_weight, key_bias, input_dependent = [], [], 1.0, None, None, None, False
         for m, synth in enumerate(self.synth.values()):
             w = None if alpha is None else alpha[:, m]                    # (Hl,)
             input_dependent |= synth.input_dependent
@@ -85,6 +85,8 @@ class SynthesizedAttention(nn.Module):
                     q = q * (w * s)[:, None, None]
                 qs.append(q)
                 ks.append(k)
+                if hasattr(synth, "key_bias"):                           # b_j (Hl, n), weighted α·b_j in a mixture
+                    key_bias = synth.key_bias(n) if w is None else w[:, None] * synth.key_bias(n)
             else:
                 bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
         if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
@@ -97,9 +99,9 @@ class SynthesizedAttention(nn.Module):
         q, k = self._concat(qs, B), self._concat(ks, B)                  # (B or 1, Hl, n, Σf)
         v = v.transpose(1, 2)                                            # (B, Hl, n, d_h)
         if bias is None:
-            y = kernels.qk_attention(q, k, v, scale)
-        else:
-            y = kernels.biased_qk_attention(q, k, bias, bias_weight, v)   # in a mixture: weight α, no n² copy
+            y = kernels.qk_attention(q, k, v, scale, key_bias)
+        else:   # in a mixture: weight α, no n² copy; scale 1 (folded into q)
+            y = kernels.biased_qk_attention(*kernels.with_key_bias(q, k, key_bias, 1.0), bias, bias_weight, v)
         return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
 
     @staticmethod

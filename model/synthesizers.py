@@ -9,8 +9,9 @@ Each class gives S two ways, both from the same parameters:
   of x — the paper's formula, used by `impl: reference`, attention maps and cached decoding (t0 > 0). A dot-product
   member's keys of positions < t1 come from the decoding cache (`keys(x, t0)` is what it caches per position);
   the whole map is `logits(x)`;
-- `qk(x)` (input → query/key features with S = scale·q kᵀ), `bias(n)` (input-independent S) or `factors(x)` — the
-  forms the fused kernels of model/kernels.py take, over all n positions.
+- `qk(x)` (input → query/key features with S = scale·q kᵀ, plus `key_bias(n)`, a term b_j per key, where the class
+  has one), `bias(n)` (input-independent S) or `factors(x)` — the forms the fused kernels of model/kernels.py take,
+  over all n positions.
 `flops(n)` counts forward multiply-adds ×2 per token of this function alone (projections and the n² terms).
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Dense(nn.Module):
 
     W_1: d → d column-parallel (head h owns d_h outputs); W_2^h = `w2` (Hl, L, d_h), b_2^h = `w2_bias` (Hl, L):
     row j of W_2^h scores key position j; both sliced to the first n positions. Table 1: d² + dL.
-    Fused: q = [σ(W_1 X + b_1), 1], k_j = [W_2^h[j], b_2^h[j]] (the same for every sample), scale 1.
+    Fused: q = σ(W_1 X + b_1), k_j = W_2^h[j] (the same for every sample), scale 1, and a per-key bias b_2^h[j].
     """
 
     kind, input_dependent, cached = "qk", True, False
@@ -113,10 +114,10 @@ class Dense(nn.Module):
         return torch.relu(heads(self.w1(x), self.d_h))                  # (B, Hl, n, d_h)
 
     def qk(self, x):
-        h, n = self.hidden(x), x.shape[1]
-        q = torch.cat((h, h.new_ones(h.shape[:-1] + (1,))), dim=-1)      # (B, Hl, n, d_h+1)
-        k = torch.cat((self.w2[:, :n], self.w2_bias[:, :n, None]), -1)   # (Hl, n, d_h+1)
-        return q, k.unsqueeze(0), 1.0
+        return self.hidden(x), self.w2[:, :x.shape[1]].unsqueeze(0), 1.0   # (B, Hl, n, d_h), (1, Hl, n, d_h)
+
+    def key_bias(self, n):
+        return self.w2_bias[:, :n]                                       # (Hl, n): b_2^h[j] for key j
 
     def logits(self, x, t0=0, keys=None):
         t1 = t0 + x.shape[1]                                             # keys j < t1: the rows W_2[j]

@@ -74,6 +74,31 @@ def test_factorized_dense_kernel_matches_the_formula(B, H, n, a, b, d_h, dtype):
     assert_close_to_the_formula(factorized_dense_flash, formula, [A, Bf, v], dtype)
 
 
+@pytest.mark.parametrize("dtype,spread", [(torch.float32, 60.0), (torch.bfloat16, 8.0)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,H,n,f,d_h,limit", [(2, 3, 37, 24, 16, 24), (1, 2, 40, 256, 128, None)])
+def test_a_key_bias_as_a_factor_of_the_values_matches_the_formula(B, H, n, f, d_h, limit, dtype, spread, monkeypatch):
+    """dense+dot on CUDA at d_h 128: q·k features fill flash's 256, so dense's bias b_j rides on the values,
+    softmax(q kᵀ + b + M) v = P (e ⊙ v) / P e with e_j = e^{b_j − max b}. Against the formula, keys shared by the
+    batch, b spread over `spread`: in fp32 over 60 (e spans e^{−60}…1), in bf16 over 8, where the gradient of b, a
+    difference of two sums each rounded to bf16, stays within the formula's own bf16 error (over 40 it is 2× it,
+    as the feature-column form's is 1.5×). `limit` lowers the width limit for small sizes."""
+    import model.kernels as kernels
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    if limit:
+        monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", limit)
+    assert f == kernels.SDPA_MAX_WIDTH   # the features fill the limit: the value-factor form is the one run
+    g = torch.Generator().manual_seed(n)
+    q, v = torch.randn(B, H, n, f, generator=g) / f ** 0.25, torch.randn(B, H, n, d_h, generator=g)
+    k, b = torch.randn(1, H, n, f, generator=g) / f ** 0.25, spread * (torch.rand(H, n, generator=g) - 0.5)
+
+    def formula(q, k, v, b):
+        S = q @ k.transpose(-1, -2) + b[:, None, :] + causal_mask(n, q.device, q.dtype)
+        return torch.softmax(S, dim=-1) @ v
+
+    assert_close_to_the_formula(lambda q, k, v, b: kernels.qk_attention(q, k, v, 1.0, b), formula, [q, k, v, b], dtype)
+
+
 @pytest.mark.parametrize("kernel", ["biased", "factorized_dense"])
 def test_kernels_run_at_the_autocast_dtype(kernel):
     """Under torch.autocast the kernels take its dtype, as SDPA does: fp32 inputs (as a query scaled by an fp32
@@ -115,6 +140,23 @@ def test_gpu_path_of_every_variant_matches_the_reference(variant, n, monkeypatch
     as test_model.py's CPU fused path."""
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
     assert_fused_matches_reference(variant, n)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["dense+dot", "dot+dense+factorized_random"])
+def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(variant, monkeypatch):
+    """The whole model with dense's bias on the values (the width limit lowered to the test model's q·k width):
+    logits and every gradient to 1e-5 of the reference, b_2's included."""
+    import model.kernels as kernels
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    width = {"dense+dot": 16, "dot+dense+factorized_random": 20}[variant]   # d_h 8 each, factorized_k 4
+    monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", width)
+    used = []
+    monkeypatch.setattr(kernels, "_key_bias_as_value_factor",
+                        lambda *a, f=kernels._key_bias_as_value_factor: used.append(1) or f(*a))
+    assert_fused_matches_reference(variant, 11)
+    assert used
 
 
 @cpu_only

@@ -41,7 +41,8 @@ Each figure: the median over --reps repetitions of --steps timed steps (after --
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
 ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes, which otherwise
-decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md.
+decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md; each point's raw result, as it is
+measured, to OUT/points.jsonl (what a run cut short keeps).
 """
 from __future__ import annotations
 
@@ -296,11 +297,15 @@ def main(argv=None) -> int:
         results[p.reference] = measured.pop("reference")
         results.update(measured)
         bar.update()
+    os.makedirs(a.out, exist_ok=True)
+    open(os.path.join(a.out, "points.jsonl"), "w").close()
     for key, spec in p.points.items():
         if key not in results:
             bar.set_postfix_str(f"{spec['kind']} {os.path.basename(spec['config'])} "
                                 f"{' '.join(spec['overrides'][1:5])}"[:80])
             results[key] = run_point(spec, a.timeout)
+            with open(os.path.join(a.out, "points.jsonl"), "a") as f:   # kept if the run is cut short
+                f.write(json.dumps({"spec": spec, "result": results[key]}) + "\n")
             bar.update()
     bar.close()
     entries = finish(p, results, machine)
@@ -308,7 +313,6 @@ def main(argv=None) -> int:
                                            "seq_len", "lengths", "batch", "vocab", "precision", "mem_budget_gb",
                                            "threads")}
     report = {"machine": machine, "settings": settings, "elapsed_s": round(time.time() - t0, 1), "results": entries}
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
     table = markdown(entries, machine, f"Synthformer benchmarks ({'--quick' if a.quick else 'default sizes'}, "

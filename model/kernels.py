@@ -85,13 +85,14 @@ def _key_bias_as_value_factor(q, k, v, scale: float, key_bias: torch.Tensor) -> 
     so one SDPA call over the values [e ⊙ v, e] gives both. Exact while b's spread within a head stays below ~80
     (e^{−87} is the smallest normal float of fp32 and bf16)."""
     B, d_h = v.shape[0], v.shape[-1]
-    e = torch.exp(key_bias.float() - key_bias.detach().float().amax(-1, keepdim=True))[None, :, :, None]   # (1, Hl, n, 1)
-    values = torch.cat((v * e, e.expand(B, -1, -1, -1)), -1).to(v.dtype)          # (B, Hl, n, d_h + 1)
+    b = key_bias.to(v.dtype)   # in v's dtype: fp32 here measured no closer to the formula in bf16, only slower
+    e = torch.exp(b - b.detach().amax(-1, keepdim=True))[None, :, :, None]        # (1, Hl, n, 1)
+    values = torch.cat((v * e, e.expand(B, -1, -1, -1)), -1)                       # (B, Hl, n, d_h + 1)
     width = -(-max(q.shape[-1], d_h + 1) // 8) * 8
     q, k = _pad_last(q, width).expand(B, -1, -1, -1), _pad_last(k, width).expand(B, -1, -1, -1)
     out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), _pad_last(values, width), is_causal=True,
                                          scale=scale)
-    return (out[..., :d_h].float() / out[..., d_h:d_h + 1].float()).to(out.dtype)
+    return out[..., :d_h] / out[..., d_h:d_h + 1]
 
 
 def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_bias=None) -> torch.Tensor:

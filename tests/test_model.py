@@ -63,24 +63,31 @@ def assert_fused_matches_reference(variant, n):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_in_bf16_matches_the_fp32_reference(variant):
+    assert_bf16_fused_close_to_fp32_reference(variant, tokens(3, 12), "cpu")
+
+
+def assert_bf16_fused_close_to_fp32_reference(variant, x, device, floor=0.01):
     """What a bf16 run computes (DeepSpeed keeps the module in bf16): the fused kernels in bf16 against the
     materialized formula in fp32. Stated tolerance, from bf16's 8-bit mantissa through 2 layers: logits within 5%
-    of their largest magnitude, each parameter's gradient within 25% of its largest (floored at 1% of the largest
-    gradient in the model, for gradients that are exactly 0 in exact arithmetic, like a key bias's). A formula
-    error (a missing mask, swapped factors) is off by 100% or more. Measured: at most 3.3% and 15%."""
-    x = tokens(3, 12)
+    of their largest magnitude, each parameter's gradient within 25% of its largest (floored at `floor` of the
+    largest gradient in the model, for gradients that are exactly 0 in exact arithmetic, like a key bias's) — or,
+    where the formula itself run in bf16 is further off (an ill-conditioned gradient: factorized_dense's first W_1
+    at n 12 is 38% off so), within 1.5× that. A formula error (a missing mask, swapped factors) is off by 100% or
+    more. Measured on the CPU at n 11: at most 3.3% and 15%."""
     out = {}
-    for name, impl, dtype in (("fp32", "reference", torch.float32), ("bf16", "fused", torch.bfloat16)):
-        m = build_model(config(variant, impl)).to(dtype)
-        logits = m(x[:, :-1])
-        m(x[:, :-1], x[:, 1:]).backward()
+    for name, impl, dtype in (("fp32", "reference", torch.float32), ("bf16", "fused", torch.bfloat16),
+                              ("formula in bf16", "reference", torch.bfloat16)):
+        m = build_model(config(variant, impl)).to(device, dtype)
+        logits = m(x[:, :-1].to(device))
+        m(x[:, :-1].to(device), x[:, 1:].to(device)).backward()
         out[name] = logits.float(), {k: p.grad.float() for k, p in m.named_parameters() if p.grad is not None}
-    (ref, ref_grads), (got, grads) = out["fp32"], out["bf16"]
-    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+    (ref, ref_grads), (got, grads), (own, own_grads) = out["fp32"], out["bf16"], out["formula in bf16"]
+    assert (got - ref).abs().max() <= max(0.05 * ref.abs().max(), 1.5 * (own - ref).abs().max())
     assert grads.keys() == ref_grads.keys() and len(grads) > 0
     top = max(g.abs().max() for g in ref_grads.values())
     for k, g in ref_grads.items():
-        assert (grads[k] - g).abs().max() <= 0.25 * torch.clamp(g.abs().max(), min=0.01 * top), k
+        bound = max(0.25 * torch.clamp(g.abs().max(), min=floor * top), 1.5 * (own_grads[k] - g).abs().max())
+        assert (grads[k] - g).abs().max() <= bound, k
 
 
 def test_random_fixed_is_frozen_but_saved():

@@ -109,6 +109,9 @@ class TrainSection:
                                 "at whichever of max_steps / max_tokens comes first", None)
     precision: str = described("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
                         "fp32")
+    compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
+                              "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
+                              "eager); the first steps pay the compile", False)
     seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
     stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",

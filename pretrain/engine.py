@@ -1,7 +1,8 @@
 """The DeepSpeed engine of a run, and what its speed is measured against.
 
     build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → activation checkpointing →
-                                pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR schedule)
+                                compiled blocks → pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR
+                                schedule)
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
     peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
@@ -112,14 +113,17 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
 
 def build_engine(cfg: TrainConfig, lay, load_universal: bool = False):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → activation checkpointing → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule).
-    `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides this when it is built)."""
+    TP slice) → activation checkpointing → compiled blocks (train.compile) → pipeline stages (PP > 1) → DeepSpeed
+    (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides
+    this when it is built)."""
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
         model, mpu = build_model(cfg.model), distributed.MegatronMPU()
     rename = getattr(model, "canonical_name", lambda name: name)
     checkpoint_activations(model, cfg.parallel.activation_checkpointing, rename)
+    if cfg.train.compile:
+        compile_blocks(model)
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
         release.load_into(model, release.read_release(cfg.train.init_from)[1], rename=rename)
     return initialize(model, cfg, lay, mpu, load_universal)
@@ -134,6 +138,16 @@ def checkpoint_activations(model: torch.nn.Module, every: int, rename=lambda nam
     for name, module in model.named_modules():
         if isinstance(module, Block) and int(rename(name + ".").split(".")[1]) % every == 0:
             module.forward = partial(_recomputed, module.forward)
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile every transformer block in place (`nn.Module.compile`: parameter names, and so checkpoints, do
+    not change), as torchtitan does: the blocks share their code, so one compiled graph serves them all, and what
+    lies between them (embedding, head, DeepSpeed's hooks) stays eager. A recomputed block compiles with its
+    recomputation. The trainer runs evaluation, samples and maps eager (`torch.compiler.set_stance`)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile()
 
 
 def _recomputed(forward, *args, **kwargs):

@@ -95,7 +95,8 @@ class Trainer:
                           f"raising train.global_batch_size or lowering train.micro_batch_size")
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
-                      f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}; model {cfg.model.mixer}, "
+                      f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}"
+                      f"{', compiled blocks' if cfg.train.compile else ''}; model {cfg.model.mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{self.start_words()}")
 
@@ -288,6 +289,7 @@ class Trainer:
                       f"{tflops:.3g} TFLOP/s | MFU {mfu}")
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")   # compiled blocks (train.compile) serve training steps only
     def validate(self) -> dict:
         self.engine.eval()
         dev = self.layout.device
@@ -304,6 +306,7 @@ class Trainer:
         return result
 
     @torch.no_grad()
+    @torch.compiler.set_stance("force_eager")   # decoding's changing lengths would recompile the blocks
     def log_samples(self) -> None:
         """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
         over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the

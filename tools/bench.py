@@ -26,8 +26,9 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
-              mode: eager with eager, and on CUDA compiled with compiled (engine.compile(), torch.compile). CPU: the
-              throughput part's dot model; CUDA: synth-1.3b's dot twin, bf16, 1 GPU. Goal: ≤ 1.05.
+              mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
+              torch.compile of the loop's model). CPU: the throughput part's dot model; CUDA: synth-1.3b's dot
+              twin, bf16, 1 GPU. Goal: ≤ 1.05.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
               (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,

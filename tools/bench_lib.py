@@ -213,14 +213,15 @@ def training_step(spec: dict):
     from pretrain.config import load_config
     from pretrain.engine import build_engine
 
-    cfg = load_config(spec["config"], spec["overrides"])
+    compiled = spec.get("compile") and spec["kind"] == "train"   # our engine compiles as the trainer does
+    cfg = load_config(spec["config"], spec["overrides"] + (["train.compile=true"] if compiled else []))
     lay = distributed.init(cfg)
     if spec.get("threads"):   # else the trainer's choice: CPU count ÷ ranks on the host
         torch.set_num_threads(spec["threads"])
     mem = Memory(lay.device)
     torch.manual_seed(cfg.train.seed)
     engine = {"peer": peer_engine, "loop": PlainLoop}.get(spec["kind"], build_engine)(cfg, lay)
-    if spec.get("compile"):
+    if spec.get("compile") and not compiled:   # the plain loop: torch.compile of the whole model, as a user would
         engine.compile()
     mem.engine_built()
     B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len

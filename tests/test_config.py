@@ -116,8 +116,10 @@ def test_deepspeed_dict_is_the_same_on_every_device():
     cfg = load_config(DEMO, ["train.precision=bf16"])
     ds = deepspeed_config(cfg, 2)
     assert "optimizer" not in ds and "scheduler" not in ds
-    # the demo's ZeRO-2: GuardedAdamW drops non-finite steps, DeepSpeed's per-tensor check is off
-    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False} and ds["fp16"] == {"enabled": False}
+    # the demo's ZeRO-2: GuardedAdamW drops non-finite steps, DeepSpeed's per-tensor check is off; gradients go to
+    # their fp32 buffers as backward makes them
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False, "immediate_grad_update": True}
+    assert ds["fp16"] == {"enabled": False}
     assert ds["wall_clock_breakdown"] is False and ds["steps_per_print"] >= 10**6
     assert json.loads(json.dumps(ds)) == ds  # plain JSON types only (a tuple would come back as a list)
 

@@ -59,10 +59,10 @@ def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
 SDPA_MAX_WIDTH = 256
 
 
-def _common_width(q: torch.Tensor, d_h: int) -> int:
-    """The width q, k, v are padded to: d_h when the features fit, else a multiple of 8 (the CPU kernels' vector
+def _common_width(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The width q, k, v are padded to: v's when the features fit, else a multiple of 8 (the CPU kernels' vector
     width: 129 → 136 runs dense+dot's flash kernel ~10% faster than 129, measured)."""
-    return d_h if q.shape[-1] <= d_h else -(-q.shape[-1] // 8) * 8
+    return v.shape[-1] if q.shape[-1] <= v.shape[-1] else -(-q.shape[-1] // 8) * 8
 
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -78,42 +78,39 @@ def with_key_bias(q: torch.Tensor, k: torch.Tensor, key_bias, scale: float):
     return torch.cat((q, ones), -1), torch.cat((k, b), -1)
 
 
-def _key_bias_as_value_factor(q, k, v, scale: float, key_bias: torch.Tensor) -> torch.Tensor:
-    """softmax(s·q kᵀ + b + M) v without b among the features. With P = softmax(s·q kᵀ + M), e_j = e^{b_j − c}:
+def _values_with_key_bias(v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    """[e ⊙ v, e] (B, Hl, n, d_h + 1), e_j = e^{b_j − c}: b carried by the values instead of the features. With
+    P = softmax(s·q kᵀ + M),
         softmax(s·q kᵀ + b + M) v = P (e ⊙ v) / P e
-    (e_j scales key j's weight in numerator and denominator alike; c = max_j b_j per head cancels and keeps e ≤ 1),
-    so one SDPA call over the values [e ⊙ v, e] gives both. Exact while b's spread within a head stays below ~80
-    (e^{−87} is the smallest normal float of fp32 and bf16)."""
-    B, d_h = v.shape[0], v.shape[-1]
-    b = key_bias.to(v.dtype)   # in v's dtype: fp32 here measured no closer to the formula in bf16, only slower
+    (e_j scales key j's weight in numerator and denominator alike; c = max_j b_j per head cancels and keeps e ≤ 1).
+    Exact while b's spread within a head stays below ~80 (e^{−87} is the smallest normal float of fp32 and bf16).
+    In v's dtype: fp32 here measured no closer to the formula in bf16, only slower."""
+    b = key_bias.to(v.dtype)
     e = torch.exp(b - b.detach().amax(-1, keepdim=True))[None, :, :, None]        # (1, Hl, n, 1)
-    values = torch.cat((v * e, e.expand(B, -1, -1, -1)), -1)                       # (B, Hl, n, d_h + 1)
-    width = -(-max(q.shape[-1], d_h + 1) // 8) * 8
-    q, k = _pad_last(q, width).expand(B, -1, -1, -1), _pad_last(k, width).expand(B, -1, -1, -1)
-    out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), _pad_last(values, width), is_causal=True,
-                                         scale=scale)
-    return out[..., :d_h] / out[..., d_h:d_h + 1]
+    return torch.cat((v * e, e.expand(v.shape[0], -1, -1, -1)), -1)
 
 
 def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_bias=None) -> torch.Tensor:
     """softmax(scale·q kᵀ + b + M) v on the fused kernel.
 
     q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h); key_bias b: (Hl, n) or
-    None. Returns (B, Hl, n, d_h).
+    None, a feature column of q and k unless that column would take them past flash's widths on CUDA, where the
+    values carry it (`_values_with_key_bias`). Returns (B, Hl, n, d_h).
     """
-    gpu = on_gpu_path(v)
-    if key_bias is not None and gpu and q.shape[-1] + 1 > SDPA_MAX_WIDTH >= q.shape[-1]:
-        return _key_bias_as_value_factor(q, k, v, scale, key_bias)   # the bias column would leave flash's widths
-    q, k = with_key_bias(q, k, key_bias, scale)
-    B, d_h = v.shape[0], v.shape[-1]
-    width = _common_width(q, d_h)
+    B, d_h, gpu = v.shape[0], v.shape[-1], on_gpu_path(v)
+    on_values = key_bias is not None and gpu and q.shape[-1] + 1 > SDPA_MAX_WIDTH >= q.shape[-1]
+    if on_values:
+        v = _values_with_key_bias(v, key_bias)
+    else:
+        q, k = with_key_bias(q, k, key_bias, scale)
+    width = _common_width(q, v)
     q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
     k = _pad_last(k, width).expand(B, -1, -1, -1)
     if gpu:   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
         q, k = q.contiguous(), k.contiguous()
     v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
     out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
-    return out[..., :d_h]
+    return out[..., :d_h] / out[..., d_h:d_h + 1] if on_values else out[..., :d_h]
 
 
 class SharedMapAttention(torch.autograd.Function):
@@ -243,7 +240,7 @@ def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
     if gpu:   # a Triton flash kernel adding R's tiles (any widths; no padding needed)
         return gpu.biased_flash_attention(q, k, R, w, v)
     B, d_h = v.shape[0], v.shape[-1]
-    width = _common_width(q, d_h)
+    width = _common_width(q, v)
     q = _pad_last(q, width).expand(B, -1, -1, -1)
     k = _pad_last(k, width).expand(B, -1, -1, -1)
     out = BiasedQKAttention.apply(q, k, _pad_last(v, width), R, w, block)

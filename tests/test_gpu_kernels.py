@@ -163,8 +163,8 @@ def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(varia
     width = {"dense+dot": 16, "dot+dense+factorized_random": 20}[variant]   # d_h 8 each, factorized_k 4
     monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", width)
     used = []
-    monkeypatch.setattr(kernels, "_key_bias_as_value_factor",
-                        lambda *a, f=kernels._key_bias_as_value_factor: used.append(1) or f(*a))
+    monkeypatch.setattr(kernels, "_values_with_key_bias",
+                        lambda *a, f=kernels._values_with_key_bias: used.append(1) or f(*a))
     assert_fused_matches_reference(variant, 11)
     assert used
 

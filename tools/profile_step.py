@@ -34,6 +34,8 @@ def report(prof, steps: int, step_s: float, top: int) -> str:
     kernels, launches, waits, ops = Counter(), 0, Counter(), Counter()
     calls = Counter()
     for e in prof.events():
+        if e.device_type == DeviceType.CUDA and getattr(e, "is_user_annotation", False):
+            continue   # a labelled range on the GPU's timeline (Optimizer.step#…), not a kernel: it spans kernels
         if e.device_type == DeviceType.CUDA:
             kernels[e.name] += e.device_time_total
             calls[e.name] += 1

@@ -109,6 +109,10 @@ class TrainSection:
                                 "at whichever of max_steps / max_tokens comes first", None)
     precision: str = described("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
                         "fp32")
+    master_weights: str = described("with precision bf16 and ZeRO-1/2: 'fp32' master weights and AdamW moments (the "
+                                    "default), or 'bf16' for all of them (DeepSpeed's bf16_master_weights_and_grads: "
+                                    "half the optimizer's memory traffic, but updates below bf16's resolution of a "
+                                    "weight are lost)", "fp32")
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
                               "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
                               "eager); the first steps pay the compile", False)
@@ -150,6 +154,10 @@ class TrainSection:
               self.stop_after_steps, "null or ≥ 1")
         need(self.max_tokens is None or self.max_tokens >= 1, "train.max_tokens", self.max_tokens, "null or ≥ 1")
         need(self.precision in ("fp32", "bf16", "fp16"), "train.precision", self.precision, "fp32, bf16, fp16")
+        need(self.master_weights in ("fp32", "bf16"), "train.master_weights", self.master_weights, "fp32, bf16")
+        if self.master_weights == "bf16" and self.precision != "bf16":
+            raise ConfigError(f"train.master_weights='bf16' needs train.precision='bf16' (it is "
+                              f"{self.precision!r}); set both, or master_weights=fp32")
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")
@@ -266,6 +274,9 @@ class TrainConfig:
         if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss
             raise ConfigError(f"train.spike_z={self.train.spike_z} needs parallel.pp=1: the pipeline engine runs "
                               "backward before the loss is known; set train.spike_z=null")
+        if self.train.master_weights == "bf16" and p.zero_stage not in (1, 2):   # DeepSpeed's ZeRO optimizer holds them
+            raise ConfigError(f"train.master_weights='bf16' needs parallel.zero_stage 1 or 2 (it is {p.zero_stage}); "
+                              "set parallel.zero_stage=1")
         grad_accum = self.train.grad_accum(dp)
         if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):
             raise ConfigError("train.precision='fp16' needs CUDA (DeepSpeed refuses fp16 on CPU); use bf16 or fp32")

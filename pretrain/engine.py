@@ -79,11 +79,11 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         # GuardedAdamW is torch's AdamW plus a skip flag; DeepSpeed's ZeRO vets optimizers by exact type
         "zero_allow_untested_optimizer": guards_steps_itself(cfg),
-        # immediate_grad_update: each bf16 gradient is added to its fp32 buffer by a hook as soon as backward makes
-        # it, and freed, instead of all of them in a loop after backward (stock DeepSpeed on an H100, synth-1.3b
-        # dot: 231.0 → 210.3 ms a step, the GPU issue's figures); the same additions, so the same numbers
+        # master_weights=bf16: ZeRO keeps its flat weights and both AdamW moments in bf16 (DeepSpeed needs the two
+        # flags together on a GPU), so the step neither reads fp32 copies nor casts them back to the model
         "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": not guards_steps_itself(cfg),
-                 "immediate_grad_update": True},
+                 "bf16_master_weights_and_grads": t.master_weights == "bf16",
+                 "bf16_optimizer_states": t.master_weights == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
         "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself

@@ -116,9 +116,9 @@ def test_deepspeed_dict_is_the_same_on_every_device():
     cfg = load_config(DEMO, ["train.precision=bf16"])
     ds = deepspeed_config(cfg, 2)
     assert "optimizer" not in ds and "scheduler" not in ds
-    # the demo's ZeRO-2: GuardedAdamW drops non-finite steps, DeepSpeed's per-tensor check is off; gradients go to
-    # their fp32 buffers as backward makes them
-    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False, "immediate_grad_update": True}
+    # the demo's ZeRO-2: GuardedAdamW drops non-finite steps, DeepSpeed's per-tensor check is off; fp32 master weights
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False, "bf16_master_weights_and_grads": False,
+                          "bf16_optimizer_states": False}
     assert ds["fp16"] == {"enabled": False}
     assert ds["wall_clock_breakdown"] is False and ds["steps_per_print"] >= 10**6
     assert json.loads(json.dumps(ds)) == ds  # plain JSON types only (a tuple would come back as a list)
@@ -245,6 +245,24 @@ def test_check_runtime_cross_section_errors():
     assert "needs CUDA" in error_of(fp16.check_runtime, 2, cuda=False)
     assert fp16.check_runtime(2, cuda=True).grad_accum == 1
     assert "does not exist" in error_of(load_config(DEMO, ["checkpoint.resume=/no/such"]).check_runtime, 2)
+
+
+def test_bf16_master_weights_are_a_deepspeed_setting_with_one_line_errors():
+    """train.master_weights=bf16: DeepSpeed's two flags (weights and moments in bf16), parsed by DeepSpeed itself;
+    refused without bf16 compute or outside ZeRO-1/2, in one line naming the key."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = load_config(DEMO, ["train.precision=bf16", "train.master_weights=bf16", "parallel.zero_stage=1"])
+    ds = deepspeed_config(cfg, cfg.check_runtime(1).dp)
+    assert ds["bf16"]["bf16_master_weights_and_grads"] is True and ds["bf16"]["bf16_optimizer_states"] is True
+    parsed = DeepSpeedConfig(ds).bfloat16_config   # one process: DeepSpeed's world size is 1
+    assert parsed.bf16_master_weights_and_grads and parsed.bf16_optimizer_states
+    assert error_of(load_config, DEMO, ["train.master_weights=bf16"]) == (
+        "train.master_weights='bf16' needs train.precision='bf16' (it is 'fp32'); set both, or master_weights=fp32")
+    assert error_of(load_config, DEMO, ["train.master_weights=fp16"]).startswith("train.master_weights='fp16'")
+    zero3 = load_config(DEMO, ["train.precision=bf16", "train.master_weights=bf16", "parallel.zero_stage=3"])
+    assert error_of(zero3.check_runtime, 2) == ("train.master_weights='bf16' needs parallel.zero_stage 1 or 2 (it is "
+                                                "3); set parallel.zero_stage=1")
 
 
 # ---- schedule, serialization, CLI -----------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
         bf16 = build_optimizer(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), groups(0), cpu)
         assert type(bf16) is (torch.optim.AdamW if zero == 3 else GuardedAdamW) and bf16.defaults["fused"], zero
         assert deepspeed_config(cfg(f"parallel.zero_stage={zero}", "train.precision=bf16"), 1)["bf16"] == \
-            {"enabled": True, "check_grad_overflow": zero == 3, "immediate_grad_update": True}
+            {"enabled": True, "check_grad_overflow": zero == 3, "bf16_master_weights_and_grads": False,
+             "bf16_optimizer_states": False}
     on_cuda = build_optimizer(cfg("parallel.zero_stage=3", "train.precision=bf16"), groups(0), layout("cuda"))
     assert type(on_cuda) is torch.optim.AdamW and on_cuda.defaults["fused"]
     guarded = build_optimizer(cfg("parallel.zero_stage=0"), groups(0), cpu)

@@ -57,27 +57,40 @@ def test_exact_resume_with_workers(shards, tmp_path, reference_run):
 
 @pytest.mark.slow
 def test_bf16_run_tracks_fp32_and_resumes_exactly(shards, tmp_path):
-    """bf16 as the cluster configs run it (DeepSpeed's bf16 optimizer, ZeRO-1, 2 data-parallel ranks), on CPU: its
-    losses follow fp32's within 2%, and a run stopped at step 10 and relaunched gives the straight run's losses bit
-    for bit. TORCH_CUDA_ARCH_LIST=9.0a (a Hopper value DeepSpeed's op builder cannot parse) is set: nothing on the
-    training path builds an op."""
+    """bf16 as the cluster configs run it (DeepSpeed's ZeRO-1 with fp32 master weights, 2 data-parallel ranks), on
+    CPU: its losses follow fp32's within 2%, and a run stopped at step 10 and relaunched gives the straight run's
+    losses bit for bit. With train.master_weights=bf16 the checkpoint holds ZeRO's weights and AdamW moments in bf16,
+    the losses still follow fp32's within 2% but are not the fp32-master ones, and a run resumed from its step-10
+    checkpoint gives its losses bit for bit. TORCH_CUDA_ARCH_LIST=9.0a (a Hopper value DeepSpeed's op builder cannot
+    parse) is set: nothing on the training path builds an op."""
+    import torch
+
     env = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
-    runs = {name: tmp_path / name for name in ("fp32", "bf16", "resumed")}
-    cfgs = {name: write_config(tmp_path / f"{name}.yaml", shards, run, parallel={"zero_stage": 1},
-                               train={"precision": "fp32" if name == "fp32" else "bf16"},
-                               checkpoint={"every": 10}) for name, run in runs.items()}
-    for name in ("fp32", "bf16"):
+    precision = {"fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"}, "resumed": {"precision": "bf16"},
+                 "bf16-master": {"precision": "bf16", "master_weights": "bf16"}}
+    runs = {name: tmp_path / name for name in (*precision, "bf16-master-resumed")}
+    cfgs = {name: write_config(tmp_path / f"{name}.yaml", shards, runs[name], parallel={"zero_stage": 1},
+                               train=train, checkpoint={"every": 10}) for name, train in precision.items()}
+    for name in ("fp32", "bf16", "bf16-master"):
         r = launch(cfgs[name], 2, env=env)
         assert "MFU n/a" in r.stdout and "MFU 0" not in r.stdout   # no peak known for a CPU: no made-up MFU
     launch(cfgs["resumed"], 2, "train.stop_after_steps=10", env=env)
     assert "resumed at step 10" in launch(cfgs["resumed"], 2, env=env).stdout
-    fp32, bf16, resumed = (losses(runs[name]) for name in ("fp32", "bf16", "resumed"))
-    assert sorted(bf16) == sorted(fp32) == sorted(resumed) == list(range(1, 21))
-    assert resumed == bf16
-    worst = max(abs(bf16[s] - fp32[s]) / fp32[s] for s in fp32)
-    print(f"bf16 vs fp32 losses over 20 steps: largest relative difference {worst:.4f}")
-    assert worst <= 0.02 and bf16 != fp32   # close, and really another precision
-    assert bf16[20] < bf16[1] - 0.5
+    step10 = runs["bf16-master"] / "checkpoints" / "step_00000010"
+    assert "resumed at step 10" in launch(cfgs["bf16-master"], 2, f"train.run_dir={runs['bf16-master-resumed']}",
+                                          f"checkpoint.resume={step10}", env=env).stdout
+    fp32, bf16, resumed, master, master_resumed = (losses(run) for run in runs.values())
+    assert sorted(bf16) == sorted(fp32) == sorted(resumed) == sorted(master) == list(range(1, 21))
+    assert resumed == bf16 and sorted(master_resumed) == list(range(11, 21))
+    assert all(master_resumed[s] == master[s] for s in master_resumed)
+    for name, got in (("bf16", bf16), ("bf16 master weights", master)):
+        worst = max(abs(got[s] - fp32[s]) / fp32[s] for s in fp32)
+        print(f"{name} vs fp32 losses over 20 steps: largest relative difference {worst:.4f}")
+        assert worst <= 0.02 and got != fp32 and got[20] < got[1] - 0.5
+    assert master != bf16   # really another precision of the master weights
+    optim = torch.load(next(step10.glob("*zero_pp_rank_0_*optim_states.pt")), weights_only=False)["optimizer_state_dict"]
+    moments = [t for state in optim["base_optimizer_state"]["state"].values() for k, t in state.items() if k != "step"]
+    assert {t.dtype for t in optim["single_partition_of_fp32_groups"] + moments} == {torch.bfloat16}
 
 
 @pytest.mark.slow

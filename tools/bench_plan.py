@@ -238,6 +238,11 @@ def plan_gpu(a, p: Plan) -> None:
         if compiled:
             p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), compiled",
                     p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
+    for compiled in modes():   # the engine with ZeRO's weights and moments in bf16 (train.master_weights=bf16)
+        mode = "compiled" if compiled else "eager"
+        p.entry(f"gpu:dot:bf16-master:{mode}", "gpu", f"synth-1.3b (dot), bf16 master weights, {mode}",
+                p.point("train", BIG, big_model(a, "dot") + ["train.master_weights=bf16"], compile=compiled),
+                "tflops", "TFLOP/s", to_peak, goal_min=GOAL_MFU if peak else None)
 
 
 def plan_gpu_variants(a, p: Plan) -> None:

@@ -49,6 +49,19 @@ def triton_kernel(name: str):
         return None
 
 
+def at_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in torch.autocast's dtype where it is on (else as they are), as SDPA takes them. Under autocast
+    fp32 parameters used as features (dense's W_2 rows, R_1/R_2) and queries scaled by an fp32 weight arrive in
+    fp32 beside bf16 activations: cast before they are expanded to the batch and concatenated, not after (SDPA's
+    own cast), and a Triton kernel does not take its exact fp32 dots (an H100 ran random+dot's forward at 140 ms
+    a layer so, B 4, Hl 16, n 2048; measured 2026-11-25)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
     """M (n, n): 0 on and below the diagonal, -inf above — added to the logits before the softmax."""
     return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)

@@ -79,10 +79,11 @@ class SynthesizedAttention(nn.Module):
             input_dependent |= synth.input_dependent
             if synth.kind == "qk":
                 q, k, s = synth.qk(x)                                    # (B or 1, Hl, n, f)
+                q, k = kernels.at_autocast_dtype(q, k)                   # fp32 parameters as keys: cast while small
                 if w is None:
                     scale = s
-                else:   # α·s·(q·k) = (α·s·q)·k: fold the weight into the query features
-                    q = q * (w * s)[:, None, None]
+                else:   # α·s·(q·k) = (α·s·q)·k: fold the weight into the query features (in q's dtype)
+                    q = q * (w * s).to(q.dtype)[:, None, None]
                 qs.append(q)
                 ks.append(k)
                 if hasattr(synth, "key_bias"):                           # b_j (Hl, n), weighted α·b_j in a mixture

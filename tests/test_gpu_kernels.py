@@ -10,7 +10,7 @@ from model.gpu_kernels.biased_attention import biased_flash_attention
 from model.gpu_kernels.factorized_dense import factorized_dense_flash
 from model.kernels import causal_mask
 from tests.test_model import (VARIANTS, assert_bf16_fused_close_to_fp32_reference, assert_fused_matches_reference,
-                              tokens)
+                              config, tokens)
 
 # Relative error against the fp32 formula. In bf16 (8-bit mantissas) 3%, or 1.5 × the error of the formula itself
 # run in bf16 where that is larger (a sum over n² products, as w's gradient, cancels and loses more).
@@ -131,6 +131,38 @@ def test_kernels_run_at_the_autocast_dtype(kernel):
     assert (out.float() - expected).abs().max() <= 3e-2 * expected.abs().max()
     for a, b in zip(ours, ref):
         assert a.grad.dtype == a.dtype and (a.grad.float() - b.grad).abs().max() <= 5e-2 * b.grad.abs().max()
+
+
+@pytest.mark.parametrize("path", ["gpu", "cpu"])
+@pytest.mark.parametrize("variant", ["dense", "dense+dot", "dot+dense+factorized_random"])
+def test_autocast_makes_no_batch_sized_fp32_features(variant, path, monkeypatch):
+    """Under torch.autocast with fp32 parameters (the plain loop), forward and backward of a q·k mixer make no fp32
+    tensor of the batch's size (B, Hl, n, ·): fp32 parameters used as keys (dense's W_2 rows, R_1/R_2) and the
+    mixture weights are cast while they are Hl·n·f, not written as fp32 batch copies that SDPA casts again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from model import build_model
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", path)
+    B, n = 3, 13
+    mixer = build_model(config(variant)).blocks[0].mixer
+    x = torch.randn(B, n, 32, requires_grad=True)
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 4
+                        and t.dtype == torch.float32 and t.shape[0] == B and n in t.shape[1:3])
+            return out
+
+    with Record():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mixer(x)
+        y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and made == []
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mixer.parameters() if p.requires_grad)
 
 
 @cpu_only

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash import (at_autocast_dtype, block, causal, dot, exact, online_softmax, outputs, program, row_deltas,
+from ..kernels import at_autocast_dtype
+from .flash import (block, causal, dot, exact, online_softmax, outputs, program, row_deltas,
                     rows, softmax_start, store_output, tile, width)
 
 # Tiles of 32 on a GPU, not flash.py's 64: with 64, the bf16 backward faults (illegal memory access) on an H100

@@ -100,14 +100,3 @@ def outputs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def row_deltas(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """D_i = dO_i · O_i (B, Hl, n) in fp32: the softmax backward's rowsum(P ⊙ dP)."""
     return (do.float() * o.float()).sum(-1).contiguous()
-
-
-def at_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernels' inputs in torch.autocast's dtype where it is on, as SDPA takes them: under autocast a query
-    scaled by an fp32 weight arrives in fp32 beside bf16 keys, and fp32 takes the exact, non-tensor-core dots (an
-    H100 ran random+dot's forward at 140 ms a layer so, B 4, Hl 16, n 2048; measured 2026-11-25)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)

@@ -181,9 +181,10 @@ def shared_map_attention(logits, v: torch.Tensor, q=None, k=None, block: int = 1
     B, n, Hl, d_h = v.shape
     v_cols = v.permute(2, 1, 0, 3).reshape(Hl, n, B * d_h)                          # (Hl, n, B·d_h)
     if on_gpu_path(v):   # softmax once, then one batched GEMM: A (Hl, n, n) is kept for backward, shared by B
-        S = causal_mask(n, v.device, v.dtype) if logits is None else logits + causal_mask(n, v.device, v.dtype)
-        S = S if q is None else torch.baddbmm(S.expand(Hl, n, n), q, k.transpose(-1, -2))
-        y = torch.softmax(S, dim=-1) @ v_cols                                        # (Hl, n, B·d_h)
+        dt = v.dtype     # under autocast, the values' (bf16): the map is made in it too, not in fp32 and cast
+        S = causal_mask(n, v.device, dt) if logits is None else logits.to(dt) + causal_mask(n, v.device, dt)
+        S = S if q is None else torch.baddbmm(S.expand(Hl, n, n), q.to(dt), k.to(dt).transpose(-1, -2))
+        y = torch.softmax(S, dim=-1, dtype=dt) @ v_cols                             # (Hl, n, B·d_h)
     else:
         y = SharedMapAttention.apply(logits, q, k, v_cols, block)                    # (Hl, n, B·d_h)
     return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
@@ -359,7 +360,8 @@ def causal_matmul(W: torch.Tensor, x: torch.Tensor, block: int = 128) -> torch.T
     """(W ⊙ causal)[:n, :n] @ x for W (Hl, L, L) and x (Hl, n, m) -> (Hl, n, m)."""
     if on_gpu_path(x):   # one batched GEMM on the masked map (Hl·n², small beside B·n·m activations)
         n = x.shape[1]
-        return W[:, :n, :n].tril() @ x
+        W, x = at_autocast_dtype(W[:, :n, :n], x)   # under autocast: cast the map before masking it, not after
+        return W.tril() @ x
     return CausalMatmul.apply(W, x, block)
 
 

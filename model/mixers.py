@@ -79,7 +79,6 @@ class SynthesizedAttention(nn.Module):
             input_dependent |= synth.input_dependent
             if synth.kind == "qk":
                 q, k, s = synth.qk(x)                                    # (B or 1, Hl, n, f)
-                q, k = kernels.at_autocast_dtype(q, k)                   # fp32 parameters as keys: cast while small
                 if w is None:
                     scale = s
                 else:   # α·s·(q·k) = (α·s·q)·k: fold the weight into the query features (in q's dtype)
@@ -91,12 +90,17 @@ class SynthesizedAttention(nn.Module):
             else:
                 bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
         if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
+            if bias is not None and bias_weight is not None:
+                bias, bias_weight = kernels.at_autocast_dtype(bias, bias_weight)
             S = bias if bias is None or bias_weight is None else bias_weight[:, None, None] * bias   # (Hl, n, n)
             q = k = None
             if qs:   # factors (Hl, n, Σf), the scale folded into q
                 q, k = torch.cat([p[0] for p in qs], -1), torch.cat([p[0] for p in ks], -1)
                 q = q if scale == 1.0 else q * scale
             return kernels.shared_map_attention(S, v, q, k)
+        # under autocast, fp32 parameters among the features (dense's W_2 rows, R_1/R_2) are cast while Hl·n·f,
+        # not as the (B, Hl, n, Σf) concatenation that SDPA would cast again
+        qs, ks = kernels.at_autocast_dtype(*qs), kernels.at_autocast_dtype(*ks)
         q, k = self._concat(qs, B), self._concat(ks, B)                  # (B or 1, Hl, n, Σf)
         v = v.transpose(1, 2)                                            # (B, Hl, n, d_h)
         if bias is None:

@@ -133,12 +133,16 @@ def test_kernels_run_at_the_autocast_dtype(kernel):
         assert a.grad.dtype == a.dtype and (a.grad.float() - b.grad).abs().max() <= 5e-2 * b.grad.abs().max()
 
 
-@pytest.mark.parametrize("path", ["gpu", "cpu"])
-@pytest.mark.parametrize("variant", ["dense", "dense+dot", "dot+dense+factorized_random"])
+@pytest.mark.parametrize("variant,path", [(v, p) for v in ("dense", "dense+dot", "dot+dense+factorized_random")
+                                          for p in ("gpu", "cpu")] + [("random", "gpu"), ("random+factorized_random",
+                                                                       "gpu"), ("sgu", "gpu")])
 def test_autocast_makes_no_batch_sized_fp32_features(variant, path, monkeypatch):
-    """Under torch.autocast with fp32 parameters (the plain loop), forward and backward of a q·k mixer make no fp32
+    """Under torch.autocast with fp32 parameters (the plain loop), forward and backward of a mixer make no fp32
     tensor of the batch's size (B, Hl, n, ·): fp32 parameters used as keys (dense's W_2 rows, R_1/R_2) and the
-    mixture weights are cast while they are Hl·n·f, not written as fp32 batch copies that SDPA casts again."""
+    mixture weights are cast while they are Hl·n·f, not written as fp32 batch copies that SDPA casts again. Nor
+    does the GPU path's forward make an fp32 map (·, n, n) of a batch-shared map (random's R, SGU's W): the map is
+    made and normalized in bf16, as flash attention's P is (their gradients stay fp32, as the parameters are).
+    SGU's gate comes from a LayerNorm, which autocast runs in fp32: only its map is checked."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -150,16 +154,23 @@ def test_autocast_makes_no_batch_sized_fp32_features(variant, path, monkeypatch)
     x = torch.randn(B, n, 32, requires_grad=True)
     made = []
 
-    class Record(TorchDispatchMode):
+    maps = path == "gpu"   # the CPU kernels make maps block by block, from the parameters as they are
+    batch = variant != "sgu"
+
+    class Record(TorchDispatchMode):   # every new fp32 tensor of those shapes (not views of an input)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            made.extend(str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() == 4
-                        and t.dtype == torch.float32 and t.shape[0] == B and n in t.shape[1:3])
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            made.extend(str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                        and t.untyped_storage().data_ptr() not in inputs
+                        and ((batch and t.dim() == 4 and t.shape[0] == B and n in t.shape[1:3])
+                             or (maps and t.dim() >= 3 and t.shape[-2:] == (n, n))))
             return out
 
     with Record():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = mixer(x)
+        maps = False   # backward: the gradients of fp32 parameters are fp32
         y.float().square().sum().backward()
     assert y.dtype == torch.bfloat16 and made == []
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mixer.parameters() if p.requires_grad)

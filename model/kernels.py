@@ -62,6 +62,20 @@ def at_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+def in_autocast_dtype(kernel, *args):
+    """kernel(*args) — a CPU kernel's autograd Function — with its tensors in torch.autocast's dtype and autocast
+    off inside, where autocast is on: its forward and backward then run in one dtype, as they do outside autocast
+    (left to autocast, fp32 parameters beside bf16 activations meet in one matmul, and backward, which runs without
+    autocast, fails on them)."""
+    device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+    if not torch.is_autocast_enabled(device):
+        return kernel(*args)
+    dtype = torch.get_autocast_dtype(device)
+    args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    with torch.autocast(device, enabled=False):
+        return kernel(*args)
+
+
 def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
     """M (n, n): 0 on and below the diagonal, -inf above — added to the logits before the softmax."""
     return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)
@@ -186,7 +200,7 @@ def shared_map_attention(logits, v: torch.Tensor, q=None, k=None, block: int = 1
         S = S if q is None else torch.baddbmm(S.expand(Hl, n, n), q.to(dt), k.to(dt).transpose(-1, -2))
         y = torch.softmax(S, dim=-1, dtype=dt) @ v_cols                             # (Hl, n, B·d_h)
     else:
-        y = SharedMapAttention.apply(logits, q, k, v_cols, block)                    # (Hl, n, B·d_h)
+        y = in_autocast_dtype(SharedMapAttention.apply, logits, q, k, v_cols, block)  # (Hl, n, B·d_h)
     return y.view(Hl, n, B, d_h).permute(2, 1, 0, 3)                                 # (B, n, Hl, d_h)
 
 
@@ -257,7 +271,7 @@ def biased_qk_attention(q, k, R, w, v, block: int = 128) -> torch.Tensor:
     width = _common_width(q, v)
     q = _pad_last(q, width).expand(B, -1, -1, -1)
     k = _pad_last(k, width).expand(B, -1, -1, -1)
-    out = BiasedQKAttention.apply(q, k, _pad_last(v, width), R, w, block)
+    out = in_autocast_dtype(BiasedQKAttention.apply, q, k, _pad_last(v, width), R, w, block)
     return out[..., :d_h]
 
 
@@ -314,7 +328,7 @@ def factorized_dense_attention(A, Bf, v, block: int = 128) -> torch.Tensor:
     gpu = on_gpu_path(v) and triton_kernel("factorized_dense")
     if gpu:   # a Triton flash kernel that builds S's tiles from the factors
         return gpu.factorized_dense_flash(A, Bf, v)
-    return FactorizedDenseAttention.apply(A, Bf, v, block)
+    return in_autocast_dtype(FactorizedDenseAttention.apply, A, Bf, v, block)
 
 
 class CausalMatmul(torch.autograd.Function):
@@ -362,7 +376,7 @@ def causal_matmul(W: torch.Tensor, x: torch.Tensor, block: int = 128) -> torch.T
         n = x.shape[1]
         W, x = at_autocast_dtype(W[:, :n, :n], x)   # under autocast: cast the map before masking it, not after
         return W.tril() @ x
-    return CausalMatmul.apply(W, x, block)
+    return in_autocast_dtype(CausalMatmul.apply, W, x, block)
 
 
 def inv_sqrt(d: int) -> float:

@@ -133,6 +133,30 @@ def test_kernels_run_at_the_autocast_dtype(kernel):
         assert a.grad.dtype == a.dtype and (a.grad.float() - b.grad).abs().max() <= 5e-2 * b.grad.abs().max()
 
 
+@pytest.mark.parametrize("path", ["gpu", "cpu"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_trains_under_autocast(variant, path, monkeypatch):
+    """torch.autocast over fp32 parameters (a plain PyTorch loop; inference of a Hugging Face export under autocast):
+    both kernel paths of every variant run forward and backward, the logits within bf16's error of the fp32
+    model's, and every parameter gets an fp32 gradient. (The CPU kernels' autograd Functions run in the autocast
+    dtype, `kernels.in_autocast_dtype`: fp32 parameters beside bf16 activations failed in backward.)"""
+    from model import build_model
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", path)
+    model = build_model(config(variant))
+    x = tokens(2, 13)
+    with torch.no_grad():
+        expected = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    logits.float().square().mean().backward()
+    assert logits.dtype == torch.bfloat16
+    error = ((logits.float() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= TOLERANCE[torch.bfloat16], error
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()
+               for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("variant,path", [(v, p) for v in ("dense", "dense+dot", "dot+dense+factorized_random")
                                           for p in ("gpu", "cpu")] + [("random", "gpu"), ("random+factorized_random",
                                                                        "gpu"), ("sgu", "gpu")])

@@ -49,17 +49,20 @@ def triton_kernel(name: str):
         return None
 
 
+def _autocast_dtype(t: torch.Tensor):
+    """torch.autocast's dtype on t's device where it is on, else None."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def at_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in torch.autocast's dtype where it is on (else as they are), as SDPA takes them. Under autocast
     fp32 parameters used as features (dense's W_2 rows, R_1/R_2) and queries scaled by an fp32 weight arrive in
     fp32 beside bf16 activations: cast before they are expanded to the batch and concatenated, not after (SDPA's
     own cast), and a Triton kernel does not take its exact fp32 dots (an H100 ran random+dot's forward at 140 ms
     a layer so, B 4, Hl 16, n 2048; measured 2026-11-25)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
+    dtype = _autocast_dtype(tensors[0])
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
 def in_autocast_dtype(kernel, *args):
@@ -67,12 +70,12 @@ def in_autocast_dtype(kernel, *args):
     off inside, where autocast is on: its forward and backward then run in one dtype, as they do outside autocast
     (left to autocast, fp32 parameters beside bf16 activations meet in one matmul, and backward, which runs without
     autocast, fails on them)."""
-    device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-    if not torch.is_autocast_enabled(device):
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    dtype = _autocast_dtype(first)
+    if dtype is None:
         return kernel(*args)
-    dtype = torch.get_autocast_dtype(device)
     args = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(first.device.type, enabled=False):
         return kernel(*args)
 
 

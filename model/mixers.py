@@ -90,9 +90,10 @@ class SynthesizedAttention(nn.Module):
             else:
                 bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
         if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
-            if bias is not None and bias_weight is not None:
+            S = bias                                                     # (Hl, n, n) or None
+            if bias is not None and bias_weight is not None:   # α ⊙ R, in autocast's dtype where it is on
                 bias, bias_weight = kernels.at_autocast_dtype(bias, bias_weight)
-            S = bias if bias is None or bias_weight is None else bias_weight[:, None, None] * bias   # (Hl, n, n)
+                S = bias_weight[:, None, None] * bias
             q = k = None
             if qs:   # factors (Hl, n, Σf), the scale folded into q
                 q, k = torch.cat([p[0] for p in qs], -1), torch.cat([p[0] for p in ks], -1)

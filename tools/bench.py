@@ -29,6 +29,9 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
               torch.compile of the loop's model). CPU: the throughput part's dot model; CUDA: synth-1.3b's dot
               twin, bf16, 1 GPU. Goal: ≤ 1.05.
+  gpu-binding (CUDA only) the binding goals as configured: synth-1.3b's dot twin (MFU ≥ 55%) and the flagship
+              dense+dot (≥ 40%) under the engine with bf16 master weights and compiled blocks, each beside its
+              fp32-master eager run; the bf16-master loss over the bench steps within 1% of the fp32-master one.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
               (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
@@ -200,7 +203,8 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
             if e["variant"] != "dot":
                 e["goal_min"] = FLOP_SLACK * e["flop_ratio"]
         lo, hi = e.pop("goal_min", None), e.pop("goal_max", None)
-        e["goal"] = f"≥ {lo:.3g}" if lo is not None else f"≤ {hi:.3g}" if hi is not None else None
+        e["goal"] = f"{lo:.3g}–{hi:.3g}" if lo is not None and hi is not None else f"≥ {lo:.3g}" if lo is not None \
+            else f"≤ {hi:.3g}" if hi is not None else None
         if e["goal"] and e["ratio"] is not None:
             e["status"] = "ok" if (lo is None or e["ratio"] >= lo) and (hi is None or e["ratio"] <= hi) else "MISSED"
     return out

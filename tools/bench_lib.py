@@ -229,10 +229,12 @@ def training_step(spec: dict):
     g = torch.Generator().manual_seed(lay.dp_rank)
     tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    losses = []   # each step's loss, detached: read once after the timing (no host read inside a step)
 
     def step():
         for _ in range(lay.grad_accum):
             loss = engine(inputs, targets)
+            losses.append(loss.detach())
             mem.phase("forward")
             engine.backward(loss)
             mem.phase("backward")
@@ -245,6 +247,7 @@ def training_step(spec: dict):
         if lay.world > 1:
             dist.barrier()
 
+    step.losses = losses
     return step, sync, engine, cfg, lay, mem
 
 
@@ -256,6 +259,9 @@ def run_train(spec: dict) -> dict:
     step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
                   serve=spec.get("serve", False))
+    per_rep = len(step.losses) // max(1, spec["warmup"] + spec["reps"] * spec["steps"]) * spec["steps"]
+    timed = [float(x) for x in step.losses[-per_rep * spec["reps"]:]]   # each repetition's mean loss
+    out["loss"] = [sum(timed[i:i + per_rep]) / per_rep for i in range(0, len(timed), per_rep)]
     out.update(params=sum(p.numel() for p in engine.module.parameters()), device=str(lay.device),
                world=lay.world, tp=lay.tp, dp=lay.dp, grad_accum=lay.grad_accum, tokens_per_step=cfg.tokens_per_step)
     if spec["kind"] in ("train", "loop"):

@@ -9,7 +9,8 @@ import os
 from tools.bench_lib import GOAL_MEM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu", "gpu-variants", "gpu-memory")
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
+         "gpu-memory")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the issue's sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -31,6 +32,7 @@ GPU_MEMORY = dict(d=1024, layers=4, heads=16, batch=4, vocab=32000, precision="b
 GPU_GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "factorized_dense": 3, "random": 5,
                 "random+dot": 5}
 GOAL_MFU_FLAGSHIP = 0.40
+LOSS_SLACK = 0.01   # a bf16-master run's loss over the bench steps within 1% of the fp32-master run's
 # Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
 # of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
 # (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
@@ -165,6 +167,8 @@ def plan(a) -> Plan:
         half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
         dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
         p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
+    if "gpu-binding" in a.only:
+        plan_gpu_binding(a, p)
     if "gpu" in a.only:   # before the engine part, whose points it shares: the flagship's point is measured first
         plan_gpu(a, p)
     if "engine" in a.only:
@@ -243,6 +247,37 @@ def plan_gpu(a, p: Plan) -> None:
         p.entry(f"gpu:dot:bf16-master:{mode}", "gpu", f"synth-1.3b (dot), bf16 master weights, {mode}",
                 p.point("train", BIG, big_model(a, "dot") + ["train.master_weights=bf16"], compile=compiled),
                 "tflops", "TFLOP/s", to_peak, goal_min=GOAL_MFU if peak else None)
+
+
+def plan_gpu_binding(a, p: Plan) -> None:
+    """The binding MFU points (GPU part 1): synth-1.3b's dot twin and the flagship under the engine as the goals are
+    configured (bf16 master weights, compiled blocks), each beside its fp32-master eager run, whose loss over the same
+    steps the bf16-master loss must stay within LOSS_SLACK of."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.engine import peak_tflops_of
+
+    if not torch.cuda.is_available():
+        p.entry("gpu-binding", "gpu-binding", "synth-1.3b", None, "tflops", "TFLOP/s",
+                skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
+        return
+    name = torch.cuda.get_device_name(0)
+    peak = peak_tflops_of(name, "bf16")
+    p.entry("gpu-binding:peak", "gpu-binding", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
+            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
+    to_peak = "gpu-binding:peak" if peak else None
+    for m in dict.fromkeys(["dot", load_config(BIG).model.mixer]):
+        goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
+        fp32 = p.point("train", BIG, big_model(a, m))
+        bf16 = p.point("train", BIG, big_model(a, m) + ["train.master_weights=bf16"], compile=True)
+        p.entry(f"gpu-binding:{m}:fp32-master:eager", "gpu-binding", f"synth-1.3b ({m}), fp32 master, eager", fp32,
+                "tflops", "TFLOP/s", to_peak)
+        p.entry(f"gpu-binding:{m}:bf16-master:compiled", "gpu-binding", f"synth-1.3b ({m}), bf16 master, compiled",
+                bf16, "tflops", "TFLOP/s", to_peak, goal_min=goal)
+        p.entry(f"gpu-binding:{m}:loss:fp32-master", "gpu loss", f"{m}, fp32 master, eager", fp32, "loss", "")
+        p.entry(f"gpu-binding:{m}:loss:bf16-master", "gpu loss", f"{m}, bf16 master, compiled", bf16, "loss", "",
+                f"gpu-binding:{m}:loss:fp32-master", goal_min=1 - LOSS_SLACK, goal_max=1 + LOSS_SLACK)
 
 
 def plan_gpu_variants(a, p: Plan) -> None:

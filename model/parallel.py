@@ -1,10 +1,12 @@
-"""Tensor-parallel building blocks: megatron-core layers under TP, plain torch layers without a process group.
+"""Tensor-parallel building blocks: megatron-core layers under TP > 1, plain torch layers at TP = 1.
 
 The model code asks this module for "a column-parallel linear", "a vocab-parallel embedding", … and never
-looks at ranks. With megatron-core's `parallel_state` initialised the layers are megatron's
-(`ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`);
-without it they are `nn.Linear` / `nn.Embedding` / `F.cross_entropy` with the same parameter names, so one state
-dict fits both.
+looks at ranks. With more than one tensor-parallel rank the layers are megatron's (`ColumnParallelLinear`,
+`RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`); with one (no process group, or
+megatron-core's `parallel_state` at TP = 1, as every pure data- or pipeline-parallel run has) they are `nn.Linear` /
+`nn.Embedding` / `F.cross_entropy` with the same parameter names, so one state dict fits both. At TP = 1 the plain
+linear adds its bias inside the GEMM (megatron's adds it apart, in fp32 under autocast, which also promotes the
+output to fp32) and torch.compile sees plain aten ops.
 
 Every parameter carries how it is split (`tensor_model_parallel`, `partition_dim`, megatron's attribute names) and
 how it is initialised (`init`), so `init_from_seed` can draw the *full* tensor from one seed and keep this rank's
@@ -138,7 +140,7 @@ def _no_init(_):
 
 def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     """y = x Wᵀ + b with W (d_out, d_in) split along d_out: each rank computes its own d_out/TP outputs."""
-    if tp_world() == 1 and _parallel_state() is None:
+    if tp_world() == 1:
         layer = nn.Linear(d_in, d_out, bias=bias)
     else:
         layer = _megatron_linear("column")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
@@ -151,7 +153,7 @@ def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
 
 def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once."""
-    if tp_world() == 1 and _parallel_state() is None:
+    if tp_world() == 1:
         layer = nn.Linear(d_in, d_out, bias=bias)
     else:
         layer = _megatron_linear("row")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
@@ -164,7 +166,7 @@ def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
 
 def vocab_embedding(vocab: int, d: int, std: float) -> nn.Module:
     """Token embedding (V, d) split along V: each rank looks up its vocabulary range, results all-reduced."""
-    if tp_world() == 1 and _parallel_state() is None:
+    if tp_world() == 1:
         layer = nn.Embedding(vocab, d)
     else:
         layer = _mcore().tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=_no_init,
@@ -238,7 +240,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token loss (B, n) from vocab-sharded logits (B, n, V/TP)."""
-    if tp_world() == 1 and _parallel_state() is None:
+    if tp_world() == 1:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     return _mcore().tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
 

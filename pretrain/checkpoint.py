@@ -14,6 +14,7 @@ back to the newest complete checkpoint when `latest` names a damaged one.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import random
@@ -188,6 +189,20 @@ class Checkpointer:
 def is_universal(path: str) -> bool:
     """Whether a checkpoint directory holds a universal checkpoint (pretrain/universal.py) of any layout."""
     return os.path.isfile(os.path.join(path, "trainer_state.pt")) and os.path.isdir(os.path.join(path, "zero"))
+
+
+def deepspeed_clipped(path: str | None) -> bool:
+    """Whether the ZeRO-1/2 checkpoint at `path` (a tag directory, or None) was written by an engine in which
+    DeepSpeed clipped the gradients (its optimizer state records clip_grad > 0): every one written before
+    GuardedAdamW clipped them on the device (pretrain/engine.py clips_on_device). One optimizer-state file is read,
+    memory-mapped; a universal checkpoint is loaded another way and never is one."""
+    if path is None or is_universal(path):
+        return False
+    files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
+    if not files:
+        return False
+    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    return float(state.get("optimizer_state_dict", {}).get("clip_grad", 0.0) or 0.0) > 0
 
 
 def newest_universal(directory: str) -> str | None:

@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from model import build_model
 from model import release
 from model.lm import Block
+from model.parallel import is_sharded, tp_rank
 from pretrain import distributed
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.health import GuardedAdamW
@@ -52,31 +53,45 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
     return (zero == 0 and precision == "fp32") or (zero in (1, 2) and precision == "bf16")
 
 
-def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout,
+                    device_clip: bool = True) -> torch.optim.Optimizer:
     """torch's fused AdamW: one vectorized pass over each flat ZeRO partition (~6× faster on CPU than the per-op
     AdamW of DeepSpeed's `torch_adam`, tools/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
-    does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/health.py)."""
+    does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/health.py), which also
+    clips the gradients on the device (`device_clip`, see `clips_on_device`)."""
     t = cfg.train
     adamw = dict(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     if guards_steps_itself(cfg):
-        return GuardedAdamW(groups, lay, **adamw)
+        return GuardedAdamW(groups, lay, clip=t.grad_clip if device_clip else 0.0, **adamw)
     return torch.optim.AdamW(groups, fused=lay.device.type in ("cpu", "cuda"), **adamw)
 
 
-def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = False) -> dict:
-    """The DeepSpeed config of a run with `dp_world` data-parallel ranks.
+def clips_on_device(cfg: TrainConfig, deepspeed_clipped_checkpoint: bool = False) -> bool:
+    """Whether GuardedAdamW clips the gradients (on the device, no host read) rather than DeepSpeed: wherever it
+    runs (`guards_steps_itself`), unless the run resumes a ZeRO-1/2 checkpoint whose engine let DeepSpeed clip
+    (checkpoint.deepspeed_clipped): loading its optimizer state sets DeepSpeed's clipping back on (the state's
+    clip_grad wins over the config's), so such a run keeps DeepSpeed's clipping, and its host reads, alone."""
+    return guards_steps_itself(cfg) and not (deepspeed_clipped_checkpoint and cfg.parallel.zero_stage in (1, 2))
+
+
+def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = False,
+                     device_clip: bool | None = None) -> dict:
+    """The DeepSpeed config of a run with `dp_world` data-parallel ranks (`device_clip`: `clips_on_device`, by
+    default for a run that resumes no checkpoint).
 
     No "optimizer" entry: the trainer hands DeepSpeed its AdamW (`build_optimizer`) with parameter groups (no
     decay on norms/biases). No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
     `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
     defines it on every backend and its step count lives in the engine's checkpoint."""
-    t = cfg.train
+    t, stage = cfg.train, cfg.parallel.zero_stage
+    device_clip = clips_on_device(cfg) if device_clip is None else device_clip
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum(dp_world),
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        # GuardedAdamW clips on the device (under ZeRO-1/2 with the norm DeepSpeed computes, never read on the host)
+        "gradient_clipping": 0.0 if device_clip else t.grad_clip,
+        "zero_optimization": {"stage": stage},
         # GuardedAdamW is torch's AdamW plus a skip flag; DeepSpeed's ZeRO vets optimizers by exact type
         "zero_allow_untested_optimizer": guards_steps_itself(cfg),
         # master_weights=bf16: ZeRO keeps its flat weights and both AdamW moments in bf16 (DeepSpeed needs the two
@@ -87,6 +102,8 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
         "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself
+        # and times itself: DeepSpeed's throughput timer synchronizes the device at each forward and each step
+        "timers": {"throughput": {"enabled": False}},
         "wall_clock_breakdown": False,
     }
 
@@ -115,11 +132,11 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
     return factor
 
 
-def build_engine(cfg: TrainConfig, lay, load_universal: bool = False):
+def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_clip: bool | None = None):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
     TP slice) → activation checkpointing → compiled blocks (train.compile) → pipeline stages (PP > 1) → DeepSpeed
     (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides
-    this when it is built)."""
+    this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
@@ -130,7 +147,7 @@ def build_engine(cfg: TrainConfig, lay, load_universal: bool = False):
         compile_blocks(model)
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
         release.load_into(model, release.read_release(cfg.train.init_from)[1], rename=rename)
-    return initialize(model, cfg, lay, mpu, load_universal)
+    return initialize(model, cfg, lay, mpu, load_universal, device_clip)
 
 
 def checkpoint_activations(model: torch.nn.Module, every: int, rename=lambda name: name) -> None:
@@ -160,18 +177,38 @@ def _recomputed(forward, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False):
+def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False,
+               device_clip: bool | None = None):
     """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
     (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
     import deepspeed
 
+    device_clip = clips_on_device(cfg) if device_clip is None else device_clip
     schedule = lr_lambda(cfg.train, cfg.total_steps())
     groups = param_groups(model, cfg.train.weight_decay)
+    optimizer = build_optimizer(cfg, groups, lay, device_clip)
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=groups, optimizer=build_optimizer(cfg, groups, lay),
-        config=deepspeed_config(cfg, lay.dp, load_universal), mpu=mpu,
+        model=model, model_parameters=groups, optimizer=optimizer,
+        config=deepspeed_config(cfg, lay.dp, load_universal, device_clip), mpu=mpu,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if isinstance(optimizer, GuardedAdamW) and cfg.parallel.zero_stage == 0:
+        optimizer.count_once(counted_elsewhere(optimizer, lay))
+    elif isinstance(optimizer, GuardedAdamW):   # ZeRO-1/2's norm of the step, set before it steps any group
+        optimizer.take_norm_from(lambda: engine.optimizer._global_grad_norm)
     return engine
+
+
+def counted_elsewhere(optimizer: GuardedAdamW, lay) -> dict:
+    """Without ZeRO, what GuardedAdamW must leave out of this rank's share of the global gradient norm because
+    another rank holds the same gradient and counts it: {parameter: None (all of it)}.
+      - a parameter that tensor parallelism does not split (norms, row-parallel biases, the mixture logits) is
+        the same on every TP rank: TP rank 0 counts it;
+      - a pipeline-tied copy (the token embedding on the last stage, DeepSpeed's `ds_pipe_replicated`): the stage
+        that owns it counts it;
+      - every data-parallel rank holds all the (averaged) gradients: DP rank 0 counts them."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {p: None for p in params if lay.dp_rank > 0 or (not is_sharded(p) and tp_rank() > 0)
+            or getattr(p, "ds_pipe_replicated", False)}
 
 
 # ---- what speed is measured against (the FLOP count: model/accounting.py train_flops_per_token) -------------------

@@ -8,9 +8,10 @@ gradients are non-finite, and then
                             does not advance);
     ZeRO-0 fp32, bf16 ZeRO-1/2 (pretrain/engine.py guards_steps_itself): DeepSpeed has no check (ZeRO-0 fp32) or a
                             costly one that is turned off (bf16), so the trainer hands it `GuardedAdamW`, a fused
-                            AdamW whose step does nothing when any rank holds a non-finite gradient (one all-reduce
-                            of a flag, never read on the host); it counts in `.skipped`, a tensor on the device (the
-                            LR schedule advances: DeepSpeed steps it after the optimizer).
+                            AdamW that also clips the gradients and whose step does nothing when any rank holds a
+                            non-finite gradient (one all-reduce of the squared norm, never read on the host); it
+                            counts in `.skipped`, a tensor on the device (the LR schedule advances: DeepSpeed steps
+                            it after the optimizer).
 A loss spike is turned into that case on purpose: its loss is multiplied by NaN before backward.
 
 The loss-spike rule (off by default): a step's loss above mean + z·std of the last `window` kept steps' losses is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,25 +34,62 @@ class TrainingStopped(RuntimeError):
 
 
 class GuardedAdamW(torch.optim.AdamW):
-    """torch's fused AdamW, except that a step with a non-finite gradient on any rank changes nothing (collective).
+    """torch's fused AdamW that clips the gradients to a global norm and drops a step with a non-finite gradient on
+    any rank, all on the device: the host never waits for it.
 
-    One fused norm over all gradients tells whether any is non-finite; the flag is all-reduced (tensor-parallel
-    ranks hold different gradients) and handed to the fused kernel as `found_inf`, the way torch.amp.GradScaler
-    skips a step: parameters, moments and step counts stay as they were, and the host never waits for the flag.
-    `skipped` counts the skipped steps on the device."""
+    The global norm of a step (`grad_norm`, a device tensor the trainer reads on its logging steps):
+      - without ZeRO, this optimizer sees every gradient: the squared norm of what this rank holds, each element
+        that other ranks hold too counted on one rank only (`count_once`), summed over all ranks in one all-reduce;
+      - under ZeRO-1/2, DeepSpeed steps it once per parameter group, each call seeing only that group's flat
+        partition, so no call sees every gradient: the norm is DeepSpeed's (`take_norm_from`), computed over all
+        groups before the first call, replicas counted once, all-reduced, and not read on the host in bf16.
+    A non-finite norm becomes `found_inf` for the fused kernel, which then leaves parameters, moments and step
+    counts as they were (torch.amp.GradScaler's way of skipping), in every group alike, and `skipped` counts the
+    step. Otherwise, with `clip` > 0, the gradients are scaled by min(1, clip / (norm + 1e-6)), DeepSpeed's and
+    torch's rule (torch.nn.utils.clip_grads_with_norm_)."""
 
-    def __init__(self, params, layout, **adamw):
+    def __init__(self, params, layout, clip: float = 0.0, **adamw):
         super().__init__(params, fused=True, **adamw)
-        self.layout = layout
+        self.layout, self.clip = layout, clip
         self.skipped = torch.zeros((), device=layout.device)
+        self.grad_norm = torch.zeros((), device=layout.device)
+        self.elsewhere: dict[int, torch.Tensor | None] = {}
+        self.norm_of_step: Callable[[], torch.Tensor] | None = None
+
+    def count_once(self, elsewhere: dict) -> None:
+        """{parameter of this optimizer: None (all of it) or flat indices of its elements} whose gradients another
+        rank holds as well and counts in the norm (pretrain/engine.py counted_elsewhere)."""
+        self.elsewhere = {id(p): idx for p, idx in elsewhere.items()}
+
+    def take_norm_from(self, norm_of_step: Callable[[], torch.Tensor]) -> None:
+        """Use `norm_of_step()`, the global norm of the current step's gradients, instead of computing it."""
+        self.norm_of_step = norm_of_step
+
+    def squared_norm(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the squared global norm from p's gradient, in fp32."""
+        square = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+        if id(p) not in self.elsewhere:
+            return square
+        idx = self.elsewhere[id(p)]
+        if idx is None:
+            return square * 0.0   # still NaN where the gradient is not finite
+        return square - torch.linalg.vector_norm(p.grad.view(-1)[idx], dtype=torch.float32).square()
+
+    def global_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        square = torch.stack([self.squared_norm(p) for p in params]).sum() if params else \
+            self.grad_norm.new_zeros(())
+        return distributed.all_reduce(square.reshape(1), self.layout)[0].clamp(min=0.0).sqrt()
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else self.skipped.new_zeros(())
-        bad = distributed.all_reduce((~norm.isfinite()).float().reshape(1), self.layout, op=dist.ReduceOp.MAX)
-        self.found_inf = bad[0]        # read by the fused kernel: 1.0 leaves everything unchanged
-        self.skipped += bad[0]
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = self.global_norm(params) if self.norm_of_step is None else self.norm_of_step()
+        if norm is not self.grad_norm:   # the step's first call (under ZeRO-1/2 one call per parameter group)
+            self.grad_norm = norm
+            self.found_inf = (~norm.isfinite()).float()   # read by the fused kernel: 1.0 changes nothing
+            self.skipped += self.found_inf
+        if self.clip > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, self.grad_norm)
         return super().step(closure)
 
 

@@ -24,11 +24,11 @@ from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
 from pretrain import distributed, remote
-from pretrain.checkpoint import CheckpointError, Checkpointer, is_universal, resume_point
+from pretrain.checkpoint import CheckpointError, Checkpointer, deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import TokenStream
 from pretrain.shards import DataError, opening
-from pretrain.engine import build_engine, peak_tflops
+from pretrain.engine import build_engine, clips_on_device, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
@@ -59,7 +59,8 @@ class Trainer:
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world,
                               announce=lay.rank == 0)
-        self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume))
+        self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume),
+                                   device_clip=clips_on_device(cfg, deepspeed_clipped(resume)))
         self.pipeline = cfg.parallel.pp > 1   # one module per rank, or this rank's stage of a PipelineEngine
         self.forward_backward, self.val_loss = ((self.pipeline_forward_backward, self.pipeline_val_loss)
                                                 if self.pipeline else (self.plain_forward_backward, self.plain_val_loss))
@@ -220,13 +221,18 @@ class Trainer:
     def pipeline_val_loss(self, batches) -> torch.Tensor:   # averaged over DP ranks by the PipelineEngine
         return self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
 
-    def guarded_skips(self) -> torch.Tensor:
-        """Steps GuardedAdamW dropped (pretrain/engine.py guards_steps_itself), counted on the device; zero where
-        DeepSpeed drops them. Under ZeRO, DeepSpeed's optimizer wraps ours (as .optimizer)."""
+    def guarded(self) -> GuardedAdamW | None:
+        """The trainer's GuardedAdamW where it drops non-finite steps and clips (pretrain/engine.py
+        guards_steps_itself), else None. Under ZeRO, DeepSpeed's optimizer wraps ours (as .optimizer)."""
         for opt in (self.engine.optimizer, getattr(self.engine.optimizer, "optimizer", None)):
             if isinstance(opt, GuardedAdamW):
-                return opt.skipped
-        return torch.zeros((), device=self.layout.device)
+                return opt
+        return None
+
+    def guarded_skips(self) -> torch.Tensor:
+        """Steps GuardedAdamW dropped, counted on the device; zero where DeepSpeed drops them."""
+        guarded = self.guarded()
+        return guarded.skipped if guarded is not None else torch.zeros((), device=self.layout.device)
 
     def step_outcome(self, loss: torch.Tensor, guarded: torch.Tensor) -> tuple[float, bool, str | None]:
         """(the loss's mean over DP ranks, whether GuardedAdamW dropped the step, why every rank must stop now or
@@ -267,7 +273,11 @@ class Trainer:
     def log_step(self, loss: float, tokens_per_s: float) -> None:
         cfg, lay = self.cfg, self.layout
         lr = self.engine.get_lr()[0]
-        grad_norm = self.engine.get_global_grad_norm()
+        guarded = self.guarded()
+        if guarded is not None:   # it computes the global norm every step: one read, on logging steps only
+            grad_norm = self.read(guarded.grad_norm.reshape(1))[0]
+        else:
+            grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None and grad_norm < 0:   # DeepSpeed writes -1 for a non-finite norm (a skipped step)
             grad_norm = float("inf")
         tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
@@ -277,7 +287,7 @@ class Trainer:
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
                   **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults()))}
-        if grad_norm is not None:   # DeepSpeed reports none under ZeRO-0 fp32 (its clipping keeps the norm)
+        if grad_norm is not None:   # none where DeepSpeed computes none
             values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
             values["perf/mfu"] = tflops / self.peak_tflops

@@ -53,8 +53,8 @@ def test_a_step_makes_the_host_wait_once_on_cuda(shards, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", ENV["TORCH_CUDA_ARCH_LIST"])
     cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", logging={"every": 100})
     out = tmp_path / "reads.json"
-    spawn(os.path.join(ROOT, "tests", "step_reads.py"), [cfg, out, "parallel.zero_stage=1", "train.precision=bf16"], 1)
+    spawn(os.path.join(ROOT, "tests", "step_reads.py"),
+          ["trainer", cfg, out, "parallel.zero_stage=1", "train.precision=bf16"], 1)
     counts = json.loads(out.read_text())
-    print(f"per step {counts['steps']}; the stock DeepSpeed loop: {counts['stock_scalar_reads']}")
-    for step in counts["steps"][1:]:
-        assert step == {"trainer": 1, "scalar_reads": counts["stock_scalar_reads"]}
+    print(f"per step {counts['steps']}; the stock DeepSpeed loop: {counts['stock']}")
+    assert counts["steps"][1:] == [{"trainer": 1}] * 3 and counts["stock"] == {}

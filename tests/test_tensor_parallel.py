@@ -100,5 +100,5 @@ def test_megatron_linears_compile_into_one_graph():
     """megatron-core 0.16.1's RowParallelLinear warns on rank 0 at every call (it passes tp_group=None), and the
     warning is a graph break under torch.compile, one per row-parallel linear (likely why DeepSpeed's
     engine.compile() gained nothing on an H100). Our adapter hands it the layer's group: rank 0 traces one graph."""
-    breaks, reasons = run_distributed(compile_worker, 1)[0]
+    breaks, reasons = run_distributed(compile_worker, 2)[0]   # TP=2: megatron's layers (TP=1 builds nn.Linear)
     assert breaks == 0, reasons

@@ -19,6 +19,7 @@ and need only safetensors. `hf_to_release(release_to_hf(r))` reproduces the rele
 from __future__ import annotations
 
 import json
+import ast
 import os
 import shutil
 from dataclasses import fields
@@ -28,10 +29,26 @@ from .release import DTYPES, read_release, save_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_TYPE = "synthformer"
-# The remote code of an export: modeling_synthformer.py and every model file it reaches (transformers' loader copies
-# them from the export into its module cache, so the list must be complete; tests/test_hf.py loads it in isolation).
-CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "decoding.py", "fields.py",
-              "lm.py", "mixers.py", "synthesizers.py", "kernels.py", "parallel.py")
+ENTRY_FILES = ("configuration_synthformer.py", "modeling_synthformer.py")
+
+
+def code_files(entry=ENTRY_FILES) -> list[str]:
+    """The remote code of an export: the entry files and every model file they reach through module-level relative
+    imports (`from .x import …`), found by reading them. transformers' loader copies them from the export into its
+    module cache, so the set must be complete; tests/test_hf.py loads an export in isolation."""
+    seen, todo = [], list(entry)
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.append(name)
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:   # module level only: function-local imports are GPU-only kernels (model/gpu_kernels)
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules = [node.module] if node.module else [alias.name for alias in node.names]
+                todo += [m + ".py" for m in modules if os.path.isfile(os.path.join(HERE, m + ".py"))]
+    return seen
 TOKENIZER_FILE = "tokenization_synthformer.py"
 AUTO_MAP = {"AutoConfig": "configuration_synthformer.SynthformerConfig",
             "AutoModelForCausalLM": "modeling_synthformer.SynthformerForCausalLM"}
@@ -87,7 +104,7 @@ def release_to_hf(release_dir: str, out_dir: str) -> None:
     _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, meta["dtype"], meta.get("training"), special))
     generation = {"use_cache": True, **special, "transformers_version": _transformers_version()}
     _write_json(os.path.join(tmp, "generation_config.json"), generation)
-    for name in CODE_FILES:
+    for name in code_files():
         shutil.copy(os.path.join(HERE, name), os.path.join(tmp, name))
     if has_tokenizer:
         shutil.copy(tokenizer, os.path.join(tmp, "tokenizer.model"))

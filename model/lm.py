@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
+from .linear_cross_entropy import linear_cross_entropy
 from .mixers import SpatialGatingMixer, SynthesizedAttention
 from .synthesizers import linear_flops
 
@@ -120,6 +121,12 @@ class Head(nn.Module):
     def project(x, weight):
         return tp.copy_to_tp(x) @ weight.T                               # grads of x all-reduced over TP
 
+    def fused_loss(self, x, targets, tied_weight=None):
+        """The mean cross-entropy of LN(x)'s logits, computed chunk by chunk without materializing them
+        (model/linear_cross_entropy.py); equal to `loss(forward(x), targets)`."""
+        weight = self.head.weight if self.head is not None else tied_weight
+        return linear_cross_entropy(self.ln_f(x), weight, targets)
+
     @staticmethod
     def loss(logits, targets, ignore_index: int = -100):
         """Mean over the targets that are not `ignore_index` (Hugging Face labels pad with -100) of
@@ -132,7 +139,8 @@ class Head(nn.Module):
 class SynthesizerLM(nn.Module):
     """Embedding → blocks → Head.
 
-    forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → the mean cross-entropy (scalar).
+    forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → the mean cross-entropy (scalar), by the
+    fused head and loss (no logits materialized).
     The Embedding's and Head's layers are this module's own (`wte`, `wpe`, `ln_f`, `head`), so that parameters keep
     the names of every checkpoint, release and export; `embed` and `logits` run those classes' forward on them.
     """
@@ -158,8 +166,7 @@ class SynthesizerLM(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = self.logits(x)
-        return logits if targets is None else Head.loss(logits, targets)
+        return self.logits(x) if targets is None else Head.fused_loss(self, x, targets, self.wte.weight)
 
     @torch.no_grad()
     def attention_maps(self, tokens: torch.Tensor) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench gpu-check
+.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench
 
 setup: $(VENV)/.installed
 
@@ -68,3 +68,15 @@ gpu-check:
 	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
 	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
 	$(GPY) tools/bench.py --only engine,gpu --out $(CHECK)/bench
+
+# ---- the GPU measurement queue: one short part per command on a lent GPU (each ≤ 4 min on an H100), its points
+# appended as each is measured: 1 the binding MFU points (dot and the flagship, bf16 master + compiled blocks, beside
+# fp32 master), 2 engine ÷ plain loop, 3 and 4 half the variants each ÷ dot, 5 memory, 6 `make gpu-check`.
+# Outputs under docs/gpu/<date>-<commit>/part<k>, naming the device (GPU_DIR to put them elsewhere).
+PART    ?= 1
+GPU_DIR ?= docs/gpu/$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+gpu-bench: export PYTHONPATH := $(CURDIR)
+gpu-bench:
+	mkdir -p $(GPU_DIR)
+	if [ "$(PART)" = 6 ]; then $(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log; \
+	else $(GPY) tools/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART); fi

@@ -138,10 +138,27 @@ def _no_init(_):
     return None
 
 
+class EngineLinear(nn.Linear):
+    """nn.Linear with the state-dict keys of megatron's parallel linears: an `_extra_state` entry (None, ignored on
+    load), as every DeepSpeed checkpoint written at TP=1 before this layer replaced megatron's there holds, so
+    those load, and checkpoints stay loadable by earlier code. Without a process group (a release, an HF export)
+    the layer is a plain nn.Linear, as it always was."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def plain_linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
+    return (EngineLinear if _parallel_state() is not None else nn.Linear)(d_in, d_out, bias=bias)
+
+
 def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     """y = x Wᵀ + b with W (d_out, d_in) split along d_out: each rank computes its own d_out/TP outputs."""
     if tp_world() == 1:
-        layer = nn.Linear(d_in, d_out, bias=bias)
+        layer = plain_linear(d_in, d_out, bias)
     else:
         layer = _megatron_linear("column")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
                               gather_output=False)
@@ -154,7 +171,7 @@ def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
 def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once."""
     if tp_world() == 1:
-        layer = nn.Linear(d_in, d_out, bias=bias)
+        layer = plain_linear(d_in, d_out, bias)
     else:
         layer = _megatron_linear("row")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
                            input_is_parallel=True, skip_bias_add=False)

@@ -144,9 +144,8 @@ def test_served_point_reports_a_dead_or_silent_child():
 
 
 def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
-    """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot in
-    the plain loop and under the engine, with the GPU-kernels issue's goals, and memory at the longest n ÷ the
-    shortest."""
+    """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot under
+    the engine, eager and compiled, with the GPU issue's goals, and memory at the longest n ÷ the shortest."""
     from tools.bench import parse_args
     from tools.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
 
@@ -156,12 +155,14 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     plan_gpu_memory(a, p)
     by_id = {e["id"]: e for e in p.entries}
     assert set(GPU_GOALS) | {"dot"} == set(a.variant_paths)
-    for kind in ("loop", "train"):
-        assert by_id[f"gpu:{kind}:dot"]["ratio_to"] is None
+    for mode in ("eager", "compiled"):
+        assert by_id[f"gpu:{mode}:dot"]["ratio_to"] is None
         for v, goal in GPU_GOALS.items():
-            e = by_id[f"gpu:{kind}:{v}"]
-            assert e["ratio_to"] == f"gpu:{kind}:dot" and e["goal_min"] == goal and e["field"] == "rate"
-            assert p.points[e["point"]]["kind"] == kind and "train.precision=bf16" in p.points[e["point"]]["overrides"]
+            e = by_id[f"gpu:{mode}:{v}"]
+            assert e["ratio_to"] == f"gpu:{mode}:dot" and e["goal_min"] == goal and e["field"] == "rate"
+            point = p.points[e["point"]]
+            assert point["kind"] == "train" and "train.precision=bf16" in point["overrides"]
+            assert point["compile"] == (mode == "compiled")
     for v, goal in GPU_GOAL_MEM.items():
         assert by_id[f"gpu:memory:{v}:n=512"] == {**by_id[f"gpu:memory:{v}:n=512"], "goal_max": goal,
                                                   "ratio_to": f"gpu:memory:{v}:n=128", "field": "total_mb"}
@@ -191,3 +192,19 @@ def test_a_point_whose_port_was_taken_is_started_again():
     assert len(tries) == 1
     tries.clear()
     assert retried_on_port_race(lambda: start([{"error": taken}] * 3)) == {"error": taken} and len(tries) == 3
+
+
+def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu():
+    """make gpu-bench PART=k: parts 3 and 4 hold every variant but dot once (dot, their reference, in both); on a
+    machine without CUDA the GPU parts plan one skipped entry each, saying why."""
+    from tools.bench import parse_args
+    from tools.bench_plan import GPU_GOALS, plan
+
+    parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(1, 6)}
+    assert [parts[k].only for k in range(1, 6)] == [["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],
+                                                    ["gpu-memory"]]
+    halves = [set(parts[k].variant_paths) - {"dot"} for k in (3, 4)]
+    assert not halves[0] & halves[1] and halves[0] | halves[1] == set(GPU_GOALS) and "dot" in parts[3].variant_paths
+    for k in (1, 3, 5):
+        entries = plan(parts[k]).entries
+        assert len(entries) == 1 and "no CUDA device" in entries[0]["skipped"], entries

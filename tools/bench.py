@@ -36,11 +36,12 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
               (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
               on dense+dot ≥ 40%.
-  gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16) in
-              the plain loop and under the engine, goals GPU_GOALS (tools/bench_plan.py).
+  gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16)
+              under the engine, eager and with compiled blocks, goals GPU_GOALS (tools/bench_plan.py).
   gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
               random, random+dot).
-              The three GPU parts are apart so that each fits a short session on a lent GPU (~5 min each).
+              The GPU parts form a queue of short commands for a lent GPU (--gpu-part, make gpu-bench PART=k):
+              1 gpu-binding, 2 engine, 3 and 4 gpu-variants (half the variants each), 5 gpu-memory, 6 make gpu-check.
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
@@ -61,7 +62,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tools.bench_lib import RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
-from tools.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, plan, variant_configs
+from tools.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, gpu_queue, plan, variant_configs
 
 def rank_env(spec: dict) -> list[dict]:
     """The launcher's environment of each rank of spec's world (a free local port for the process group)."""
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "for tests")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run (default all): "
                                                              f"{', '.join(PARTS)}")
+    ap.add_argument("--gpu-part", type=int, choices=range(1, 6), help="one part of the GPU measurement queue "
+                    "(make gpu-bench PART=k): 1 the binding MFU points, 2 engine ÷ loop, 3 and 4 the variants' halves, "
+                    "5 memory; sets --only and --variants")
     ap.add_argument("--variants", default=None, help="comma-separated variant names for throughput and memory "
                                                      "(default: every config in configs/variants/)")
     ap.add_argument("--reps", type=int, help="repetitions per figure (default 3; --quick 2)")
@@ -251,6 +255,9 @@ def parse_args(argv) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.only = [s.strip() for s in a.only.split(",") if s.strip()]
+    if a.gpu_part:
+        queued = gpu_queue(list(variant_configs()))[a.gpu_part]
+        a.only, a.variants = queued["only"], ",".join(queued["variants"]) if queued["variants"] else a.variants
     bad = [s for s in a.only if s not in PARTS]
     if bad or not a.only:
         raise ValueError(f"--only: unknown part {', '.join(map(repr, bad)) or '(none given)'}; valid parts: "

@@ -233,14 +233,14 @@ def plan_gpu(a, p: Plan) -> None:
     mixer = load_config(BIG).model.mixer
     for m in dict.fromkeys([mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
         goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
-        p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m})", p.point("train", BIG, big_model(a, m)), "tflops", "TFLOP/s",
-                to_peak, goal_min=goal)
+        p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m}), fp32 master", p.point("train", BIG, big_model(a, m)), "tflops",
+                "TFLOP/s", to_peak, goal_min=goal)
     for compiled in modes():   # the same dot model in the plain loop, and compiled under both
         mode = "compiled" if compiled else "eager"
-        p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop, {mode}",
+        p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop (fp32 master), {mode}",
                 p.point("loop", BIG, big_model(a, "dot"), compile=compiled), "tflops", "TFLOP/s", to_peak)
         if compiled:
-            p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), compiled",
+            p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), fp32 master, compiled",
                     p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
     for compiled in modes():   # the engine with ZeRO's weights and moments in bf16 (train.master_weights=bf16)
         mode = "compiled" if compiled else "eager"
@@ -281,13 +281,25 @@ def plan_gpu_binding(a, p: Plan) -> None:
 
 
 def plan_gpu_variants(a, p: Plan) -> None:
-    """Every variant ÷ dot on the GPU, in the plain loop and under the engine (the gpu-variants part)."""
+    """Every variant ÷ dot on the GPU under the engine, eager and with compiled blocks (train.compile), goals
+    GPU_GOALS (the gpu-variants part; GPU parts 3 and 4 take half the variants each)."""
     t = GPU_THROUGHPUT_QUICK if a.quick else GPU_THROUGHPUT
-    for kind, label in (("loop", "plain loop"), ("train", "engine")):
+    for compiled, mode in ((False, "eager"), (True, "compiled")):
         for v, config in a.variant_paths.items():
             over = sized(t["d"], t["layers"], t["heads"], t["n"], t["batch"], t["vocab"], t["precision"])
-            p.entry(f"gpu:{kind}:{v}", f"gpu throughput ({label})", v, p.point(kind, config, over), "rate",
-                    "tokens/s", None if v == "dot" else f"gpu:{kind}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
+            p.entry(f"gpu:{mode}:{v}", f"gpu throughput (engine, {mode})", v,
+                    p.point("train", config, over, compile=compiled), "rate", "tokens/s",
+                    None if v == "dot" else f"gpu:{mode}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
+
+
+def gpu_queue(variants: list[str]) -> dict[int, dict]:
+    """The GPU measurement queue, one part per lent-GPU command (each ≤ 4 minutes on an H100, start-up included):
+    {part: {"only": parts, "variants": names or None}}; part 6 is `make gpu-check`, not the bench."""
+    rest = [v for v in variants if v != "dot"]
+    half = (len(rest) + 1) // 2
+    return {1: {"only": ["gpu-binding"], "variants": None}, 2: {"only": ["engine"], "variants": None},
+            3: {"only": ["gpu-variants"], "variants": rest[:half]}, 4: {"only": ["gpu-variants"], "variants": rest[half:]},
+            5: {"only": ["gpu-memory"], "variants": None}}
 
 
 def plan_gpu_memory(a, p: Plan) -> None:

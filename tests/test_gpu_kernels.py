@@ -8,6 +8,7 @@ import torch
 
 from model.gpu_kernels.biased_attention import biased_flash_attention
 from model.gpu_kernels.factorized_dense import factorized_dense_flash
+from model.gpu_kernels.key_bias_attention import key_bias_flash_attention
 from model.kernels import causal_mask
 from tests.test_model import (VARIANTS, assert_bf16_fused_close_to_fp32_reference, assert_fused_matches_reference,
                               config, tokens)
@@ -75,32 +76,99 @@ def test_factorized_dense_kernel_matches_the_formula(B, H, n, a, b, d_h, dtype):
     assert_close_to_the_formula(factorized_dense_flash, formula, [A, Bf, v], dtype)
 
 
+def key_bias_inputs(B, H, n, f, d_h, spread, shared_q=False):
+    """q (B or 1, Hl, n, f), k (1, Hl, n, f) shared by the batch, v (B, Hl, n, d_h), and b (Hl, n) spread over
+    `spread`, rounded to bf16's values (exact in both dtypes: the formula and the kernel see the same b)."""
+    g = torch.Generator().manual_seed(n)
+    q, v = torch.randn(1 if shared_q else B, H, n, f, generator=g) / f ** 0.25, torch.randn(B, H, n, d_h, generator=g)
+    k, b = torch.randn(1, H, n, f, generator=g) / f ** 0.25, spread * (torch.rand(H, n, generator=g) - 0.5)
+    return [q, k, v, b.bfloat16().float()]
+
+
+def key_bias_formula(n, scale=1.0):
+    """softmax(scale·q kᵀ + b + M) v, materialized: b (Hl, n) added to every query row's scores."""
+    def formula(q, k, v, b):
+        S = scale * q @ k.transpose(-1, -2) + b[:, None, :] + causal_mask(n, q.device, q.dtype)   # (B, Hl, n, n)
+        return torch.softmax(S, dim=-1) @ v
+    return formula
+
+
+def without_key_bias_kernel(monkeypatch):
+    """As in a Hugging Face export (no model/gpu_kernels): `qk_attention` falls back to the value-factor form."""
+    import model.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_kernel", lambda name, f=kernels.triton_kernel: None
+                        if name == "key_bias_attention" else f(name))
+
+
+@pytest.mark.parametrize("B,H,n,f,d_h,scale,dtype,spread", [
+    (2, 2, 40, 256, 128, 1.0, torch.float32, 60.0), (2, 2, 40, 256, 128, 1.0, torch.bfloat16, 60.0),
+    (2, 3, 37, 20, 24, 0.5, torch.float32, 60.0), (2, 3, 37, 20, 24, 0.5, torch.bfloat16, 8.0)],
+    ids=["f256-fp32", "f256-bf16", "f20-fp32", "f20-bf16"])
+def test_key_bias_flash_kernel_matches_the_formula(B, H, n, f, d_h, scale, dtype, spread):
+    """dense+dot at its own widths (f 256, d_h 128; queries and keys shared by the batch, a batch stride of 0) and
+    at ragged ones (n, f, d_h no multiple of the tile, scale ≠ 1): softmax(scale·q kᵀ + b + M) v with b's tile added
+    to each score tile. Values and the gradients of q, k, v and b (Σ over batch and queries of dS) within 2e-5 of
+    the fp32 formula in fp32, b spread over 60; in bf16 within 3e-2 (or 1.5× the formula's own bf16 error), b spread
+    over 60 at f 256 and over 8 at f 20: there, over 60, the softmax is so peaked that dQ's error, from D = dO · O
+    read from the bf16 O as in FlashAttention, is 3.8% (the formula's own 2.5%; 0.7% from an fp32 O)."""
+    inputs = key_bias_inputs(B, H, n, f, d_h, spread, shared_q=f == 256)
+    assert_close_to_the_formula(lambda q, k, v, b: key_bias_flash_attention(q, k, v, b, scale),
+                                key_bias_formula(n, scale), inputs, dtype)
+
+
+def test_the_key_bias_kernel_refuses_widths_past_256():
+    """Its tiles are F, DV ≤ 256 wide: wider q·k features or values are refused in one line, not miscomputed."""
+    q, v, b = torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 8), torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="widths ≤ 256"):
+        key_bias_flash_attention(q, q, v, b)
+
+
+def test_qk_attention_runs_the_key_bias_kernel_at_the_flagship_widths(monkeypatch):
+    """On the GPU path dense+dot's q·k (f 256) with its key bias and v at d_h 128 go to the Triton key-bias kernel,
+    not to the value-factor form (v padded to 256); values and gradients equal the CPU path's (b a feature column
+    of q and k, SDPA at width 264) to 1e-5 of their largest magnitude."""
+    import model.kernels as kernels
+    from model.gpu_kernels import key_bias_attention
+
+    used = []
+    monkeypatch.setattr(key_bias_attention, "key_bias_flash_attention",
+                        lambda *a, f=key_bias_attention.key_bias_flash_attention: used.append(1) or f(*a))
+    monkeypatch.setattr(kernels, "_values_with_key_bias", None)   # never called
+    inputs = key_bias_inputs(2, 2, 40, 256, 128, 60.0)
+    results = []
+    for path, device in (("gpu", DEVICE), ("cpu", "cpu")):   # CPU tensors and SYNTHFORMER_KERNELS=cpu: the CPU path
+        monkeypatch.setenv("SYNTHFORMER_KERNELS", path)
+        xs = [x.to(device, copy=True).requires_grad_() for x in inputs]
+        out = kernels.qk_attention(*xs[:3], 0.5, xs[3])
+        out.backward(torch.ones_like(out) / out.numel() ** 0.5)
+        results.append([t.detach().cpu() for t in [out] + [x.grad for x in xs]])
+    assert used == [1]
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 @pytest.mark.parametrize("dtype,spread", [(torch.float32, 60.0), (torch.bfloat16, 8.0)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,H,n,f,d_h,limit", [(2, 3, 37, 24, 16, 24), (1, 2, 40, 256, 128, None)])
 def test_a_key_bias_as_a_factor_of_the_values_matches_the_formula(B, H, n, f, d_h, limit, dtype, spread, monkeypatch):
-    """dense+dot on CUDA at d_h 128: q·k features fill flash's 256, so dense's bias b_j rides on the values,
-    softmax(q kᵀ + b + M) v = P (e ⊙ v) / P e with e_j = e^{b_j − max b}. Against the formula, keys shared by the
-    batch, b spread over `spread`: in fp32 over 60 (e spans e^{−60}…1), in bf16 over 8, where the gradient of b, a
-    difference of two sums each rounded to bf16, stays within the formula's own bf16 error (over 40 it is 2× it,
-    as the feature-column form's is 1.5×). `limit` lowers the width limit for small sizes."""
+    """dense+dot on the GPU path at d_h 128 without the Triton kernel (a Hugging Face export): q·k features fill
+    flash's 256, so dense's bias b_j rides on the values, softmax(q kᵀ + b + M) v = P (e ⊙ v) / P e with
+    e_j = e^{b_j − max b}. Against the formula, keys shared by the batch, b spread over `spread`: in fp32 over 60
+    (e spans e^{−60}…1), in bf16 over 8, where the gradient of b, a difference of two sums each rounded to bf16,
+    stays within the formula's own bf16 error (over 40 it is 2× it, as the feature-column form's is 1.5×). `limit`
+    lowers the width limit for small sizes."""
     import model.kernels as kernels
 
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    without_key_bias_kernel(monkeypatch)
     if limit:
         monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", limit)
     assert f == kernels.SDPA_MAX_WIDTH   # the features fill the limit: the value-factor form is the one run
-    g = torch.Generator().manual_seed(n)
-    q, v = torch.randn(B, H, n, f, generator=g) / f ** 0.25, torch.randn(B, H, n, d_h, generator=g)
-    k, b = torch.randn(1, H, n, f, generator=g) / f ** 0.25, spread * (torch.rand(H, n, generator=g) - 0.5)
-
-    def formula(q, k, v, b):
-        S = q @ k.transpose(-1, -2) + b[:, None, :] + causal_mask(n, q.device, q.dtype)
-        return torch.softmax(S, dim=-1) @ v
-
-    assert_close_to_the_formula(lambda q, k, v, b: kernels.qk_attention(q, k, v, 1.0, b), formula, [q, k, v, b], dtype)
+    assert_close_to_the_formula(lambda q, k, v, b: kernels.qk_attention(q, k, v, 1.0, b), key_bias_formula(n),
+                                key_bias_inputs(B, H, n, f, d_h, spread), dtype)
 
 
-@pytest.mark.parametrize("kernel", ["biased", "factorized_dense"])
+@pytest.mark.parametrize("kernel", ["biased", "factorized_dense", "key_bias"])
 def test_kernels_run_at_the_autocast_dtype(kernel):
     """Under torch.autocast the kernels take its dtype, as SDPA does: fp32 inputs (as a query scaled by an fp32
     mixture weight arrives, beside bf16 keys) must not send them down their exact fp32 dots (140 ms a layer on an
@@ -115,6 +183,11 @@ def test_kernels_run_at_the_autocast_dtype(kernel):
         run = lambda q, k, v, R, w: biased_flash_attention(q, k, R, w, v)   # noqa: E731
         exact = lambda q, k, v, R, w: torch.softmax(q @ k.transpose(-1, -2) + w[:, None, None] * R   # noqa: E731
                                                     + causal_mask(n, q.device), -1) @ v
+    elif kernel == "key_bias":   # b an fp32 parameter: added in fp32, its gradient fp32
+        q, k, v = (torch.randn(B, H, n, 16, generator=g) for _ in range(3))
+        inputs = [q, k.bfloat16(), v, torch.randn(H, n, generator=g)]
+        run = key_bias_flash_attention
+        exact = key_bias_formula(n)
     else:
         inputs = [torch.randn(B, H, n, w, generator=g) for w in (4, 5, 16)]
         run = factorized_dense_flash
@@ -220,20 +293,27 @@ def test_gpu_path_of_every_variant_in_bf16_matches_the_fp32_reference(variant, m
 
 
 @cpu_only
+@pytest.mark.parametrize("form", ["kernel", "values"])
 @pytest.mark.parametrize("variant", ["dense+dot", "dot+dense+factorized_random"])
-def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(variant, monkeypatch):
-    """The whole model with dense's bias on the values (the width limit lowered to the test model's q·k width):
-    logits and every gradient to 1e-5 of the reference, b_2's included."""
+def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(variant, form, monkeypatch):
+    """The whole model with q·k features at the width limit (lowered to the test model's q·k width), dense's bias
+    added to the scores by the Triton key-bias kernel, or, without it, carried on the values: logits and every
+    gradient to 1e-5 of the reference, b_2's included."""
     import model.kernels as kernels
+    from model.gpu_kernels import key_bias_attention
 
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
     width = {"dense+dot": 16, "dot+dense+factorized_random": 20}[variant]   # d_h 8 each, factorized_k 4
     monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", width)
+    if form == "values":
+        without_key_bias_kernel(monkeypatch)
     used = []
     monkeypatch.setattr(kernels, "_values_with_key_bias",
-                        lambda *a, f=kernels._values_with_key_bias: used.append(1) or f(*a))
+                        lambda *a, f=kernels._values_with_key_bias: used.append("values") or f(*a))
+    monkeypatch.setattr(key_bias_attention, "key_bias_flash_attention",
+                        lambda *a, f=key_bias_attention.key_bias_flash_attention: used.append("kernel") or f(*a))
     assert_fused_matches_reference(variant, 11)
-    assert used
+    assert set(used) == {form}
 
 
 @cpu_only

@@ -7,6 +7,8 @@ Each (variant, impl, n) runs in its own process (d=512, 8 heads, batch 4 by defa
 configuration's alone: on CUDA the allocator's peak, on CPU the growth of the process's peak RSS over its RSS
 before the first forward. Printed as ratios to `dot` (same impl, same n), memory(4096)/memory(1024), the kernel
 that ran (from torch.profiler op names) and, at n=1024, time ratio vs the FLOP ratio from model accounting.
+The flagship's widths (d_h 128: dense+dot's q·k 256 wide, its Triton key-bias kernel on CUDA):
+    python tools/bench_mixer.py --variants dot,dense+dot --d-model 2048 --heads 16 --impls fused
 """
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ from tools.bench_lib import GOAL_MEM
 VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot,sgu"
 
 
+# The autograd Functions of model/gpu_kernels/ (Triton), by the name the profiler records for each
+TRITON_FUNCTIONS = {"KeyBiasFlashAttention": "triton-key-bias", "BiasedFlashAttention": "triton-biased",
+                    "FactorizedDenseFlash": "triton-factorized-dense"}
+
+
 def kernel_name(events) -> str:
     names = {e.name for e in events}
+    triton = [label for fn, label in TRITON_FUNCTIONS.items() if any(n.startswith(fn) for n in names)]
+    if triton:
+        return triton[0]
     if any("flash" in n or "efficient_attention" in n or "cudnn_attention" in n for n in names):
         return "sdpa-flash" + ("+tiled-bwd" if any("BiasedQKAttention" in n for n in names) else "")
     if any("_scaled_dot_product_attention_math" in n for n in names):

@@ -47,10 +47,10 @@ demo: setup $(DEMO)/shards/manifest.json
 	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
 
-# ---- benchmarks (tools/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
+# ---- benchmarks (benchmarks/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
 # The issue's sizes take ~2 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
 bench: setup $(DEMO)/shards/manifest.json
-	$(VPY) tools/bench.py $(BENCH_ARGS)
+	$(VPY) benchmarks/bench.py $(BENCH_ARGS)
 
 # ---- on a GPU node: the demo in bf16 on the GPU(s), resumed and converted, the GPU tests, and the engine and MFU points
 # of the benchmark. The Python: the venv of `make setup` if there is one, else $(PY) with the packages installed
@@ -67,4 +67,4 @@ gpu-check:
 	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo
 	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
 	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
-	$(GPY) tools/bench.py --only engine,gpu --out $(CHECK)/bench
+	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench

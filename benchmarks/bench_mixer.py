@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One block's forward+backward time and peak memory for each mixer variant, fused vs reference.
 
-    python tools/bench_mixer.py [--variants dot,dense,...] [--lengths 256,1024,2048,4096] [--json out.json]
+    python benchmarks/bench_mixer.py [--variants dot,dense,...] [--lengths 256,1024,2048,4096] [--json out.json]
 
 Each (variant, impl, n) runs in its own process (d=512, 8 heads, batch 4 by default), so peak memory is that
 configuration's alone: on CUDA the allocator's peak, on CPU the growth of the process's peak RSS over its RSS
@@ -18,7 +18,7 @@ import sys
 import time
 
 from pretrain.metrics import memory_mb, reset_peak_memory
-from tools.bench_lib import GOAL_MEM
+from benchmarks.bench_plan import GOAL_MEM
 
 VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot,sgu"
 

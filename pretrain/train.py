@@ -23,17 +23,18 @@ from model import ConfigError, SynthesizerLM
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed, remote
-from pretrain.checkpoint import CheckpointError, Checkpointer, is_universal, resume_point
+from pretrain import distributed
+from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+from pretrain.checkpoints.resume import is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
-from pretrain.data import TokenStream
-from pretrain.shards import DataError, opening
 from pretrain.engine import build_engine, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
-
+from tokendata import remote
+from tokendata.shards import DataError, opening
+from tokendata.stream import TokenStream
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document

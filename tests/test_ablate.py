@@ -10,7 +10,7 @@ import yaml
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tests.runs import PY, ROOT
-from evaluation.cli import load
+from evaluation.loading import load
 from evaluation.perplexity import evaluate_shards
 from tools.ablate import cell, ranking, spread
 

@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from model.config import ConfigError
-from pretrain.config import TrainConfig, load_config, main
+from pretrain.config import TrainConfig, load_config
+from pretrain.prelaunch import main
 from pretrain.distributed import free_local_port
 from pretrain.engine import deepspeed_config, lr_lambda
 

@@ -11,7 +11,7 @@ import torch
 
 from model import ConfigError
 from model.release import load_model, read_release
-from pretrain.checkpoint import layout_problem
+from pretrain.checkpoints.resume import layout_problem
 from pretrain.config import load_config
 from tests.dump_logits import fixed_tokens
 from tests.runs import PY, ROOT, launch, losses, spawn, write_config

@@ -20,9 +20,9 @@ from model.hf import release_to_hf
 from model.release import save_release
 from tests.runs import CORPUS, PY, ROOT, write_config
 from evaluation import perplexity
-from evaluation.cli import load
+from evaluation.loading import load
 from evaluation.prompts import prompt_ids
-from pretrain.corpus import documents
+from tokendata.corpus import documents
 from pretrain.metrics import layer_maps
 from tools import evaluate, generate, plot_attention
 
@@ -106,7 +106,7 @@ def test_bits_per_byte_hand_built(sp):
 
 
 def read_split(shard_dir, split):
-    """Every sample of a split straight from the tar files (not through pretrain.data)."""
+    """Every sample of a split straight from the tar files (not through tokendata.stream)."""
     out = []
     for name in sorted(f for f in os.listdir(shard_dir) if f.startswith(split + "-")):
         with tarfile.open(os.path.join(shard_dir, name)) as tar:

@@ -6,7 +6,7 @@
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
     peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
-                                trainer's log and benchmarks/bench.py alike
+                                trainer's log and tools/bench.py alike
 
 The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
 kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
@@ -46,7 +46,7 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
     """Whether the trainer's optimizer, not DeepSpeed, drops a step with a non-finite gradient.
     ZeRO-0 fp32: DeepSpeed has no such check. ZeRO-1/2 bf16: its check (`bf16.check_grad_overflow`) launches ~4
     kernels per gradient tensor and reads the result on the host, every step (1564 `abs` and 780 `isfinite` a
-    step for synth-1.3b on an H100, benchmarks/profile_step.py); it is turned off and one fused norm over the flat fp32
+    step for synth-1.3b on an H100, tools/profile_step.py); it is turned off and one fused norm over the flat fp32
     partition decides instead. Elsewhere (fp16's loss scaling, ZeRO-3, bf16 ZeRO-0) DeepSpeed's own check stays."""
     zero, precision = cfg.parallel.zero_stage, cfg.train.precision
     return (zero == 0 and precision == "fp32") or (zero in (1, 2) and precision == "bf16")
@@ -54,7 +54,7 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
 
 def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout) -> torch.optim.Optimizer:
     """torch's fused AdamW: one vectorized pass over each flat ZeRO partition (~6× faster on CPU than the per-op
-    AdamW of DeepSpeed's `torch_adam`, benchmarks/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
+    AdamW of DeepSpeed's `torch_adam`, tools/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
     does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/health.py)."""
     t = cfg.train
     adamw = dict(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
@@ -85,7 +85,7 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
                  "bf16_master_weights_and_grads": t.master_weights == "bf16",
                  "bf16_optimizer_states": t.master_weights == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
-        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/checkpoints/universal.py)
+        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself
         "wall_clock_breakdown": False,
     }
@@ -162,7 +162,7 @@ def _recomputed(forward, *args, **kwargs):
 
 def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False):
     """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
-    (also what benchmarks/bench.py gives its GPT-2 peer, so both train alike)."""
+    (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
     import deepspeed
 
     schedule = lr_lambda(cfg.train, cfg.total_steps())

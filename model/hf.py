@@ -5,8 +5,8 @@
     <hf dir>/model.safetensors         the release's tensors, byte for byte, each renamed `model.<canonical name>`
     <hf dir>/generation_config.json    use_cache (incremental decoding); bos/eos/pad ids from the tokenizer when there is one
     <hf dir>/*.py                      configuration_synthformer.py, modeling_synthformer.py and the model files they
-                                       import (config, decoding, fields, lm, mixers, synthesizers, kernels,
-                                       parallel)
+                                       import (config, decoding, fields, forms, lm, mixers, synthesizers, variants,
+                                       kernels, parallel)
     <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
     <hf dir>/train_config.yaml         (when the release has one)
 
@@ -31,7 +31,7 @@ MODEL_TYPE = "synthformer"
 # The remote code of an export: modeling_synthformer.py and every model file it reaches (transformers' loader copies
 # them from the export into its module cache, so the list must be complete; tests/test_hf.py loads it in isolation).
 CODE_FILES = ("configuration_synthformer.py", "modeling_synthformer.py", "config.py", "decoding.py", "fields.py",
-              "lm.py", "mixers.py", "synthesizers.py", "kernels.py", "parallel.py")
+              "forms.py", "lm.py", "mixers.py", "synthesizers.py", "variants.py", "kernels.py", "parallel.py")
 TOKENIZER_FILE = "tokenization_synthformer.py"
 AUTO_MAP = {"AutoConfig": "configuration_synthformer.SynthformerConfig",
             "AutoModelForCausalLM": "modeling_synthformer.SynthformerForCausalLM"}

@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 
-from pretrain.metrics import memory_mb, reset_peak_memory
 from benchmarks.bench_plan import GOAL_MEM
+from model import variants
+from pretrain.metrics import memory_mb, reset_peak_memory
 
-VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot,sgu"
+VARIANTS = ",".join(variants.subset("layers"))
 
 
 def kernel_name(events) -> str:

@@ -2,9 +2,11 @@
 their goals. The parts and their goals are described in benchmarks/bench.py's docstring."""
 from __future__ import annotations
 
-import glob
 import json
 import os
+
+from model import variants
+from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
@@ -43,14 +45,10 @@ BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 
 
 
 def variant_configs() -> dict[str, str]:
-    """{variant label: config path} of configs/variants/, `dot` first; the label is the mixer name (gMLP: 'gmlp')."""
-    from pretrain.config import load_config
-
-    out = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "variants", "*.yaml"))):
-        m = load_config(path).model
-        out["gmlp" if m.block == "gmlp" else m.mixer] = os.path.relpath(path, ROOT)
-    return dict(sorted(out.items(), key=lambda kv: kv[0] != "dot"))
+    """{variant label: config path} of the study (model/variants.py; configs/variants/), `dot` first; the label is the
+    mixer name (gMLP: 'gmlp')."""
+    study = sorted(variants.subset("study"), key=lambda v: v != "dot")
+    return {v: os.path.join("configs", "variants", file_name(v)) for v in study}
 
 
 def shape(a, n: int, layers: int) -> list[str]:

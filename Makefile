@@ -54,7 +54,7 @@ bench: setup $(DEMO)/shards/manifest.json
 
 # ---- on a GPU node: the demo in bf16 on the GPU(s), resumed and converted, the GPU tests, and the engine and MFU points
 # of the benchmark. The Python: the venv of `make setup` if there is one, else $(PY) with the packages installed
-# (a node without package access: ../shared/gpu/README.md). Everything it writes goes under runs/gpu-check.
+# (a node without package access: docs/gpu/README.md). Everything it writes goes under runs/gpu-check.
 GPY   ?= $(if $(wildcard $(VPY)),$(VPY),$(PY))
 CHECK := runs/gpu-check
 gpu-check: export PYTHONPATH := $(CURDIR)

@@ -9,8 +9,8 @@ positions of its input x (B, n, d), from `fused(x)`:
     MapForm(S)                      S (Hl, n, n), the same for every sample: random, random_fixed. Alone or beside
                                     other input-independent members: one map for the batch; beside q·k members: added
                                     block by block (kernels.biased_qk_attention).
-    FactorForm(A, B)                S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋], A (B, Hl, n, a), B (B, Hl, n, b): factorized
-                                    dense. Its own kernel; never a member of a mixture.
+    FactorForm(A, B)                S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋], A (B, Hl, n, a), B (B, Hl, n, b):
+                                    factorized dense. Its own kernel; never a member of a mixture.
 
 SynthesizedAttention (model/mixers.py) asks each member for its form and picks the kernel by the forms' types: a new
 synthesizer that returns one of these forms runs on the existing kernels with no change there.

@@ -98,7 +98,8 @@ register(Variant("dense", Dense, mixable=True, formula="S[i, :] = W_2 σ(W_1 X_i
 register(Variant("random", Random, mixable=True, formula="S = R, R ∈ ℝ^{L×L} trained"))
 register(Variant("random_fixed", partial(Random, frozen=True), formula="S = R, R ∈ ℝ^{L×L} fixed at init"))
 register(Variant("factorized_dense", FactorizedDense, formula="S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋], A, B from X_i"))
-register(Variant("factorized_random", FactorizedRandom, mixable=True, formula="S = R_1 R_2ᵀ, R_1, R_2 ∈ ℝ^{L×k}"))
+register(Variant("factorized_random", FactorizedRandom, mixable=True,
+                 formula="S = R_1 R_2ᵀ, R_1, R_2 ∈ ℝ^{L×k}"))
 register(Variant("sgu", None, formula="s(Z) = Z_1 ⊙ ((W ⊙ causal) LN(Z_2) + b): gMLP's spatial gating, no softmax"))
 
 # The paper's two mixtures (its Table 2: R+V and D+V): part of the study, beside every single variant.

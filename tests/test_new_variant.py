@@ -1,6 +1,7 @@
 """A variant defined only here, as docs/adding-a-variant.md says: its class and one registry entry, nothing else. It
 reuses an existing kernel form (a shared map, model/forms.py MapForm), so its fused path equals its formula, alone
-and in a mixture, and a real run of the trainer (DeepSpeed, ZeRO-1) trains it: this file is also the script of that run's rank."""
+and in a mixture, and a real run of the trainer (DeepSpeed, ZeRO-1) trains it: this file is also the script of that
+run's rank."""
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ from model.parallel import normal
 from model.synthesizers import per_head
 from pretrain.train import main as train_main
 from tests.runs import losses, spawn, write_config
+from tests.test_model import assert_fused_matches_reference, config
 
 NAME = "relative_random"
 
@@ -56,21 +58,9 @@ def registered():
 @pytest.mark.parametrize("mixer", [NAME, f"{NAME}+dot"])
 def test_the_new_variant_runs_on_the_existing_kernels(registered, mixer):
     """Fused (the shared-map kernel, or the biased q·k one in a mixture) equals the materialized formula: logits and
-    every gradient."""
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, init_std=0.3, mixer=mixer, seed=3)
-    fused, ref = build_model(ModelConfig(**cfg)), build_model(ModelConfig(**cfg, impl="reference"))
-    ref.load_state_dict(fused.state_dict())
-    x = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for name, m in (("fused", fused), ("reference", ref)):
-        logits = m(x[:, :-1])
-        m(x[:, :-1], x[:, 1:]).backward()
-        out[name] = logits, {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
-    (lf, gf), (lr, gr) = out["fused"], out["reference"]
-    assert (lf - lr).abs().max() <= 1e-5
-    assert any(k.endswith(f"synth.{NAME}.r") for k in gf) and gf.keys() == gr.keys()
-    for k in gf:
-        assert (gf[k] - gr[k]).abs().max() <= 1e-5, k
+    every gradient, as for the built-in variants."""
+    assert_fused_matches_reference(mixer, 12)
+    assert any(name.endswith(f"synth.{NAME}.r") for name, _ in build_model(config(mixer)).named_parameters())
 
 
 def test_the_registry_gives_the_config_its_names(registered):

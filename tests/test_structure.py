@@ -15,7 +15,6 @@ tests/data, frozen fixtures of old formats, is exempt.
 from __future__ import annotations
 
 import ast
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -34,8 +34,8 @@ load_state_dict refuses it: resuming under a new layout needs an explicit remap 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
 Where shards are: shard_dir is a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec
-schemes; tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network fault
-(resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
+schemes; tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network
+fault (resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
 from, so the same sample ids and exact resume hold for every source. A worker fetches its next group of shards in a
 thread while it hands out the current one. cache_dir (optional) keeps local copies keyed by shard name and size.
 

@@ -255,19 +255,19 @@ def test_cli_help_and_one_line_errors(tmp_path):
     bogus = tmp_path / "not-a-checkpoint"
     bogus.mkdir()
     runs = {
-        "evaluate --help": ["evaluate.py", "--help"],
-        "generate --help": ["generate.py", "--help"],
-        "plot --help": ["plot_attention.py", "--help"],
-        "profile --help": ["profile_step.py", "--help"],
-        "bench_generate --help": ["bench_generate.py", "--help"],
-        "evaluate bogus": ["evaluate.py", bogus, "--shards", bogus],
-        "generate bogus": ["generate.py", bogus],
-        "plot bogus": ["plot_attention.py", bogus, "--out", tmp_path / "x.png"],
-        "profile bogus": ["profile_step.py", bogus / "c.yaml"],
-        "bench_generate bogus": ["bench_generate.py", "--shapes", bogus],
-        "profile bad key": ["profile_step.py", "configs/demo-cpu.yaml", f"train.no_such_key={bogus}"],
+        "evaluate --help": ["tools/evaluate.py", "--help"],
+        "generate --help": ["tools/generate.py", "--help"],
+        "plot --help": ["tools/plot_attention.py", "--help"],
+        "profile --help": ["benchmarks/profile_step.py", "--help"],
+        "bench_generate --help": ["benchmarks/bench_generate.py", "--help"],
+        "evaluate bogus": ["tools/evaluate.py", bogus, "--shards", bogus],
+        "generate bogus": ["tools/generate.py", bogus],
+        "plot bogus": ["tools/plot_attention.py", bogus, "--out", tmp_path / "x.png"],
+        "profile bogus": ["benchmarks/profile_step.py", bogus / "c.yaml"],
+        "bench_generate bogus": ["benchmarks/bench_generate.py", "--shapes", bogus],
+        "profile bad key": ["benchmarks/profile_step.py", "configs/demo-cpu.yaml", f"train.no_such_key={bogus}"],
     }
-    procs = {k: subprocess.Popen([PY, os.path.join(ROOT, "tools", v[0]), *map(str, v[1:])], cwd=ROOT, text=True,
+    procs = {k: subprocess.Popen([PY, os.path.join(ROOT, v[0]), *map(str, v[1:])], cwd=ROOT, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, v in runs.items()}
     done = {k: (p.communicate(timeout=120), p.returncode) for k, p in procs.items()}   # run side by side: fast
     for k, ((out, err), rc) in done.items():

@@ -47,14 +47,14 @@ demo: setup $(DEMO)/shards/manifest.json
 	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
 
-# ---- benchmarks (tools/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
+# ---- benchmarks (benchmarks/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
 # The issue's sizes take ~2 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
 bench: setup $(DEMO)/shards/manifest.json
-	$(VPY) tools/bench.py $(BENCH_ARGS)
+	$(VPY) benchmarks/bench.py $(BENCH_ARGS)
 
 # ---- on a GPU node: the demo in bf16 on the GPU(s), resumed and converted, the GPU tests, and the engine and MFU points
 # of the benchmark. The Python: the venv of `make setup` if there is one, else $(PY) with the packages installed
-# (a node without package access: ../shared/gpu/README.md). Everything it writes goes under runs/gpu-check.
+# (a node without package access: docs/gpu/README.md). Everything it writes goes under runs/gpu-check.
 GPY   ?= $(if $(wildcard $(VPY)),$(VPY),$(PY))
 CHECK := runs/gpu-check
 gpu-check: export PYTHONPATH := $(CURDIR)
@@ -67,7 +67,7 @@ gpu-check:
 	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo
 	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
 	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
-	$(GPY) tools/bench.py --only engine,gpu --out $(CHECK)/bench
+	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench
 
 # ---- the GPU measurement queue: one short part per command on a lent GPU (each ≤ 4 min on an H100), its points
 # appended as each is measured: 1 the binding MFU points (dot and the flagship, bf16 master + compiled blocks, beside
@@ -79,4 +79,4 @@ gpu-bench: export PYTHONPATH := $(CURDIR)
 gpu-bench:
 	mkdir -p $(GPU_DIR)
 	if [ "$(PART)" = 6 ]; then $(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log; \
-	else $(GPY) tools/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART); fi
+	else $(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART); fi

@@ -42,6 +42,7 @@ from lm_eval.models.utils import normalize_gen_kwargs
 
 from model import ConfigError
 from model.generate import sample
+from pretrain.checkpoints import load_any
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -86,14 +87,12 @@ def cut_at_stop(text: str, until: list[str]) -> str:
 
 @register_model("synthformer")
 class SynthformerLM(TemplateLM):
-    """A SynthesizerLM (fp32 at TP=1 from pretrain.ds_checkpoint.load_any) behind lm-eval's three request types."""
+    """A SynthesizerLM (fp32 at TP=1 from pretrain.checkpoints.load_any) behind lm-eval's three request types."""
 
     def __init__(self, path=None, tokenizer=None, batch_size=1, device=None, dtype="float32", newline="eos",
                  rolling_context=1, max_gen_toks=256, max_batch_size=None, **unused):
         super().__init__()
         import sentencepiece as spm
-
-        from pretrain.ds_checkpoint import load_any
 
         if not path:
             raise ConfigError("model_args path=DIR is missing: give a release directory or a DeepSpeed checkpoint "

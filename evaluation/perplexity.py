@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 import sys
 
+import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from evaluation.cli import UsageError
+from cli import UsageError
 from model.parallel import cross_entropy
-from pretrain.corpus import documents
+from tokendata import remote
+from tokendata.corpus import documents
+from tokendata.shards import DataError, check_seq_len, check_vocab, read_manifest, tokenizer_path
+from tokendata.stream import TokenStream
 
 
 def summarize(nll_nats: float, tokens: int, n_bytes: int) -> dict:
@@ -100,19 +104,11 @@ def evaluate_text(model, sp, texts: list[str], stride: int | None = None, batch_
 def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int = 8, max_samples: int | None = None,
                     progress: bool = False) -> dict:
     """NLL of tokens 1..n of every sample of a split (each once, in manifest order); bytes by the shards' tokenizer."""
-    import sentencepiece as spm
-
-    from pretrain import remote
-    from pretrain.data import TokenStream
-    from pretrain.shards import DataError, check_vocab, read_manifest, tokenizer_path
-
     try:
         manifest = read_manifest(shard_dir)
         check_vocab(manifest, model.cfg.vocab_size)
-        n, L = manifest["seq_len"], model.cfg.max_seq_len
-        if n > L:
-            raise UsageError(f"shards in {shard_dir} have seq_len={n} > the model's max_seq_len={L}: "
-                             f"evaluate on shards made with --seq-len ≤ {L}")
+        check_seq_len(manifest, model.cfg.max_seq_len, training=False)
+        n = manifest["seq_len"]
         stream = TokenStream(shard_dir, batch_size, n)
         batches = stream.val_batches(split=split)
     except DataError as e:

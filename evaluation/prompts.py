@@ -10,7 +10,7 @@ import os
 
 import yaml
 
-from pretrain.shards import DataError, first_sample, opening, read_manifest
+from tokendata.shards import DataError, first_sample, opening, read_manifest
 
 GENERIC_PROMPT = "The"
 OPENING_TOKENS = 12
@@ -34,7 +34,7 @@ def decode(sp, ids: list[int]) -> str:
 
 
 def default_prompt(info: dict, sp) -> tuple[str, str]:
-    """(prompt, where it comes from) for a model loaded by evaluation.cli.load (info has its "source")."""
+    """(prompt, where it comes from) for a model loaded by evaluation.loading.load (info has its "source")."""
     shard_dir = None
     for name in ("config.yaml", "train_config.yaml"):   # beside a checkpoint; in a release or an export
         path = os.path.join(info["source"], name)

@@ -68,7 +68,7 @@ def table1_count(mixer: nn.Module) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, n: int | None = None) -> int:
     """Forward + backward FLOPs per token of the whole model at length n (default L): the numerator of MFU, in the
-    trainer's log and in tools/bench.py."""
+    trainer's log and in benchmarks/bench.py."""
     return model_stats(cfg, n)["total"]["train_flops_per_token"]
 
 

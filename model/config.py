@@ -5,35 +5,16 @@ The YAML `model:` section maps one-to-one onto these fields (`ModelConfig.from_d
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .fields import ConfigError, build, check_types
+from .variants import parse_mixer, valid_mixer_names
 
-# Synthesizing functions (DESIGN.md §1). Mixtures are 2-3 distinct names of MIXABLE joined by '+'.
-SINGLE_MIXERS = ("dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu")
-MIXABLE = ("dot", "dense", "random", "factorized_random")
-__all__ = ["ConfigError", "ModelConfig", "architecture_difference", "default_factorization", "parse_mixer", "plain"]
-
-
-def valid_mixer_names() -> str:
-    return ", ".join(SINGLE_MIXERS) + ", or a mixture of 2-3 of " + "/".join(MIXABLE) + " joined by '+' (e.g. random+dot)"
-
-
-def parse_mixer(name: str, key: str = "model.mixer") -> tuple[str, ...]:
-    """'random+dot' -> ('random', 'dot'); raises ConfigError listing the valid names."""
-    if not isinstance(name, str):
-        raise ConfigError(f"{key}={name!r} is not a string; use one of: {valid_mixer_names()}")
-    parts = tuple(p.strip() for p in name.split("+"))
-    if len(parts) == 1 and parts[0] in SINGLE_MIXERS:
-        return parts
-    if 2 <= len(parts) <= 3 and all(p in MIXABLE for p in parts) and len(set(parts)) == len(parts):
-        return parts
-    guess = difflib.get_close_matches(name, SINGLE_MIXERS + ("random+dot", "dense+dot"), n=1)
-    hint = f" (did you mean '{guess[0]}'?)" if guess else ""
-    raise ConfigError(f"{key}: unknown mixer '{name}'{hint}; valid: {valid_mixer_names()}")
+# The mixer names a config may use are those registered in model/variants.py (their formulas: docs/DESIGN.md §1).
+__all__ = ["ConfigError", "ModelConfig", "architecture_difference", "default_factorization", "parse_mixer", "plain",
+           "valid_mixer_names"]
 
 
 def default_factorization(L: int) -> tuple[int, int]:

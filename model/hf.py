@@ -5,8 +5,8 @@
     <hf dir>/model.safetensors         the release's tensors, byte for byte, each renamed `model.<canonical name>`
     <hf dir>/generation_config.json    use_cache (incremental decoding); bos/eos/pad ids from the tokenizer when there is one
     <hf dir>/*.py                      configuration_synthformer.py, modeling_synthformer.py and the model files they
-                                       import (config, decoding, fields, lm, mixers, synthesizers, kernels,
-                                       parallel)
+                                       import (config, decoding, fields, forms, lm, mixers, synthesizers, variants,
+                                       kernels, parallel)
     <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
     <hf dir>/train_config.yaml         (when the release has one)
 

@@ -1,4 +1,4 @@
-"""Fused execution of synthesized attention (DESIGN.md §1, "Fused kernels").
+"""Fused execution of synthesized attention (docs/DESIGN.md §1, "Fused kernels").
 
 Legend: B batch, Hl heads on this TP rank, n sequence length, f feature width of a query/key, d_h head size.
 
@@ -60,8 +60,7 @@ def at_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in torch.autocast's dtype where it is on (else as they are), as SDPA takes them. Under autocast
     fp32 parameters used as features (dense's W_2 rows, R_1/R_2) and queries scaled by an fp32 weight arrive in
     fp32 beside bf16 activations: cast before they are expanded to the batch and concatenated, not after (SDPA's
-    own cast), and a Triton kernel does not take its exact fp32 dots (an H100 ran random+dot's forward at 140 ms
-    a layer so, B 4, Hl 16, n 2048; measured 2026-11-25)."""
+    own cast), and a Triton kernel does not take its exact fp32 dots (what that cost: docs/benchmarks.md)."""
     dtype = _autocast_dtype(tensors[0])
     return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 

@@ -9,8 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels, parallel as tp
-from .config import ModelConfig, parse_mixer
-from .synthesizers import build_synthesizer, linear_flops, per_head
+from .config import ModelConfig
+from .forms import FactorForm, MapForm, QKForm
+from .synthesizers import linear_flops, per_head
+from .variants import build_synthesizer, parse_mixer
 
 
 class SynthesizedAttention(nn.Module):
@@ -67,28 +69,29 @@ class SynthesizedAttention(nn.Module):
         return (A @ v).transpose(1, 2), A                                # (B, m, Hl, d_h), (B, Hl, m, t1)
 
     def _fused(self, x, v):
-        """Group the members by form: q·k features are concatenated (scaled by α), input-free maps summed."""
-        alpha, B, n = self._weights(), x.shape[0], x.shape[1]
-        first = next(iter(self.synth.values()))
-        if first.kind == "factors":   # factorized dense, never mixed (config.MIXABLE): its own kernel
-            A, Bf = first.factors(x)
-            return kernels.factorized_dense_attention(A, Bf, v.transpose(1, 2)).transpose(1, 2)
-        qs, ks, scale, bias, bias_weight, key_bias, input_dependent = [], [], 1.0, None, None, None, False
-        for m, synth in enumerate(self.synth.values()):
+        """Each member's logits in its fused form (model/forms.py), grouped by form: q·k features concatenated (scaled
+        by α), a shared map weighted by α, factors on their own kernel (never mixed)."""
+        alpha, B = self._weights(), x.shape[0]
+        forms = [synth.fused(x) for synth in self.synth.values()]
+        if isinstance(forms[0], FactorForm):   # factorized dense: its own kernel
+            return kernels.factorized_dense_attention(forms[0].A, forms[0].B, v.transpose(1, 2)).transpose(1, 2)
+        qs, ks, scale, bias, bias_weight, key_bias = [], [], 1.0, None, None, None
+        input_dependent = any(synth.input_dependent for synth in self.synth.values())
+        for m, form in enumerate(forms):
             w = None if alpha is None else alpha[:, m]                    # (Hl,)
-            input_dependent |= synth.input_dependent
-            if synth.kind == "qk":
-                q, k, s = synth.qk(x)                                    # (B or 1, Hl, n, f)
+            if isinstance(form, QKForm):                                 # q, k (B or 1, Hl, n, f)
                 if w is None:
-                    scale = s
+                    q, scale = form.q, form.scale
                 else:   # α·s·(q·k) = (α·s·q)·k: fold the weight into the query features (in q's dtype)
-                    q = q * (w * s).to(q.dtype)[:, None, None]
+                    q = form.q * (w * form.scale).to(form.q.dtype)[:, None, None]
                 qs.append(q)
-                ks.append(k)
-                if hasattr(synth, "key_bias"):                           # b_j (Hl, n), weighted α·b_j in a mixture
-                    key_bias = synth.key_bias(n) if w is None else w[:, None] * synth.key_bias(n)
+                ks.append(form.k)
+                if form.key_bias is not None:                            # b_j (Hl, n), weighted α·b_j in a mixture
+                    key_bias = form.key_bias if w is None else w[:, None] * form.key_bias
+            elif isinstance(form, MapForm):
+                bias, bias_weight = form.S, w                            # (Hl, n, n), (Hl,) or None
             else:
-                bias, bias_weight = synth.bias(n), w                     # (Hl, n, n), (Hl,) or None
+                raise TypeError(f"{type(form).__name__} of '{self.names[m]}' cannot be a member of a mixture")
         if not input_dependent:   # the map is the same for every sample: one map, the batch in V's columns
             S = bias                                                     # (Hl, n, n) or None
             if bias is not None and bias_weight is not None:   # α ⊙ R, in autocast's dtype where it is on

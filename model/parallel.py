@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ConfigError
+from .fields import ConfigError
 
 
 # ---- where am I -------------------------------------------------------------------------------------

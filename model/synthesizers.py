@@ -4,24 +4,31 @@ Legend: B batch, n sequence length (n ≤ L = max_seq_len), d model width, H hea
 d_h = d/H head size. X (B, n, d) is the block's normed input. Every per-head weight is stored as (Hl, …), split
 over TP along dim 0, so a head's synthesizer lives on the rank that owns the head.
 
-Each class gives S two ways, both from the same parameters:
+Each class is a `Synthesizer` (model/forms.py) and gives S two ways, both from the same parameters:
 - `logits(x, t0, keys)`: rows t0 … t1−1 of the materialized map, (B or 1, Hl, m, t1) for the m = t1 − t0 positions
   of x — the paper's formula, used by `impl: reference`, attention maps and cached decoding (t0 > 0). A dot-product
   member's keys of positions < t1 come from the decoding cache (`keys(x, t0)` is what it caches per position);
   the whole map is `logits(x)`;
-- `qk(x)` (input → query/key features with S = scale·q kᵀ, plus `key_bias(n)`, a term b_j per key, where the class
-  has one), `bias(n)` (input-independent S) or `factors(x)` — the forms the fused kernels of model/kernels.py take,
-  over all n positions.
+- `fused(x)`: S over all n positions in the form the fused kernels of model/kernels.py take (q·k features, a shared
+  map, or factors: model/forms.py).
 `flops(n)` counts forward multiply-adds ×2 per token of this function alone (projections and the n² terms).
+Each is registered once, by name, in model/variants.py.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from . import parallel as tp
-from .config import ModelConfig
+from .forms import FactorForm, MapForm, QKForm
 from .kernels import inv_sqrt
+# by name, not `from . import parallel`: a Hugging Face export loads this file from its config (model/variants.py),
+# and transformers copies only the files it sees in `from .x import` lines
+from .parallel import annotate, column_linear, constant, full_shape, normal, split_size
+
+if TYPE_CHECKING:   # annotations only: model/config.py asks model/variants.py, which builds these, for the names
+    from .config import ModelConfig
 
 
 def heads(x: torch.Tensor, d_h: int) -> torch.Tensor:
@@ -32,12 +39,12 @@ def heads(x: torch.Tensor, d_h: int) -> torch.Tensor:
 
 def per_head(n_heads: int, *shape: int, init) -> nn.Parameter:
     """A parameter of shape (H/TP, *shape) whose rows are heads: split over TP along the head dim."""
-    local = tp.split_size(n_heads, "model.n_heads")
-    return tp.annotate(nn.Parameter(torch.empty(local, *shape)), init, partition_dim=0)
+    local = split_size(n_heads, "model.n_heads")
+    return annotate(nn.Parameter(torch.empty(local, *shape)), init, partition_dim=0)
 
 
 def linear_flops(layer: nn.Module) -> int:
-    d_out, d_in = tp.full_shape(layer.weight)
+    d_out, d_in = full_shape(layer.weight)
     return 2 * d_out * d_in
 
 
@@ -65,13 +72,13 @@ class DotProduct(nn.Module):
     W_q, W_k: d → d column-parallel (heads split over TP). Table 1: 2d².
     """
 
-    kind, input_dependent, cached = "qk", True, True
+    input_dependent, cached = True, True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, self.d_h = cfg.d_model, cfg.head_dim
-        self.q = tp.column_linear(d, d, cfg.bias, cfg.init_std)
-        self.k = tp.column_linear(d, d, cfg.bias, cfg.init_std)
+        self.q = column_linear(d, d, cfg.bias, cfg.init_std)
+        self.k = column_linear(d, d, cfg.bias, cfg.init_std)
         self.rope = Rotary(self.d_h, cfg.max_seq_len, cfg.rope_base) if cfg.position == "rope" else None
 
     def _project(self, linear, x, t0):
@@ -82,15 +89,15 @@ class DotProduct(nn.Module):
         """k_j of x's positions t0…: what a decoding cache keeps."""
         return self._project(self.k, x, t0)
 
-    def qk(self, x):
-        return self._project(self.q, x, 0), self.keys(x), inv_sqrt(self.d_h)
+    def fused(self, x):
+        return QKForm(self._project(self.q, x, 0), self.keys(x), inv_sqrt(self.d_h))
 
     def logits(self, x, t0=0, keys=None):
         k = self.keys(x) if keys is None else keys                       # (B, Hl, t1, d_h)
         return self._project(self.q, x, t0) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
 
     def flops(self, n):
-        return linear_flops(self.q) + linear_flops(self.k) + 2 * n * tp.full_shape(self.q.weight)[0]
+        return linear_flops(self.q) + linear_flops(self.k) + 2 * n * full_shape(self.q.weight)[0]
 
 
 class Dense(nn.Module):
@@ -101,30 +108,28 @@ class Dense(nn.Module):
     Fused: q = σ(W_1 X + b_1), k_j = W_2^h[j] (the same for every sample), scale 1, and a per-key bias b_2^h[j].
     """
 
-    kind, input_dependent, cached = "qk", True, False
+    input_dependent, cached = True, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, L, self.d_h = cfg.d_model, cfg.max_seq_len, cfg.head_dim
-        self.w1 = tp.column_linear(d, d, cfg.bias, cfg.init_std)
-        self.w2 = per_head(cfg.n_heads, L, self.d_h, init=tp.normal(cfg.init_std))
-        self.w2_bias = per_head(cfg.n_heads, L, init=tp.constant(0.0))
+        self.w1 = column_linear(d, d, cfg.bias, cfg.init_std)
+        self.w2 = per_head(cfg.n_heads, L, self.d_h, init=normal(cfg.init_std))
+        self.w2_bias = per_head(cfg.n_heads, L, init=constant(0.0))
 
     def hidden(self, x):
         return torch.relu(heads(self.w1(x), self.d_h))                  # (B, Hl, n, d_h)
 
-    def qk(self, x):
-        return self.hidden(x), self.w2[:, :x.shape[1]].unsqueeze(0), 1.0   # (B, Hl, n, d_h), (1, Hl, n, d_h)
-
-    def key_bias(self, n):
-        return self.w2_bias[:, :n]                                       # (Hl, n): b_2^h[j] for key j
+    def fused(self, x):
+        n = x.shape[1]   # q (B, Hl, n, d_h), k (1, Hl, n, d_h), and b_2^h[j] for key j (Hl, n)
+        return QKForm(self.hidden(x), self.w2[:, :n].unsqueeze(0), 1.0, key_bias=self.w2_bias[:, :n])
 
     def logits(self, x, t0=0, keys=None):
         t1 = t0 + x.shape[1]                                             # keys j < t1: the rows W_2[j]
         return self.hidden(x) @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]  # (B, Hl, m, t1)
 
     def flops(self, n):
-        H_d_h = tp.full_shape(self.w1.weight)[0]
+        H_d_h = full_shape(self.w1.weight)[0]
         return linear_flops(self.w1) + 2 * n * H_d_h
 
 
@@ -135,16 +140,19 @@ class Random(nn.Module):
     Fused: softmax(R + M) is the same for every sample, so it is computed once per forward.
     """
 
-    kind, input_dependent, cached = "bias", False, False
+    input_dependent, cached = False, False
 
     def __init__(self, cfg: ModelConfig, frozen: bool = False):
         super().__init__()
         L = cfg.max_seq_len
-        self.R = per_head(cfg.n_heads, L, L, init=tp.normal(cfg.random_init_std))
+        self.R = per_head(cfg.n_heads, L, L, init=normal(cfg.random_init_std))
         self.R.requires_grad_(not frozen)
 
     def bias(self, n):   # at n = L, R itself: a full-size slice's backward would copy the whole (Hl, L, L) gradient
         return self.R if n == self.R.shape[-1] else self.R[:, :n, :n]    # (Hl, n, n)
+
+    def fused(self, x):
+        return MapForm(self.bias(x.shape[1]))
 
     def logits(self, x, t0=0, keys=None):
         t1 = t0 + x.shape[1]
@@ -160,24 +168,24 @@ class FactorizedRandom(nn.Module):
     `R1`, `R2`: (Hl, L, k). Table 1: 2·H·L·k. Fused: q = R_1, k = R_2 for every sample, scale 1.
     """
 
-    kind, input_dependent, cached = "qk", False, False
+    input_dependent, cached = False, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         L, k = cfg.max_seq_len, cfg.factorized_k
-        self.R1 = per_head(cfg.n_heads, L, k, init=tp.normal(cfg.random_init_std / k ** 0.25))
-        self.R2 = per_head(cfg.n_heads, L, k, init=tp.normal(cfg.random_init_std / k ** 0.25))
+        self.R1 = per_head(cfg.n_heads, L, k, init=normal(cfg.random_init_std / k ** 0.25))
+        self.R2 = per_head(cfg.n_heads, L, k, init=normal(cfg.random_init_std / k ** 0.25))
 
-    def qk(self, x):
+    def fused(self, x):
         n = x.shape[1]
-        return self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0   # (1, Hl, n, k) each
+        return QKForm(self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0)   # (1, Hl, n, k) each
 
     def logits(self, x, t0=0, keys=None):
         t1 = t0 + x.shape[1]
         return (self.R1[:, t0:t1] @ self.R2[:, :t1].transpose(-1, -2)).unsqueeze(0)   # (1, Hl, m, t1)
 
     def flops(self, n):
-        H, _, k = tp.full_shape(self.R1)
+        H, _, k = full_shape(self.R1)
         return 2 * n * k * H
 
 
@@ -190,16 +198,16 @@ class FactorizedDense(nn.Module):
     Fused: S has no q·k form; `factors(x)` feed a kernel that builds S one block of query rows at a time.
     """
 
-    kind, input_dependent, cached = "factors", True, False
+    input_dependent, cached = True, False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, self.d_h, a, b = cfg.d_model, cfg.head_dim, cfg.factorized_a, cfg.factorized_b
-        self.w1 = tp.column_linear(d, d, cfg.bias, cfg.init_std)
-        self.fa = per_head(cfg.n_heads, a, self.d_h, init=tp.normal(cfg.init_std))
-        self.fa_bias = per_head(cfg.n_heads, a, init=tp.constant(0.0))
-        self.fb = per_head(cfg.n_heads, b, self.d_h, init=tp.normal(cfg.init_std))
-        self.fb_bias = per_head(cfg.n_heads, b, init=tp.constant(0.0))
+        self.w1 = column_linear(d, d, cfg.bias, cfg.init_std)
+        self.fa = per_head(cfg.n_heads, a, self.d_h, init=normal(cfg.init_std))
+        self.fa_bias = per_head(cfg.n_heads, a, init=constant(0.0))
+        self.fb = per_head(cfg.n_heads, b, self.d_h, init=normal(cfg.init_std))
+        self.fb_bias = per_head(cfg.n_heads, b, init=constant(0.0))
 
     def factors(self, x):
         """A (B, Hl, n, a), B (B, Hl, n, b) — what the fused kernel builds S from, block by block."""
@@ -208,6 +216,9 @@ class FactorizedDense(nn.Module):
         Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
         return A, Bf
 
+    def fused(self, x):
+        return FactorForm(*self.factors(x))
+
     def logits(self, x, t0=0, keys=None):
         A, Bf = self.factors(x)
         # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
@@ -215,13 +226,6 @@ class FactorizedDense(nn.Module):
         return S[..., :t0 + x.shape[1]]                                   # (B, Hl, m, t1)
 
     def flops(self, n):
-        H, a, d_h = tp.full_shape(self.fa)
+        H, a, d_h = full_shape(self.fa)
         b = self.fb.shape[1]
         return linear_flops(self.w1) + 2 * H * d_h * (a + b) + H * n
-
-
-def build_synthesizer(name: str, cfg: ModelConfig) -> nn.Module:
-    if name == "random_fixed":
-        return Random(cfg, frozen=True)
-    return {"dot": DotProduct, "dense": Dense, "random": Random,
-            "factorized_random": FactorizedRandom, "factorized_dense": FactorizedDense}[name](cfg)

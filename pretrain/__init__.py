@@ -1,4 +1,6 @@
-"""The training system: config, data, engine, checkpoints, logging, and the loop (pretrain/train.py)."""
+"""The training system: config (config/), the checks before a launch (prelaunch.py), process groups
+(distributed.py), the engine (engine.py, pipeline.py, health.py), checkpoints (checkpoints/), logging (metrics.py)
+and the loop (train.py). The data it trains on comes from tokendata/; it imports nothing above itself."""
 import warnings
 
 # megatron-core announces at import that optional CUDA extensions are missing; they are not used here.

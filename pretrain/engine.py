@@ -6,7 +6,7 @@
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
     peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
-                                trainer's log and tools/bench.py alike
+                                trainer's log and benchmarks/bench.py alike
 
 The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
 kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
@@ -56,7 +56,7 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
 def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout,
                     device_clip: bool = True) -> torch.optim.Optimizer:
     """torch's fused AdamW: one vectorized pass over each flat ZeRO partition (~6× faster on CPU than the per-op
-    AdamW of DeepSpeed's `torch_adam`, tools/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
+    AdamW of DeepSpeed's `torch_adam`, benchmarks/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
     does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/health.py), which also
     clips the gradients on the device (`device_clip`, see `clips_on_device`)."""
     t = cfg.train
@@ -180,7 +180,7 @@ def _recomputed(forward, *args, **kwargs):
 def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False,
                device_clip: bool | None = None):
     """deepspeed.initialize over `model` with the run's parameter groups, AdamW, DeepSpeed config and LR schedule
-    (also what tools/bench.py gives its GPT-2 peer, so both train alike)."""
+    (also what benchmarks/bench.py gives its GPT-2 peer, so both train alike)."""
     import deepspeed
 
     device_clip = clips_on_device(cfg) if device_clip is None else device_clip

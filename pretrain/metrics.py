@@ -17,7 +17,7 @@ import torch
 def memory_mb(device: torch.device, peak: bool = True) -> float:
     """This process's memory in MB — CUDA: the caching allocator's live tensors; CPU: the resident set — at its
     highest since the start or the last `reset_peak_memory` (`peak`), or now. The one reader of the trainer's log,
-    tools/bench.py and tools/bench_mixer.py."""
+    benchmarks/bench.py and benchmarks/bench_mixer.py."""
     if device.type == "cuda":
         return (torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated)(device) / 2**20
     if peak:   # the kernel's high-water mark (VmHWM), which reset_peak_memory lowers to now

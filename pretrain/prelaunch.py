@@ -1,18 +1,26 @@
 """What a launch checks before any process starts: the config against the world size, the shards against the model,
 and the checkpoint it would resume against the run. launch/pretrain.sh runs these checks once
-(`python -m pretrain.config CONFIG … --world-size N`), so that a mistake is one line at once, not one per rank
-after DeepSpeed started; the trainer runs them again on every rank before its process group, for launches without
-the script.
+(`python -m pretrain.config CONFIG … --world-size N`, this module's `main`), so that a mistake is one line at once,
+not one per rank after DeepSpeed started; the trainer runs them again on every rank before its process group, for
+launches without the script.
+
+    python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--print] [--deepspeed] [--world-size 2]
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
+import yaml
+
 from model import ConfigError
-from pretrain.checkpoint import architecture_problem, layout_problem, resume_point
-from pretrain.config import Runtime, TrainConfig
-from pretrain.shards import DataError, check_vocab, read_manifest
+from pretrain.checkpoints import universal
+from pretrain.checkpoints.resume import architecture_problem, layout_problem, resume_point
+from pretrain.config import Runtime, TrainConfig, load_config
+from pretrain.engine import deepspeed_config
+from tokendata.shards import check_seq_len, check_vocab, read_manifest
 
 
 def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> Runtime:
@@ -22,18 +30,13 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     runtime = cfg.check_runtime(world_size)
     manifest = read_manifest(cfg.data.shard_dir)
     check_vocab(manifest, cfg.model.vocab_size)
-    n, L = manifest["seq_len"], cfg.model.max_seq_len
-    if n != L:
-        raise DataError(f"shards in {cfg.data.shard_dir} hold sequences of {n} tokens but model.max_seq_len={L}: "
-                        f"set model.max_seq_len={n}, or rebuild the shards with tools/make_shards.py --seq-len {L}")
+    check_seq_len(manifest, cfg.model.max_seq_len, training=True)
     resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)
     if resume is None:
         return runtime
     problem = architecture_problem(resume, cfg.to_dict())
     if not problem and layout_problem(resume, cfg.to_dict(), world_size) and cfg.checkpoint.relayout and relayout \
             and cfg.checkpoint.resume == "auto" and os.environ.get("NODE_RANK", "0") == "0":
-        from pretrain import universal
-
         print(f"checkpoint.relayout: converting {resume} to a universal checkpoint in {cfg.checkpoint.dir} "
               f"(weights and optimizer state, for any layout)", file=sys.stderr, flush=True)
         resume = universal.convert(resume, cfg.checkpoint.dir)
@@ -42,3 +45,31 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     if problem:
         raise ConfigError(problem)
     return runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pretrain.config",
+                                description="Load, validate and print a training config.")
+    p.add_argument("config", help="YAML file, e.g. configs/demo-cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML (train.lr=3e-4 "
+                                                "model.mixer=[random,dot])")
+    p.add_argument("--print", action="store_true", help="print the resolved config as YAML (the default output)")
+    p.add_argument("--deepspeed", action="store_true", help="print the generated DeepSpeed config (JSON)")
+    p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
+                                                                "the shards, a checkpoint it would resume (with "
+                                                                "--deepspeed: the config only; default 1)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
+            rt = cfg.check_runtime(args.world_size or 1)
+        elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
+            check_launch(cfg, args.world_size, relayout=True)
+        if args.print or not args.deepspeed:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
+        if args.deepspeed:
+            print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))
+    except (ConfigError, ValueError) as e:   # ValueError: a DataError of the shards
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

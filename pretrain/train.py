@@ -23,17 +23,18 @@ from model import ConfigError, SynthesizerLM
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed, remote
-from pretrain.checkpoint import CheckpointError, Checkpointer, deepspeed_clipped, is_universal, resume_point
+from pretrain import distributed
+from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
-from pretrain.data import TokenStream
-from pretrain.shards import DataError, opening
 from pretrain.engine import build_engine, clips_on_device, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
-
+from tokendata import remote
+from tokendata.shards import DataError, opening
+from tokendata.stream import TokenStream
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -229,8 +230,7 @@ class Trainer:
                 return opt
         return None
 
-    def guarded_skips(self) -> torch.Tensor:
-        """Steps GuardedAdamW dropped, counted on the device; zero where DeepSpeed drops them."""
+    def guarded_skips(self) -> torch.Tensor:   # on the device; zero where DeepSpeed drops the steps
         guarded = self.guarded()
         return guarded.skipped if guarded is not None else torch.zeros((), device=self.layout.device)
 
@@ -273,11 +273,8 @@ class Trainer:
     def log_step(self, loss: float, tokens_per_s: float) -> None:
         cfg, lay = self.cfg, self.layout
         lr = self.engine.get_lr()[0]
-        guarded = self.guarded()
-        if guarded is not None:   # it computes the global norm every step: one read, on logging steps only
-            grad_norm = self.read(guarded.grad_norm.reshape(1))[0]
-        else:
-            grad_norm = self.engine.get_global_grad_norm()
+        guarded = self.guarded()   # it has the global norm of every step: one read, on logging steps only
+        grad_norm = self.read(guarded.grad_norm.reshape(1))[0] if guarded else self.engine.get_global_grad_norm()
         if grad_norm is not None and grad_norm < 0:   # DeepSpeed writes -1 for a non-finite norm (a skipped step)
             grad_norm = float("inf")
         tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12

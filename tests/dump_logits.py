@@ -10,7 +10,7 @@ import torch
 
 from model import parallel as tp
 from pretrain import distributed
-from pretrain.checkpoint import Checkpointer
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.config import load_config
 from pretrain.engine import build_engine
 

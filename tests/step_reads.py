@@ -9,7 +9,7 @@ aten._local_scalar_dense), the ops whose result size or value the host must see 
 every `get_accelerator().synchronize()` (DeepSpeed's timers call it; the accelerator's method is wrapped to count).
 On a GPU each is a host sync. `trainer`: Trainer.train_step, with the trainer's own reads (Trainer.read, its one way
 to the host), then the stock DeepSpeed loop (forward, backward, step) on the same engine. `bench`: the step that
-tools/bench.py times (bench_lib.training_step: our engine, random tokens).
+benchmarks/bench.py times (bench_lib.training_step: our engine, random tokens).
 """
 import json
 import sys
@@ -75,7 +75,7 @@ def trainer_steps(config, overrides):
 
 
 def bench_steps(config, overrides):
-    from tools.bench_lib import training_step
+    from benchmarks.bench_lib import training_step
 
     step, sync, engine, cfg, lay, _ = training_step({"kind": "train", "config": config, "overrides": list(overrides)})
     step()   # DeepSpeed's one-time work

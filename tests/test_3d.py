@@ -5,11 +5,11 @@ import subprocess
 
 import pytest
 
+from model import variants
 from tests.distributed import run_distributed
 from tests.runs import PY, ROOT, finish, free_local_port, launch, losses, start, write_config
 
-MIXERS = ["dot", "dense", "random", "factorized_random", "random+dot", "random_fixed", "factorized_dense", "sgu",
-          "dense+dot"]   # one layer of each: every stage holds several variants
+MIXERS = variants.subset("layers")   # one layer of each: every stage holds several variants
 
 
 def config(tmp_path, shards, name, mixers=MIXERS, **parallel):

@@ -10,7 +10,7 @@ import yaml
 from model.accounting import model_stats
 from pretrain.config import load_config
 from tests.runs import PY, ROOT
-from evaluation.cli import load
+from evaluation.loading import load
 from evaluation.perplexity import evaluate_shards
 from tools.ablate import cell, ranking, spread
 
@@ -64,7 +64,7 @@ def test_ablate_trains_evaluates_reports_and_resumes(shards, tmp_path):
 
 def test_the_recorded_default_study_keeps_its_ranking_at_twice_the_budget():
     """docs/study: the default study (600 steps) and its 2× check (1200), as run: every pair ranked at 600 is ranked the
-    same way at 1200 or indistinguishable there (never reversed), and the README quotes their perplexities."""
+    same way at 1200 or indistinguishable there (never reversed), and docs/study/README.md quotes their perplexities."""
     def verdicts(steps):
         with open(os.path.join(ROOT, "docs", "study", f"cpu-{steps}.json")) as f:
             study = json.load(f)
@@ -78,8 +78,8 @@ def test_the_recorded_default_study_keeps_its_ranking_at_twice_the_budget():
         assert set(ppl_600) == set(ppl_1200) == set(yaml.safe_load(f)["variants"])
     assert ranked_600, "the default budget ranks no pair: nothing to check"
     assert not {(b, a) for a, b in ranked_600} & ranked_1200, "a pair ranked at 600 steps is reversed at 1200"
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "study", "README.md")) as f:
         readme = f.read()
     for ppl in (ppl_600, ppl_1200):
         for v, values in ppl.items():
-            assert f"| {v} | {cell(values, '{:.2f}')}" in readme, f"README's table row of {v} differs from docs/study"
+            assert f"| {v} | {cell(values, '{:.2f}')}" in readme, f"docs/study/README.md's table row of {v} differs from the JSON"

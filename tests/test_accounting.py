@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import ModelConfig, build_model
+from model import ModelConfig, build_model, variants
 from model.accounting import model_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +23,7 @@ def table1(variant, d, H, L, k, a, b):
 
 
 SETTINGS = [dict(d=32, H=4, L=16, k=4), dict(d=48, H=3, L=24, k=8), dict(d=64, H=8, L=32, k=2)]
-VARIANTS = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu",
-            "random+dot", "dense+dot", "random+dense+factorized_random"]
+VARIANTS = variants.names() + list(variants.PAPER_MIXTURES) + ["random+dense+factorized_random"]
 
 
 @pytest.mark.parametrize("s", SETTINGS, ids=lambda s: "d{d}-H{H}-L{L}-k{k}".format(**s))
@@ -54,7 +53,7 @@ def test_training_flops_match_a_flop_counter(variant):
 
     The counter sees matmuls only; we also count a few elementwise terms (α-weighting, outer products): ≤ 0.5%.
     """
-    extra = {"mixer": "sgu", "block": "gmlp"} if variant == "gmlp" else {"mixer": variant}
+    extra = variants.model_fields(variant)
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=32, impl="reference",
                       bias=False, **extra)
     model, n = build_model(cfg), 32

@@ -1,4 +1,4 @@
-"""tools/bench.py: one --quick run (throughput, peer, memory for dot, random and GPT-2, engine ÷ plain loop; 11 measuring
+"""benchmarks/bench.py: one --quick run (throughput, peer, memory for dot, random and GPT-2, engine ÷ plain loop; 11 measuring
 processes), its JSON
 schema and ratios (the throughput and peer ones from repetitions alternated with dot's), the FLOP ratios recomputed
 here from model_stats, --help and a bad --only."""
@@ -13,11 +13,11 @@ import pytest
 
 from model.accounting import model_stats
 from pretrain.config import load_config
-from tools.bench import PARTS, build_parser
-from tools.bench_lib import PointFailed, ServedPoint
+from benchmarks.bench import PARTS, build_parser
+from benchmarks.bench_report import PointFailed, ServedPoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "tools", "bench.py")
+BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
 # 9 measuring processes of ~8 s each (imports and process group start dominate); --quick runs 1 torch thread each.
 QUICK = ["--quick", "--only", "throughput,peer,memory,engine", "--variants", "dot,random", "--lengths", "64,128",
          "--steps", "1"]
@@ -146,8 +146,8 @@ def test_served_point_reports_a_dead_or_silent_child():
 def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot under
     the engine, eager and compiled, with the GPU issue's goals, and memory at the longest n ÷ the shortest."""
-    from tools.bench import parse_args
-    from tools.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
 
     a = parse_args(["--quick"])
     p = Plan(a)
@@ -171,7 +171,7 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
 def test_a_point_whose_port_was_taken_is_started_again():
     """The rendezvous port is picked free, but another socket on the host may take it before the rank listens
     (EADDRINUSE): that point is started again, with a new port; any other failure is reported as it is."""
-    from tools.bench import PointFailed, retried_on_port_race
+    from benchmarks.bench import PointFailed, retried_on_port_race
 
     tries = []
     taken = "DistNetworkError: The server socket has failed to listen ... EADDRINUSE, message: address already in use"
@@ -197,8 +197,8 @@ def test_a_point_whose_port_was_taken_is_started_again():
 def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu():
     """make gpu-bench PART=k: parts 3 and 4 hold every variant but dot once (dot, their reference, in both); on a
     machine without CUDA the GPU parts plan one skipped entry each, saying why."""
-    from tools.bench import parse_args
-    from tools.bench_plan import GPU_GOALS, plan
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_plan import GPU_GOALS, plan
 
     parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(1, 6)}
     assert [parts[k].only for k in range(1, 6)] == [["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],

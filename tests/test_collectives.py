@@ -71,7 +71,7 @@ def test_guarded_adamw_drops_a_step_that_is_nonfinite_on_any_rank_without_touchi
 def decided_on_rank0(rank, world):
     """from_rank0 with a function that differs by rank: every rank gets rank 0's result, and rank 0's error."""
     from pretrain import distributed
-    from pretrain.shards import DataError
+    from tokendata.shards import DataError
 
     lay, calls = layout("cpu", world), []
 

@@ -1,4 +1,4 @@
-"""pretrain/config.py: shipped configs, composition, overrides, one-line errors, LR schedule, DeepSpeed dict."""
+"""pretrain/config/: shipped configs, composition, overrides, one-line errors, LR schedule, DeepSpeed dict."""
 import json
 import math
 import os
@@ -11,10 +11,13 @@ import pytest
 import torch
 import yaml
 
+from model import variants
 from model.config import ConfigError
-from pretrain.config import TrainConfig, load_config, main
+from pretrain.config import TrainConfig, load_config
 from pretrain.distributed import free_local_port
 from pretrain.engine import deepspeed_config, lr_lambda
+from pretrain.prelaunch import main
+from tools import variant_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -49,10 +52,15 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 # ---- shipped configs ------------------------------------------------------------------------------------------------
 def test_every_study_variant_and_size_is_shipped():
     names = {p.relative_to(CONFIGS).as_posix() for p in SHIPPED}
-    variants = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "random_dot",
-                "dense_dot", "sgu", "gmlp"]
-    assert set(WORLD) | {f"variants/{v}.yaml" for v in variants} <= names
-    assert len(names) == len(WORLD) + len(variants), "a new config needs an intended world size in WORLD"
+    study = [f"variants/{variant_configs.file_name(v)}" for v in variants.subset("study")]
+    assert set(WORLD) | set(study) <= names
+    assert len(names) == len(WORLD) + len(study), "a new config needs an intended world size in WORLD"
+
+
+def test_variant_configs_are_what_the_registry_writes():
+    """configs/variants/ holds one file per study variant of model/variants.py, as tools/variant_configs.py writes
+    it: a variant registered (or removed) without its config fails here."""
+    assert variant_configs.main(["--check"]) == 0, "run: python tools/variant_configs.py"
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(CONFIGS).as_posix())

@@ -9,15 +9,14 @@ import subprocess
 import pytest
 import torch
 
-from model import ConfigError
+from model import ConfigError, variants
 from model.release import load_model, read_release
-from pretrain.checkpoint import layout_problem
+from pretrain.checkpoints.resume import layout_problem
 from pretrain.config import load_config
 from tests.dump_logits import fixed_tokens
 from tests.runs import PY, ROOT, launch, losses, spawn, write_config
 
-MIXERS = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "random+dot",
-          "dense+dot", "sgu"]   # one layer of each: every variant is converted in every layout
+MIXERS = variants.subset("layers")   # one layer of each: every variant is converted in every layout
 MODEL = {"n_layers": len(MIXERS), "mixer": MIXERS, "position": "rope"}
 GMLP = {"n_layers": 2, "mixer": "sgu", "block": "gmlp", "position": "rope"}
 LAYOUTS = {"221": ({"tp": 2, "pp": 2, "zero_stage": 1, "partition": "uniform"}, 4, MODEL),

@@ -1,4 +1,4 @@
-"""The data path of issue #3: tokenizer and shard tools, and the streaming, resumable loader (pretrain/data.py).
+"""The data path of issue #3: tokenizer and shard tools, and the streaming, resumable loader (tokendata/stream.py).
 
 Real files in tmp dirs, the real tools run as subprocesses, real webdataset tars, real DataLoader worker processes.
 """
@@ -21,8 +21,8 @@ import torch
 
 from model.config import ConfigError
 from pretrain.config import load_config
-from pretrain.data import TokenStream
-from pretrain.shards import DataError, check_vocab, read_manifest
+from tokendata.stream import TokenStream
+from tokendata.shards import DataError, check_vocab, read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")

@@ -21,7 +21,7 @@ def waits(tmp_path, what, cfg, *overrides):
 
 @pytest.mark.parametrize("mixer", ["dot", "dense+dot"])
 def test_the_benchmarked_engine_step_never_waits_for_the_device(shards, tmp_path, mixer):
-    """tools/bench.py's step (bench_lib.training_step), bf16 ZeRO-1 as on a GPU: no value read from a tensor, no
+    """benchmarks/bench.py's step (bench_lib.training_step), bf16 ZeRO-1 as on a GPU: no value read from a tensor, no
     nonzero/is_nonzero/equal, no accelerator synchronize (DeepSpeed's throughput timer, turned off)."""
     cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", model={"mixer": mixer})
     counts = waits(tmp_path, "bench", cfg, "parallel.zero_stage=1", "train.precision=bf16",

@@ -13,26 +13,26 @@ import numpy as np
 import pytest
 import torch
 
-from model import ModelConfig, build_model
+from model import ModelConfig, build_model, variants
 from model.decoding import CachedLM, IncrementalDecoder
 from model.generate import sample
 from model.hf import release_to_hf
 from model.release import save_release
 from tests.runs import CORPUS, PY, ROOT, write_config
 from evaluation import perplexity
-from evaluation.cli import load
+from evaluation.loading import load
 from evaluation.prompts import prompt_ids
-from pretrain.corpus import documents
+from tokendata.corpus import documents
 from pretrain.metrics import layer_maps
 from tools import evaluate, generate, plot_attention
 
 L = 16
-VARIANTS = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "sgu", "gmlp",
-            "random+dot", "dense+dot", "random+factorized_random", "dot+dense+factorized_random"]
+# every registered mixer, gMLP, and the mixtures of model/variants.py this test has always run
+VARIANTS = [v for v in variants.subset("all") if v not in ("random+dense", "random+dot+dense")]
 
 
 def tiny(mixer="dense", vocab=512, max_seq_len=L, **kw) -> torch.nn.Module:
-    extra = {"mixer": "sgu", "block": "gmlp"} if mixer == "gmlp" else {"mixer": mixer}
+    extra = variants.model_fields(mixer) if isinstance(mixer, str) else {"mixer": mixer}
     # Large inits: far-from-uniform predictions and maps, so every cached quantity visibly matters.
     cfg = ModelConfig(**{**dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, max_seq_len=max_seq_len,
                                 factorized_k=4, init_std=0.3, random_init_std=1.0, sgu_init_eps=4.0 * max_seq_len,
@@ -106,7 +106,7 @@ def test_bits_per_byte_hand_built(sp):
 
 
 def read_split(shard_dir, split):
-    """Every sample of a split straight from the tar files (not through pretrain.data)."""
+    """Every sample of a split straight from the tar files (not through tokendata.stream)."""
     out = []
     for name in sorted(f for f in os.listdir(shard_dir) if f.startswith(split + "-")):
         with tarfile.open(os.path.join(shard_dir, name)) as tar:
@@ -255,19 +255,19 @@ def test_cli_help_and_one_line_errors(tmp_path):
     bogus = tmp_path / "not-a-checkpoint"
     bogus.mkdir()
     runs = {
-        "evaluate --help": ["evaluate.py", "--help"],
-        "generate --help": ["generate.py", "--help"],
-        "plot --help": ["plot_attention.py", "--help"],
-        "profile --help": ["profile_step.py", "--help"],
-        "bench_generate --help": ["bench_generate.py", "--help"],
-        "evaluate bogus": ["evaluate.py", bogus, "--shards", bogus],
-        "generate bogus": ["generate.py", bogus],
-        "plot bogus": ["plot_attention.py", bogus, "--out", tmp_path / "x.png"],
-        "profile bogus": ["profile_step.py", bogus / "c.yaml"],
-        "bench_generate bogus": ["bench_generate.py", "--shapes", bogus],
-        "profile bad key": ["profile_step.py", "configs/demo-cpu.yaml", f"train.no_such_key={bogus}"],
+        "evaluate --help": ["tools/evaluate.py", "--help"],
+        "generate --help": ["tools/generate.py", "--help"],
+        "plot --help": ["tools/plot_attention.py", "--help"],
+        "profile --help": ["benchmarks/profile_step.py", "--help"],
+        "bench_generate --help": ["benchmarks/bench_generate.py", "--help"],
+        "evaluate bogus": ["tools/evaluate.py", bogus, "--shards", bogus],
+        "generate bogus": ["tools/generate.py", bogus],
+        "plot bogus": ["tools/plot_attention.py", bogus, "--out", tmp_path / "x.png"],
+        "profile bogus": ["benchmarks/profile_step.py", bogus / "c.yaml"],
+        "bench_generate bogus": ["benchmarks/bench_generate.py", "--shapes", bogus],
+        "profile bad key": ["benchmarks/profile_step.py", "configs/demo-cpu.yaml", f"train.no_such_key={bogus}"],
     }
-    procs = {k: subprocess.Popen([PY, os.path.join(ROOT, "tools", v[0]), *map(str, v[1:])], cwd=ROOT, text=True,
+    procs = {k: subprocess.Popen([PY, os.path.join(ROOT, v[0]), *map(str, v[1:])], cwd=ROOT, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, v in runs.items()}
     done = {k: (p.communicate(timeout=120), p.returncode) for k, p in procs.items()}   # run side by side: fast
     for k, ((out, err), rc) in done.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint import verify
+from pretrain.checkpoints.durable import verify
 from tests.runs import (PY, ROOT, finish, free_local_port, launch, losses, metric_rows, reference_config, start,
                         trainer_ranks, write_config)
 
@@ -85,7 +85,7 @@ def test_wall_clock_limit_stops_cleanly(shards, tmp_path):
 
 def weights(checkpoint) -> dict:
     """Full fp32 weights of a checkpoint directory (ZeRO shards consolidated)."""
-    from pretrain.ds_checkpoint import read_weights
+    from pretrain.checkpoints.ds_checkpoint import read_weights
 
     return read_weights(str(checkpoint))[1]
 
@@ -163,7 +163,7 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     """A truncated shard (found when the run starts) and a corrupt one (found when first read): with
     data.bad_shards=skip both are named, counted in TensorBoard's data/skipped_shards and left out; with the default
     (fail) the run stops with one line naming the corrupt file."""
-    from pretrain.data import TokenStream
+    from tokendata.stream import TokenStream
 
     from pretrain.config import DataSection
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from model.release import load_model
-from pretrain.ds_checkpoint import load_any
+from pretrain.checkpoints.ds_checkpoint import load_any
 from tests.runs import PY, ROOT, launch, losses, write_config
 
 DATA = os.path.join(ROOT, "tests", "data", "pre_redesign")

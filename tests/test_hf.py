@@ -13,14 +13,14 @@ import sentencepiece as spm
 import torch
 from safetensors.torch import load_file
 
-from model import ConfigError, ModelConfig, build_model
+from model import ConfigError, ModelConfig, build_model, variants
 from model.generate import sample
 from model.hf import hf_to_release, release_to_hf
 from model.release import read_release, save_release
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_MIXERS = ["dot", "dense", "random", "random_fixed", "factorized_dense", "factorized_random", "random+dot",
-              "dense+dot", "dense+random+factorized_random", "sgu"]
+ALL_MIXERS = (variants.names(synthesizer=True) + list(variants.PAPER_MIXTURES) + ["dense+random+factorized_random"]
+              + variants.names(synthesizer=False))
 SMALL = dict(d_model=32, n_heads=4, max_seq_len=24)
 CASES = {
     "every_mixer_rope": ModelConfig(vocab_size=96, n_layers=10, mixer=ALL_MIXERS, position="rope", **SMALL),

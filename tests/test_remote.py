@@ -1,4 +1,4 @@
-"""Shards streamed from where clusters keep them (pretrain/remote.py): over HTTP from a real server on 127.0.0.1 that
+"""Shards streamed from where clusters keep them (tokendata/remote.py): over HTTP from a real server on 127.0.0.1 that
 drops connections, answers 503 and 404; through a `pipe:` command; through fsspec. The batches must be those of the
 local directory, sample for sample, whatever the network did."""
 import os
@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from pretrain import remote
+from tokendata import remote
 from pretrain.config import load_config
-from pretrain.data import TokenStream
+from tokendata.stream import TokenStream
 from pretrain.prelaunch import check_launch
-from pretrain.shards import DataError, read_manifest
+from tokendata.shards import DataError, read_manifest
 from tests.http_shards import ShardServer
 from tests.runs import built_once, launch, losses, ids_per_step, metric_rows, reference_config, tool, write_config
 

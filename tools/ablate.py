@@ -95,7 +95,7 @@ def metrics(run_dir: str) -> tuple[dict, dict]:
 
 def evaluate(variant: str, args, run_dir: str, shard_dir: str) -> dict:
     """Parameters (Table 1 too), validation ppl and bits/byte of the final checkpoint, lm-eval task accuracies."""
-    from evaluation.cli import load
+    from evaluation.loading import load
     from evaluation.perplexity import evaluate_shards
 
     cfg = load_config(args.config, [*args.overrides, f"model.mixer={variant}"]).model

@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where to_
 
 
 def to_release(args) -> str:
-    from pretrain import ds_checkpoint
+    from pretrain.checkpoints import ds_checkpoint
 
     tag_dir = ds_checkpoint.resolve(args.checkpoint)
     print(f"reading {tag_dir}")
@@ -54,7 +54,7 @@ def to_release(args) -> str:
 
 
 def to_universal(args) -> str:
-    from pretrain import ds_checkpoint, universal
+    from pretrain.checkpoints import ds_checkpoint, universal
 
     tag_dir = ds_checkpoint.resolve(args.checkpoint)
     out = args.out or os.path.dirname(os.path.normpath(tag_dir))
@@ -106,7 +106,7 @@ def to_deepspeed(args) -> str:
 def rank_main(args) -> None:
     """One process of to-deepspeed: build the engine in the target layout from the release, save it."""
     from pretrain import distributed
-    from pretrain.checkpoint import Checkpointer
+    from pretrain.checkpoints.checkpointer import Checkpointer
     from pretrain.engine import build_engine
 
     cfg = training_config(args)

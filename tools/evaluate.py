@@ -26,10 +26,11 @@ import argparse
 import json
 import sys
 
-from evaluation.cli import UsageError, load, one_line_errors
+from cli import UsageError, one_line_errors
+from evaluation.loading import load
 from evaluation.perplexity import evaluate_shards, evaluate_text
-from pretrain.corpus import read_texts
-from pretrain.shards import read_manifest
+from tokendata.corpus import read_texts
+from tokendata.shards import read_manifest
 
 
 # ---- command line ------------------------------------------------------------------------------------------------

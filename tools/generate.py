@@ -24,7 +24,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from evaluation.cli import UsageError, load, one_line_errors
+from cli import UsageError, one_line_errors
+from evaluation.loading import load
 from evaluation.prompts import decode, default_prompt, prompt_ids
 from model.decoding import CachedLM
 from model.generate import sample

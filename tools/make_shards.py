@@ -45,11 +45,11 @@ import time
 
 import numpy as np
 
-from pretrain import remote
-from pretrain.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
+from tokendata import remote
+from tokendata.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
 
-from evaluation.cli import UsageError, one_line_errors
-from pretrain.corpus import check_inputs, iter_documents
+from cli import UsageError, one_line_errors
+from tokendata.corpus import check_inputs, iter_documents
 
 def sha256_file(path):
     h = hashlib.sha256()

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from evaluation.cli import UsageError, one_line_errors
-from pretrain.corpus import check_inputs, iter_documents
+from cli import UsageError, one_line_errors
+from tokendata.corpus import check_inputs, iter_documents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEIGHBOURS = 12   # distractors are drawn from this many sentences closest in length to the true one

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from evaluation.cli import UsageError, load, one_line_errors
+from cli import UsageError, one_line_errors
+from evaluation.loading import load
 from evaluation.prompts import default_prompt, prompt_ids
 from pretrain.metrics import attention_figure, layer_maps
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Serve a shard directory over HTTP: for ranks on other nodes to stream it (data.shard_dir=http://HOST:PORT), and
-for the loader benchmark over a real socket (tools/bench.py --only data).
+for the loader benchmark over a real socket (benchmarks/bench.py --only data).
 
     python tools/serve_shards.py build/demo/shards --port 8000            # on 127.0.0.1
     python tools/serve_shards.py /data/shards --bind 0.0.0.0 --port 8000  # for the cluster's nodes

@@ -22,8 +22,8 @@ import os
 import random
 import sys
 
-from evaluation.cli import UsageError, one_line_errors
-from pretrain.corpus import check_inputs, iter_documents
+from cli import UsageError, one_line_errors
+from tokendata.corpus import check_inputs, iter_documents
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MAX_SENTENCE_BYTES = 1 << 16

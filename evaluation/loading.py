@@ -1,25 +1,20 @@
-"""What the command-line tools share: one-line errors, and a model from any form it is kept in.
+"""A model from any form it is kept in, for the evaluation and generation commands.
 
-    UsageError                   a bad argument or input file
-    one_line_errors(main)        a tool's main(argv): UsageError, ConfigError and DataError become one `error: …`
-                                 line on stderr and exit status 2, never a traceback
     load(path, tokenizer=None)   (model at TP=1 in eval mode, SentencePieceProcessor, {"source", "step"}) from a
                                  release, a DeepSpeed run / checkpoints / step_* directory, or a Hugging Face export
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
 
+import sentencepiece as spm
+
+from cli import UsageError
 from model import ConfigError
-from pretrain.shards import DataError
-
-
-class UsageError(Exception):
-    """A bad argument or input file: printed as one `error: ...` line, exit status 2."""
+from pretrain.checkpoints import load_any
 
 
 def is_hf_export(path: str) -> bool:
@@ -44,10 +39,6 @@ def load_hf(path: str):
 
 def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
     """(model in eval mode at TP=1, SentencePieceProcessor or None, info {"source", "step"}); UsageError otherwise."""
-    import sentencepiece as spm
-
-    from pretrain.ds_checkpoint import load_any
-
     if not os.path.exists(path):
         raise UsageError(f"checkpoint {path} does not exist: pass a release directory or a DeepSpeed run/checkpoint")
     try:
@@ -70,15 +61,3 @@ def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
         raise UsageError(f"tokenizer {tokenizer} has {sp.vocab_size()} ids but the model's vocab_size is "
                          f"{model.cfg.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
     return model, sp, info
-
-
-def one_line_errors(main):
-    """Wrap a tool's main(argv) -> exit status: a known mistake is one `error: …` line and status 2."""
-    @functools.wraps(main)
-    def wrapped(argv=None) -> int:
-        try:
-            return main(argv)
-        except (UsageError, ConfigError, DataError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return wrapped

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Where one training step's time goes: torch.profiler over a few steps of a config, after a warm-up.
 
-    python tools/profile_step.py configs/synth-1.3b.yaml parallel.tp=1 train.global_batch_size=4 model.mixer=dot
-    python tools/profile_step.py CONFIG [OVERRIDES...] --kind loop --compile --top 25
+    python benchmarks/profile_step.py configs/synth-1.3b.yaml parallel.tp=1 train.global_batch_size=4 model.mixer=dot
+    python benchmarks/profile_step.py CONFIG [OVERRIDES...] --kind loop --compile --top 25
 
 --kind train (default) is our DeepSpeed engine (pretrain.engine.build_engine), `loop` the plain PyTorch loop that
-tools/bench.py compares it with, `peer` Hugging Face GPT-2 under the same engine. One process, on CUDA when there is
+benchmarks/bench.py compares it with, `peer` Hugging Face GPT-2 under the same engine. One process, on CUDA when there is
 a GPU (else the CPU), random tokens. Prints, per step: the wall time, the kernels by total device time (the top
 --top, with calls and share), the kernel launches, the host waits (synchronizations and device-to-host copies) and
 the calls of the per-tensor ops that betray per-parameter loops (isfinite, abs, copy_, add_, mul_).
@@ -19,8 +19,6 @@ import sys
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # What makes the host wait for the device (CUDA runtime calls seen by the profiler's CPU side; of the copies
 # (cudaMemcpyAsync) those to the host wait, and each .item() shows as one aten::_local_scalar_dense)
@@ -83,12 +81,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from tools.bench import rank_env   # a one-rank world's environment, as the launcher sets it
+    from benchmarks.bench import rank_env   # a one-rank world's environment, as the launcher sets it
 
     os.environ.update({k: v for k, v in rank_env({"world": 1, "env": {}})[0].items() if k not in os.environ})
     from torch.profiler import ProfilerActivity, profile
 
-    from tools.bench_lib import training_step
+    from benchmarks.bench_lib import training_step
 
     spec = dict(config=a.config, overrides=a.overrides, kind=a.kind, compile=a.compile)
     step, sync, engine, cfg, lay, _ = training_step(spec)

@@ -1,5 +1,5 @@
-"""Reading one shard for pretrain/data.py: where it is fetched from (ShardFiles: a directory or URL, pretrain/remote.py)
-and what a bad one does (ShardReader: fail, or skip it and say so on the next batch)."""
+"""Reading one shard for tokendata/stream.py: where it is fetched from (ShardFiles: a directory or URL,
+tokendata/remote.py) and what a bad one does (ShardReader: fail, or skip it and say so on the next batch)."""
 import dataclasses
 import io
 import os
@@ -7,8 +7,8 @@ import sys
 
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from pretrain import remote
-from pretrain.shards import MAKE, DataError, need
+from tokendata import remote
+from tokendata.shards import MAKE, DataError, need
 
 
 def fix(location):
@@ -17,7 +17,7 @@ def fix(location):
 
 @dataclasses.dataclass(frozen=True)
 class ShardFiles:
-    """Where a stream's shards are (data.shard_dir: a path or URL, pretrain/remote.py) and how they are fetched:
+    """Where a stream's shards are (data.shard_dir: a path or URL, tokendata/remote.py) and how they are fetched:
     picklable, so each DataLoader worker fetches for itself. `sizes`: the manifest's bytes per shard name (None
     where an older manifest has none); `cache_dir`: optional local copies, keyed by name and size."""
     location: str

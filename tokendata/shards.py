@@ -1,4 +1,5 @@
-"""The shard format: what tools/make_shards.py writes and pretrain/data.py reads, defined here once.
+"""The shard format: what tools/make_shards.py writes and tokendata/stream.py reads, defined here once, and the checks
+of a shard set against a model (`check_vocab`, `check_seq_len`).
 
     <shard_dir>/manifest.json     {"format": 1, "seq_len": n, "vocab_size": V, "eos_id", "tokenizer": "tokenizer.model",
                                    "tokenizer_sha256", "dtype": "uint16" | "int32", "seed", "val_fraction", "inputs",
@@ -19,8 +20,8 @@ import tarfile
 
 import numpy as np
 
-from pretrain import remote
-from pretrain.remote import DataError  # defined beside the opener that raises it first; imported from here by the rest
+from tokendata import remote
+from tokendata.remote import DataError  # defined beside the opener that raises it first
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -39,7 +40,7 @@ def need(cond, msg):
 
 
 def read_manifest(shard_dir):
-    """Load and validate <shard_dir>/manifest.json (shard_dir: a directory or a URL, pretrain/remote.py); the result
+    """Load and validate <shard_dir>/manifest.json (shard_dir: a directory or a URL, tokendata/remote.py); the result
     also carries "shard_dir"."""
     path = remote.join(shard_dir, "manifest.json")
     if remote.is_remote(shard_dir):
@@ -95,8 +96,21 @@ def check_vocab(manifest, model_vocab_size):
           f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} or rebuild the shards")
 
 
+def check_seq_len(manifest: dict, max_seq_len: int, training: bool) -> None:
+    """The one rule between shards of n tokens a sample and a model of L = max_seq_len positions, a DataError that
+    names both and the fix where it fails. Training packs every sequence to the model's length: n == L. Evaluation
+    scores each sample in one forward pass, which a model of L positions can do for any n ≤ L."""
+    n, where = manifest["seq_len"], manifest["shard_dir"]
+    if training:
+        need(n == max_seq_len, f"shards in {where} hold sequences of {n} tokens but model.max_seq_len={max_seq_len}: "
+                               f"set model.max_seq_len={n}, or rebuild the shards with {MAKE} --seq-len {max_seq_len}")
+    else:
+        need(n <= max_seq_len, f"shards in {where} have seq_len={n} > the model's max_seq_len={max_seq_len}: "
+                               f"evaluate on shards made with {MAKE} --seq-len ≤ {max_seq_len}")
+
+
 def write_file(location: str, name: str, data: bytes) -> None:
-    """One whole file into a shard location (a directory, pipe:, fsspec URL: pretrain/remote.py)."""
+    """One whole file into a shard location (a directory, pipe:, fsspec URL: tokendata/remote.py)."""
     f = remote.writer(remote.join(location, name))
     f.write(data)
     f.close()

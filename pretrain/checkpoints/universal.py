@@ -38,6 +38,8 @@ import torch
 from model import ConfigError
 from model import parallel as tp
 from model.accounting import parameters
+from pretrain.checkpoints.durable import publish
+from pretrain.checkpoints.ds_checkpoint import canonical_names, read_config, read_weights, step_of
 
 PREFIX = "universal_"
 
@@ -46,7 +48,7 @@ def universal_info(split_dims: dict[str, int | None], tied: list[str]) -> dict:
     """DeepSpeed's UNIVERSAL_CHECKPOINT_INFO for parameters named as in the checkpoint: split dim None →
     replicated over TP, 1 → row-parallel (concatenated along dim 1), 0 → DeepSpeed's default (dim 0). `tied`: names
     held by the first and the last pipeline stage alike (the tied embedding), read from the first."""
-    from deepspeed.checkpoint import constants as c
+    from deepspeed.checkpoint import constants as c   # DeepSpeed, heavy to import, only where it is used
 
     exact = lambda names: [re.escape(name) + "$" for name in sorted(names)]   # noqa: E731
     return {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
@@ -59,9 +61,6 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     """Write the universal form of the checkpoint `tag_dir` into `out_dir` (a checkpoint directory, possibly the
     run's own); returns the new tag directory. Atomic: written as `<tag>.partial`, renamed when complete."""
     from deepspeed.checkpoint import ds_to_universal
-
-    from pretrain.checkpoint import _write_durably, record_complete
-    from pretrain.ds_checkpoint import canonical_names, read_config, step_of
 
     cfg = read_config(tag_dir)
     step = step_of(tag_dir)
@@ -97,10 +96,7 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     trainer = torch.load(os.path.join(tag_dir, "trainer_rank0.pt"), weights_only=False) \
         if os.path.exists(os.path.join(tag_dir, "trainer_rank0.pt")) else {"stateful": {}}
     torch.save({"step": step, "guard": trainer["stateful"].get("guard")}, os.path.join(partial, "trainer_state.pt"))
-    record_complete(partial, step)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(partial, final)
-    _write_durably(os.path.join(out_dir, "latest_universal"), tag)
+    publish(partial, final, os.path.join(out_dir, "latest_universal"), step)
     return final
 
 
@@ -172,8 +168,6 @@ def _as_stage_1_2(zero: str, cfg) -> None:
 
 def _write_frozen(tag_dir: str, cfg, zero: str) -> None:
     """Full tensors of the parameters no optimizer holds (consolidated as tools/convert.py to-release does)."""
-    from pretrain.ds_checkpoint import read_weights
-
     frozen = [name for name, p in parameters(cfg.model).items() if not p.trainable]
     if not frozen:
         return

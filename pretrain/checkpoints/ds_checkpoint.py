@@ -1,7 +1,7 @@
 """Read a DeepSpeed training checkpoint of any (TP, PP, DP, ZeRO stage) back into full tensors with canonical names.
 
-A checkpoint tag directory (`<checkpoint.dir>/step_00000100/`, see pretrain/checkpoint.py) holds, per model-parallel
-rank m = pp_stage × TP + tp_rank:
+A checkpoint tag directory (`<checkpoint.dir>/step_00000100/`, see pretrain/checkpoints/checkpointer.py) holds,
+per model-parallel rank m = pp_stage × TP + tp_rank:
     ZeRO ≥ 1   `*mp_rank_<m>_model_states.pt` (names and shapes) + `zero_pp_rank_<dp>_mp_rank_<m>_optim_states.pt`
                (the fp32 master weights, partitioned over DP) → consolidated by DeepSpeed's own zero_to_fp32;
     always     the weights as the module held them (the only copy of frozen ones): `mp_rank_<m>_model_states.pt`
@@ -23,9 +23,11 @@ from functools import partial
 import torch
 import yaml
 
-from model import ConfigError
+from model import ConfigError, SynthesizerLM
 from model.accounting import parameters
+from model.release import is_release, load_into, read_release
 from pretrain.config import TrainConfig
+from pretrain.pipeline import canonical_name, stage_prefixes
 
 
 def resolve(path: str) -> str:
@@ -97,8 +99,6 @@ def canonical_names(cfg: TrainConfig):
     model's (`blocks.2.mixer…`); other runs already use those."""
     if cfg.parallel.pp == 1:
         return lambda name: name
-    from pretrain.pipeline import canonical_name, stage_prefixes
-
     return partial(canonical_name, prefixes=stage_prefixes(cfg.model))
 
 
@@ -147,9 +147,6 @@ def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where
 def load_any(path: str):
     """(SynthesizerLM in fp32 at TP=1, tokenizer.model path or None, info dict) from a release directory or any
     DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
-    from model import SynthesizerLM
-    from model.release import is_release, load_into, read_release
-
     if is_release(path):
         cfg, tensors, meta = read_release(path)
         source, step = path, meta.get("training", {}).get("step", 0)

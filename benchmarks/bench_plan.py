@@ -1,12 +1,12 @@
-"""What tools/bench.py measures: its parts' points (one measuring process each) and the entries read off them, with
-their goals. The parts and their goals are described in tools/bench.py's docstring."""
+"""What benchmarks/bench.py measures: its parts' points (one measuring process each) and the entries read off them, with
+their goals. The parts and their goals are described in benchmarks/bench.py's docstring."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 
-from tools.bench_lib import GOAL_MEM
+from model import variants
+from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
@@ -18,6 +18,8 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
     "quick": dict(d_model=64, layers=2, heads=4, seq_len=64, lengths="64,128,256", batch=2, vocab=512,
                   reps=2, steps=2, warmup=1, data_batches=20, threads=1),
 }
+# Memory at 4 × the first n ÷ at the first: the goals of the memory part and of benchmarks/bench_mixer.py
+GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "random": 5, "random+dot": 5}
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
 GOAL_ENGINE, GOAL_MFU = 1.05, 0.55   # engine step ÷ plain-loop step; MFU of synth-1.3b dot under the engine
@@ -43,14 +45,10 @@ BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 
 
 
 def variant_configs() -> dict[str, str]:
-    """{variant label: config path} of configs/variants/, `dot` first; the label is the mixer name (gMLP: 'gmlp')."""
-    from pretrain.config import load_config
-
-    out = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "variants", "*.yaml"))):
-        m = load_config(path).model
-        out["gmlp" if m.block == "gmlp" else m.mixer] = os.path.relpath(path, ROOT)
-    return dict(sorted(out.items(), key=lambda kv: kv[0] != "dot"))
+    """{variant label: config path} of the study (model/variants.py; configs/variants/), `dot` first; the label is the
+    mixer name (gMLP: 'gmlp')."""
+    study = sorted(variants.subset("study"), key=lambda v: v != "dot")
+    return {v: os.path.join("configs", "variants", file_name(v)) for v in study}
 
 
 def shape(a, n: int, layers: int) -> list[str]:

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """One block's forward+backward time and peak memory for each mixer variant, fused vs reference.
 
-    python tools/bench_mixer.py [--variants dot,dense,...] [--lengths 256,1024,2048,4096] [--json out.json]
+    python benchmarks/bench_mixer.py [--variants dot,dense,...] [--lengths 256,1024,2048,4096] [--json out.json]
 
 Each (variant, impl, n) runs in its own process (d=512, 8 heads, batch 4 by default), so peak memory is that
 configuration's alone: on CUDA the allocator's peak, on CPU the growth of the process's peak RSS over its RSS
 before the first forward. Printed as ratios to `dot` (same impl, same n), memory(4096)/memory(1024), the kernel
 that ran (from torch.profiler op names) and, at n=1024, time ratio vs the FLOP ratio from model accounting.
 The flagship's widths (d_h 128: dense+dot's q·k 256 wide, its Triton key-bias kernel on CUDA):
-    python tools/bench_mixer.py --variants dot,dense+dot --d-model 2048 --heads 16 --impls fused
+    python benchmarks/bench_mixer.py --variants dot,dense+dot --d-model 2048 --heads 16 --impls fused
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import subprocess
 import sys
 import time
 
+from benchmarks.bench_plan import GOAL_MEM
+from model import variants
 from pretrain.metrics import memory_mb, reset_peak_memory
-from tools.bench_lib import GOAL_MEM
 
-VARIANTS = "dot,dense,random,random_fixed,factorized_dense,factorized_random,random+dot,dense+dot,sgu"
+VARIANTS = ",".join(variants.subset("layers"))
 
 
 # The autograd Functions of model/gpu_kernels/ (Triton), by the name the profiler records for each

@@ -9,7 +9,7 @@ import sys
 
 from tqdm import tqdm
 
-from pretrain.shards import DataError
+from tokendata.shards import DataError
 
 
 def check_inputs(paths):

@@ -14,8 +14,6 @@ back to the newest complete checkpoint when `latest` names a damaged one.
 from __future__ import annotations
 
 import errno
-import glob
-import json
 import os
 import random
 import shutil
@@ -28,7 +26,9 @@ import yaml
 
 from model import ConfigError
 from model import parallel as tp
-from model.config import architecture_difference
+from pretrain.checkpoints import universal
+from pretrain.checkpoints.durable import publish
+from pretrain.checkpoints.resume import compatibility_problem, complete_tags, is_universal, newest_complete
 from pretrain.distributed import is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
@@ -114,13 +114,8 @@ class Checkpointer:
 
     def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
         """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""
-        record_complete(partial, step)
-        if os.path.exists(final):                                 # re-saving a step (e.g. after a resume)
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_dir(self.dir)
-        self.faults.saving("renamed", step)
-        _write_durably(os.path.join(self.dir, "latest"), tag)
+        publish(partial, final, os.path.join(self.dir, "latest"), step,
+                after_rename=lambda: self.faults.saving("renamed", step))
 
     def _prune(self) -> None:
         complete = complete_tags(self.dir)
@@ -169,8 +164,6 @@ class Checkpointer:
         """Weights and AdamW's moments in this run's layout, through DeepSpeed's universal loader (the engine was
         built with `checkpoint.load_universal`); the step and the loss guard from the trainer's state. The data
         position follows from the step (the trainer skips that many batches); the RNG streams start from the seed."""
-        from pretrain import universal
-
         with tempfile.TemporaryDirectory() as tmp:
             view = universal.view_for(path, self.engine.module, tmp)
             with torch.no_grad():
@@ -184,179 +177,3 @@ class Checkpointer:
             self.stateful["guard"].load_state_dict(state["guard"])
             self.restored.add("guard")
         return state["step"]
-
-
-def is_universal(path: str) -> bool:
-    """Whether a checkpoint directory holds a universal checkpoint (pretrain/universal.py) of any layout."""
-    return os.path.isfile(os.path.join(path, "trainer_state.pt")) and os.path.isdir(os.path.join(path, "zero"))
-
-
-def deepspeed_clipped(path: str | None) -> bool:
-    """Whether the ZeRO-1/2 checkpoint at `path` (a tag directory, or None) was written by an engine in which
-    DeepSpeed clipped the gradients (its optimizer state records clip_grad > 0): every one written before
-    GuardedAdamW clipped them on the device (pretrain/engine.py clips_on_device). One optimizer-state file is read,
-    memory-mapped; a universal checkpoint is loaded another way and never is one."""
-    if path is None or is_universal(path):
-        return False
-    files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
-    if not files:
-        return False
-    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
-    return float(state.get("optimizer_state_dict", {}).get("clip_grad", 0.0) or 0.0) > 0
-
-
-def newest_universal(directory: str) -> str | None:
-    """The complete universal checkpoint that `latest_universal` names in `directory`, or None."""
-    named = os.path.join(directory, "latest_universal")
-    tag = open(named).read().strip() if os.path.isfile(named) else None
-    complete = tag and os.path.isfile(os.path.join(directory, tag, "complete.json"))   # not one being written
-    return tag if complete and verify(os.path.join(directory, tag)) is None else None
-
-
-def resume_point(resume: str, directory: str, config: dict, world: int, announce: bool = False) -> str | None:
-    """The checkpoint directory a run resumes from, or None. resume='none': None; a path: that path; 'auto': the
-    newest complete checkpoint in `directory`, unless a universal one is newer, or as new while the newest regular
-    one is of another layout (tools/convert.py to-universal wrote it for the relaunch in a new layout)."""
-    if resume == "none":
-        return None
-    if resume != "auto":
-        problem = verify(os.path.abspath(resume))
-        if problem:
-            raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
-        return os.path.abspath(resume)
-    tag, uni = newest_complete(directory, announce), newest_universal(directory)
-    step = lambda t: int(t.rsplit("_", 1)[-1])   # noqa: E731  step_00000100, universal_step_00000100
-    if uni and (tag is None or step(uni) > step(tag) or
-                (step(uni) == step(tag) and layout_problem(os.path.join(directory, tag), config, world))):
-        return os.path.join(directory, uni)
-    return os.path.join(directory, tag) if tag else None
-
-
-def newest_complete(directory: str, announce: bool = False) -> str | None:
-    """The tag to resume from: the one `latest` names if it verifies, else the newest that does (said when
-    `announce`), else None."""
-    latest = os.path.join(directory, "latest")
-    named = open(latest).read().strip() if os.path.exists(latest) else None
-    why = verify(os.path.join(directory, named)) if named else None
-    if named and why is None:
-        return named
-    complete = complete_tags(directory)
-    if named and complete and announce:
-        print(f"checkpoint {os.path.join(directory, named)} is incomplete ({why}); resuming from {complete[-1]}",
-              flush=True)
-    return complete[-1] if complete else None
-
-
-def complete_tags(directory: str) -> list[str]:
-    """Tags whose every recorded file is present with its recorded size, oldest first."""
-    if not os.path.isdir(directory):
-        return []
-    tags = sorted(t for t in os.listdir(directory) if t.startswith("step_") and not t.endswith(".partial"))
-    return [t for t in tags if verify(os.path.join(directory, t)) is None]
-
-
-def compatibility_problem(path: str, config: dict, world: int) -> str | None:
-    """Why a run of `config` on `world` ranks cannot resume the checkpoint at `path` (another model, another
-    layout, another world size), as one line with what to do; None if it can. Reads only config.yaml and the file
-    names: cheap enough for the check before launch."""
-    return architecture_problem(path, config) or layout_problem(path, config, world)
-
-
-def _saved_config(path: str) -> dict | None:
-    saved_file = os.path.join(path, "config.yaml")
-    if not os.path.exists(saved_file):
-        return None
-    with open(saved_file) as f:
-        return yaml.safe_load(f)
-
-
-def architecture_problem(path: str, config: dict) -> str | None:
-    """Why the checkpoint at `path` holds another model than `config` describes (one line), or None."""
-    saved = _saved_config(path)
-    key = saved and architecture_difference(saved.get("model", {}), config["model"])
-    if key:
-        return (f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this config has "
-                f"{config['model'][key]!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
-    return None
-
-
-def layout_problem(path: str, config: dict, world: int) -> str | None:
-    """Why a run in the layout of `config` on `world` ranks cannot load the checkpoint at `path` as it is (another
-    TP, PP, ZeRO-3 or world size), with what to do; None if it can."""
-    saved = _saved_config(path)
-    if saved is None:
-        return None
-    if is_universal(path):
-        if config["parallel"]["zero_stage"] not in (1, 2):   # DeepSpeed's loader is in the ZeRO-1/2 optimizers
-            return (f"checkpoint {path} is a universal checkpoint, which loads into ZeRO stages 1 and 2: set "
-                    f"parallel.zero_stage=1 or 2 to resume from it (and change the stage at the next checkpoint)")
-        return None   # written to be resumed in any layout
-    change = (f"to change the layout and keep the optimizer state, relaunch with checkpoint.relayout=true (or "
-              f"convert it first: tools/convert.py to-universal {path})")
-    for key in ("tp", "pp"):
-        theirs, ours = saved.get("parallel", {}).get(key), config["parallel"][key]
-        if theirs != ours:
-            return (f"checkpoint {path} was written with parallel.{key}={theirs}, this run has parallel.{key}={ours}: "
-                    f"launch with parallel.{key}={theirs} to resume it, or {change}")
-    theirs, ours = saved.get("parallel", {}).get("zero_stage", 0), config["parallel"]["zero_stage"]
-    if (theirs == 3) != (ours == 3):   # ZeRO-3 partitions parameters: its files are not those of stages 0-2
-        return (f"checkpoint {path} was written with parallel.zero_stage={theirs}, this run has "
-                f"parallel.zero_stage={ours}: launch with parallel.zero_stage={theirs} to resume it, or {change}")
-    ranks = sum(n.startswith("trainer_rank") and n.endswith(".pt") for n in os.listdir(path))
-    if ranks and ranks != world:
-        return (f"checkpoint {path} was written by {ranks} ranks, this launch has {world}: launch {ranks} to resume "
-                f"it, or {change}")
-    return None
-
-
-def verify(path: str) -> str | None:
-    """None if the checkpoint directory holds every file its complete.json records, at the recorded size; else why not.
-    A directory without complete.json (written before atomic saves, or by hand) is accepted as it is."""
-    if not os.path.isdir(path):
-        return "no such directory"
-    record = os.path.join(path, "complete.json")
-    if not os.path.exists(record):
-        return None if any(n.endswith("_model_states.pt") for n in os.listdir(path)) else "no model states"
-    try:
-        with open(record) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
-        return "complete.json is unreadable"
-    for name, size in files.items():
-        file = os.path.join(path, name)
-        if not os.path.exists(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != size:
-            return f"{name} has {os.path.getsize(file)} bytes, {size} were written"
-    return None
-
-
-def record_complete(directory: str, step: int) -> None:
-    """fsync every file under a written checkpoint directory, then record their sizes in complete.json, which
-    `verify` checks."""
-    sizes = {}
-    for root, _, files in os.walk(directory):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
-    _write_durably(os.path.join(directory, "complete.json"), json.dumps({"step": step, "files": sizes}, indent=1))
-
-
-def _write_durably(path: str, text: str) -> None:
-    """Replace `path` atomically: write a temporary file, fsync it, rename it over the old one."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

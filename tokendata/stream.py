@@ -1,6 +1,6 @@
 """Streaming, resumable token batches from the WebDataset shards that tools/make_shards.py writes.
 
-Public API (the shard format, the manifest and DataError: pretrain/shards.py)
+Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail", pin_memory=False, cache_dir=None, decide=None)
                             decide(fn): fn's result as one rank computed it, on every rank, for the size check
@@ -33,9 +33,9 @@ load_state_dict refuses it: resuming under a new layout needs an explicit remap 
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
-Where shards are: shard_dir is a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec schemes;
-pretrain/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network fault
-(resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
+Where shards are: shard_dir is a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec
+schemes; tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network
+fault (resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
 from, so the same sample ids and exact resume hold for every source. A worker fetches its next group of shards in a
 thread while it hands out the current one. cache_dir (optional) keeps local copies keyed by shard name and size.
 
@@ -64,9 +64,9 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pretrain import remote
-from pretrain.shard_files import ShardFiles, ShardReader, fix
-from pretrain.shards import DTYPES, MAKE, DataError, need, read_manifest
+from tokendata import remote
+from tokendata.shard_files import ShardFiles, ShardReader, fix
+from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need, read_manifest
 
 # Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".
 STATE_KEYS = ("dp_rank", "dp_world", "num_workers", "micro_batch_size", "seq_len", "seed", "mix_shards")
@@ -204,10 +204,7 @@ class TokenStream:
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         self.manifest = m = read_manifest(shard_dir)
-        need(m["seq_len"] == seq_len,
-             f"shards in {shard_dir} hold sequences of {m['seq_len']} tokens but model.max_seq_len={seq_len}: "
-             f"set model.max_seq_len={m['seq_len']}, or rebuild the shards with tools/make_shards.py "
-             f"--seq-len {seq_len}")
+        check_seq_len(m, seq_len, training=True)   # a sample holds exactly seq_len + 1 tokens
         self.shard_dir, self.micro_batch_size, self.seq_len = shard_dir, micro_batch_size, seq_len
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")

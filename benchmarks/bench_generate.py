@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Generation speed of the Hugging Face export, with and without its cache, measured side by side in one run.
 
-    python tools/bench_generate.py                       # both shapes below, greedy, 1 sequence
-    python tools/bench_generate.py --shapes demo --mixer dot --reps 3
+    python benchmarks/bench_generate.py                       # both shapes below, greedy, 1 sequence
+    python benchmarks/bench_generate.py --shapes demo --mixer dot --reps 3
 
 Each shape is a model of configs/demo-cpu.yaml's kind (its mixer unless --mixer), randomly initialised, written as a
 release and exported (model/hf.py), then loaded the way users load it: AutoModelForCausalLM.from_pretrained(DIR,
@@ -22,7 +22,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 DEMO = os.path.join(ROOT, "configs", "demo-cpu.yaml")
 SHAPES = {   # name: (overrides of the demo config, prompt tokens, new tokens)
     "demo": ([], 16, 100),

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Whole-model benchmarks, each figure measured in this one run on this machine and reported as a ratio.
 
-    python tools/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,gpu,gpu-variants,gpu-memory]
+    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,gpu,gpu-variants,gpu-memory]
                           [--reps 3] [--out bench]
     make bench [BENCH_ARGS=--quick]
 
 Parts (a full training step = forward, backward and the optimizer step of a DeepSpeed engine, ZeRO-1, 1 process,
-on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`, so no two share allocator state):
+on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one SPEC`, so no two share allocator state):
   throughput  tokens/s of every variant in configs/variants/ at n = --seq-len, ÷ that of `dot`.
               Goal: ≥ 0.9 × the FLOP ratio (train FLOPs/token of dot ÷ of the variant, from model_stats).
   peer        the same step for Hugging Face GPT-2 (attn_implementation="sdpa") of equal d, layers, heads, n, vocabulary
@@ -19,7 +19,7 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               step on), and `phase_mb`, that of each phase (forward, backward, optimizer step; the table's notes).
               Variants whose model would not fit in --mem-budget-gb at the longest n get fewer layers (noted).
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
-  data        tokens/s that pretrain.data.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers), read
+  data        tokens/s that tokendata.stream.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers), read
               from disk and over HTTP (tools/serve_shards.py on 127.0.0.1, no cache), each ÷ the tokens/s a
               configs/demo-cpu.yaml train step consumes (measured here, 1 CPU process). Goal: ≥ 20 for both.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
@@ -37,7 +37,7 @@ on random tokens; each point runs in a fresh process, `tools/bench.py _one SPEC`
               (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
               on dense+dot ≥ 40%.
   gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16)
-              under the engine, eager and with compiled blocks, goals GPU_GOALS (tools/bench_plan.py).
+              under the engine, eager and with compiled blocks, goals GPU_GOALS (benchmarks/bench_plan.py).
   gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
               random, random+dot).
               The GPU parts form a queue of short commands for a lent GPU (--gpu-part, make gpu-bench PART=k):
@@ -60,9 +60,11 @@ import sys
 import tempfile
 import time
 
+from benchmarks.bench_lib import RESULT_MARK
+from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, gpu_queue, plan, variant_configs
+from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tools.bench_lib import RESULT_MARK, PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
-from tools.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, gpu_queue, plan, variant_configs
 
 def rank_env(spec: dict) -> list[dict]:
     """The launcher's environment of each rank of spec's world (a free local port for the process group)."""
@@ -288,7 +290,7 @@ def parse_args(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:   # hidden: measure one point in this fresh process (see run_point)
-        from tools.bench_lib import run_point as measure_here
+        from benchmarks.bench_lib import run_point as measure_here
 
         measure_here(json.loads(argv[1]))
         return 0

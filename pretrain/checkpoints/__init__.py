@@ -1,0 +1,15 @@
+"""The checkpoint formats of a run, read and written in one place. Arrows point one way, down this list:
+
+    durable.py        durable writes: atomic small files, complete.json (fsync, sizes, verify), publishing a tag
+    resume.py         which checkpoint a run resumes, and one-line reasons why it cannot (another model or layout)
+    ds_checkpoint.py  a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO) read back as full tensors; `load_any`: a model
+                      from a release or a checkpoint (what evaluation and the tools start from)
+    universal.py      universal checkpoints: another layout, AdamW's moments kept (DeepSpeed's converter)
+    checkpointer.py   Checkpointer: the trainer's atomic save and exact restore of a DeepSpeed engine and its state
+
+A release (model/release.py) and a Hugging Face export (model/hf.py) are the model's own formats and live with it.
+Outside this package, the reading side is `load_any`; the trainer and tools/convert.py use the modules themselves.
+"""
+from pretrain.checkpoints.ds_checkpoint import load_any
+
+__all__ = ["load_any"]

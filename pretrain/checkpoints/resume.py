@@ -1,0 +1,137 @@
+"""Which checkpoint a run resumes, and whether it can: the tags in a checkpoint directory, the newest complete one
+(regular or universal), and one-line reasons why a run of a given config and world cannot load a checkpoint as it
+is. Reads only `latest`, complete.json, config.yaml and file names: cheap enough for the check before a launch."""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+import yaml
+
+from model import ConfigError
+from model.config import architecture_difference
+from pretrain.checkpoints.durable import verify
+
+
+def is_universal(path: str) -> bool:
+    """Whether a checkpoint directory holds a universal checkpoint (pretrain/checkpoints/universal.py) of any layout."""
+    return os.path.isfile(os.path.join(path, "trainer_state.pt")) and os.path.isdir(os.path.join(path, "zero"))
+
+
+def deepspeed_clipped(path: str | None) -> bool:
+    """Whether the ZeRO-1/2 checkpoint at `path` (a tag directory, or None) was written by an engine in which
+    DeepSpeed clipped the gradients (its optimizer state records clip_grad > 0): every one written before
+    GuardedAdamW clipped them on the device (pretrain/engine.py clips_on_device). One optimizer-state file is read,
+    memory-mapped; a universal checkpoint is loaded another way and never is one."""
+    if path is None or is_universal(path):
+        return False
+    files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
+    if not files:
+        return False
+    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    return float(state.get("optimizer_state_dict", {}).get("clip_grad", 0.0) or 0.0) > 0
+
+
+def newest_universal(directory: str) -> str | None:
+    """The complete universal checkpoint that `latest_universal` names in `directory`, or None."""
+    named = os.path.join(directory, "latest_universal")
+    tag = open(named).read().strip() if os.path.isfile(named) else None
+    complete = tag and os.path.isfile(os.path.join(directory, tag, "complete.json"))   # not one being written
+    return tag if complete and verify(os.path.join(directory, tag)) is None else None
+
+
+def resume_point(resume: str, directory: str, config: dict, world: int, announce: bool = False) -> str | None:
+    """The checkpoint directory a run resumes from, or None. resume='none': None; a path: that path; 'auto': the
+    newest complete checkpoint in `directory`, unless a universal one is newer, or as new while the newest regular
+    one is of another layout (tools/convert.py to-universal wrote it for the relaunch in a new layout)."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        problem = verify(os.path.abspath(resume))
+        if problem:
+            raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
+        return os.path.abspath(resume)
+    tag, uni = newest_complete(directory, announce), newest_universal(directory)
+    step = lambda t: int(t.rsplit("_", 1)[-1])   # noqa: E731  step_00000100, universal_step_00000100
+    if uni and (tag is None or step(uni) > step(tag) or
+                (step(uni) == step(tag) and layout_problem(os.path.join(directory, tag), config, world))):
+        return os.path.join(directory, uni)
+    return os.path.join(directory, tag) if tag else None
+
+
+def newest_complete(directory: str, announce: bool = False) -> str | None:
+    """The tag to resume from: the one `latest` names if it verifies, else the newest that does (said when
+    `announce`), else None."""
+    latest = os.path.join(directory, "latest")
+    named = open(latest).read().strip() if os.path.exists(latest) else None
+    why = verify(os.path.join(directory, named)) if named else None
+    if named and why is None:
+        return named
+    complete = complete_tags(directory)
+    if named and complete and announce:
+        print(f"checkpoint {os.path.join(directory, named)} is incomplete ({why}); resuming from {complete[-1]}",
+              flush=True)
+    return complete[-1] if complete else None
+
+
+def complete_tags(directory: str) -> list[str]:
+    """Tags whose every recorded file is present with its recorded size, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    tags = sorted(t for t in os.listdir(directory) if t.startswith("step_") and not t.endswith(".partial"))
+    return [t for t in tags if verify(os.path.join(directory, t)) is None]
+
+
+def compatibility_problem(path: str, config: dict, world: int) -> str | None:
+    """Why a run of `config` on `world` ranks cannot resume the checkpoint at `path` (another model, another
+    layout, another world size), as one line with what to do; None if it can. Reads only config.yaml and the file
+    names: cheap enough for the check before launch."""
+    return architecture_problem(path, config) or layout_problem(path, config, world)
+
+
+def saved_config(path: str) -> dict | None:
+    saved_file = os.path.join(path, "config.yaml")
+    if not os.path.exists(saved_file):
+        return None
+    with open(saved_file) as f:
+        return yaml.safe_load(f)
+
+
+def architecture_problem(path: str, config: dict) -> str | None:
+    """Why the checkpoint at `path` holds another model than `config` describes (one line), or None."""
+    saved = saved_config(path)
+    key = saved and architecture_difference(saved.get("model", {}), config["model"])
+    if key:
+        return (f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this config has "
+                f"{config['model'][key]!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
+    return None
+
+
+def layout_problem(path: str, config: dict, world: int) -> str | None:
+    """Why a run in the layout of `config` on `world` ranks cannot load the checkpoint at `path` as it is (another
+    TP, PP, ZeRO-3 or world size), with what to do; None if it can."""
+    saved = saved_config(path)
+    if saved is None:
+        return None
+    if is_universal(path):
+        if config["parallel"]["zero_stage"] not in (1, 2):   # DeepSpeed's loader is in the ZeRO-1/2 optimizers
+            return (f"checkpoint {path} is a universal checkpoint, which loads into ZeRO stages 1 and 2: set "
+                    f"parallel.zero_stage=1 or 2 to resume from it (and change the stage at the next checkpoint)")
+        return None   # written to be resumed in any layout
+    change = (f"to change the layout and keep the optimizer state, relaunch with checkpoint.relayout=true (or "
+              f"convert it first: tools/convert.py to-universal {path})")
+    for key in ("tp", "pp"):
+        theirs, ours = saved.get("parallel", {}).get(key), config["parallel"][key]
+        if theirs != ours:
+            return (f"checkpoint {path} was written with parallel.{key}={theirs}, this run has parallel.{key}={ours}: "
+                    f"launch with parallel.{key}={theirs} to resume it, or {change}")
+    theirs, ours = saved.get("parallel", {}).get("zero_stage", 0), config["parallel"]["zero_stage"]
+    if (theirs == 3) != (ours == 3):   # ZeRO-3 partitions parameters: its files are not those of stages 0-2
+        return (f"checkpoint {path} was written with parallel.zero_stage={theirs}, this run has "
+                f"parallel.zero_stage={ours}: launch with parallel.zero_stage={theirs} to resume it, or {change}")
+    ranks = sum(n.startswith("trainer_rank") and n.endswith(".pt") for n in os.listdir(path))
+    if ranks and ranks != world:
+        return (f"checkpoint {path} was written by {ranks} ranks, this launch has {world}: launch {ranks} to resume "
+                f"it, or {change}")
+    return None

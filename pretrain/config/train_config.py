@@ -1,0 +1,174 @@
+"""TrainConfig: the whole run, its sections, the checks across them and against a launch, and its one loader.
+
+One loader, in one fixed order (later wins):
+    dataclass defaults  <  YAML file (after its `base:` chain)  <  command-line overrides `section.key=value`.
+Checks that need only the config run when a section is built (`__post_init__`, per section); checks that need
+the launch (world size, CUDA, existing paths) run in `TrainConfig.check_runtime`, still before any process group.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple, get_type_hints
+
+from model.config import ConfigError, ModelConfig, architecture_difference, plain
+from model.fields import build, check_keys, described, nearest_key
+from model.release import FORMAT, is_release
+from pretrain.config import files
+from pretrain.config.sections import CheckpointSection, DataSection, LoggingSection, ParallelSection, TrainSection
+
+
+class Runtime(NamedTuple):
+    """What a launch of `world_size` ranks derives from the config."""
+    world_size: int
+    dp: int
+    grad_accum: int
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole run; YAML top-level keys are these section names."""
+    model: ModelConfig = described("the Synthesizer LM (model/config.py)")
+    data: DataSection = described("token shards and their reading")
+    parallel: ParallelSection = field(default_factory=ParallelSection, metadata={"help": "TP × PP × DP layout"})
+    train: TrainSection = described("optimizer, schedule, batch, length, precision")
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"help": "saving and resuming"})
+    logging: LoggingSection = field(default_factory=LoggingSection, metadata={"help": "console and TensorBoard"})
+
+    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging")
+
+    def __post_init__(self):
+        # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = os.path.join(self.train.run_dir, "checkpoints")
+        if self.logging.tensorboard_dir is None:
+            self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step (sequences are packed to max_seq_len)."""
+        return self.train.global_batch_size * self.model.max_seq_len
+
+    def total_steps(self) -> int:
+        """Optimizer steps of the run: train.max_steps, or fewer when train.max_tokens is reached first."""
+        if self.train.max_tokens is None:
+            return self.train.max_steps
+        return min(self.train.max_steps, math.ceil(self.train.max_tokens / self.tokens_per_step))
+
+    def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:
+        """Checks across sections and against the launch; call on every rank before any process group starts.
+        `cuda` defaults to what this machine has (see `cuda_available`)."""
+        m, p = self.model, self.parallel
+        dp = p.dp(world_size)
+        if m.n_heads % p.tp:
+            raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        if m.vocab_size % p.tp:  # VocabParallelEmbedding splits the vocabulary evenly
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
+                              "pad the vocabulary")
+        if m.n_layers < p.pp:
+            raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
+        if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss
+            raise ConfigError(f"train.spike_z={self.train.spike_z} needs parallel.pp=1: the pipeline engine runs "
+                              "backward before the loss is known; set train.spike_z=null")
+        if self.train.master_weights == "bf16" and p.zero_stage not in (1, 2):   # DeepSpeed's ZeRO optimizer holds them
+            raise ConfigError(f"train.master_weights='bf16' needs parallel.zero_stage 1 or 2 (it is {p.zero_stage}); "
+                              "set parallel.zero_stage=1")
+        grad_accum = self.train.grad_accum(dp)
+        if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):
+            raise ConfigError("train.precision='fp16' needs CUDA (DeepSpeed refuses fp16 on CPU); use bf16 or fp32")
+        if self.checkpoint.resume not in ("auto", "none") and not Path(self.checkpoint.resume).exists():
+            raise ConfigError(f"checkpoint.resume={self.checkpoint.resume!r} does not exist; "
+                              "use auto, none, or an existing checkpoint path")
+        if self.train.init_from is not None:
+            check_release(self.train.init_from, m)
+        return Runtime(world_size, dp, grad_accum)
+
+    @classmethod
+    def from_dict(cls, tree: dict, source: str = "the config") -> "TrainConfig":
+        """Build from a nested dict (a merged YAML tree, or `to_dict()` saved in a checkpoint)."""
+        _check_sections(tree, source)
+        types = get_type_hints(cls)
+        return cls(**{name: build(types[name], tree.get(name) or {}, name, source, _suggest)
+                      for name in cls.SECTIONS})
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (lists, no tuples): YAML-dumpable and `from_dict`-loadable."""
+        out = {}
+        for name in self.SECTIONS:
+            section = getattr(self, name)
+            out[name] = {f.name: plain(getattr(section, f.name)) for f in fields(section)}
+        return out
+
+
+def check_release(path: str, model: ModelConfig) -> None:
+    """ConfigError unless `path` is a release directory of the same architecture as `model`."""
+    if not is_release(path):
+        raise ConfigError(f"train.init_from={path!r} is not a release directory (config.json with format '{FORMAT}'); "
+                          f"make one with tools/convert.py to-release")
+    with open(os.path.join(path, "config.json")) as f:
+        theirs = json.load(f)["model"]
+    ours = model.to_dict()
+    key = architecture_difference(theirs, ours)
+    if key:
+        raise ConfigError(f"train.init_from={path!r} holds a model with model.{key}={theirs.get(key)!r} but this "
+                          f"config has {ours[key]!r}; set model.{key}={theirs.get(key)!r}")
+
+
+# ---- reading -------------------------------------------------------------------------------------------------------
+def _valid_keys() -> dict[str, list[str]]:
+    types = get_type_hints(TrainConfig)
+    return {s: [f.name for f in fields(types[s])] for s in TrainConfig.SECTIONS}
+
+
+def _suggest(key: str) -> str | None:
+    """The nearest valid dotted key of any section (train.tp → parallel.tp, learning_rate → lr)."""
+    return nearest_key(key, list(TrainConfig.SECTIONS) + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks])
+
+
+def _unknown(key: str, source: str) -> ConfigError:
+    guess = _suggest(key)
+    hint = f"did you mean '{guess}'?" if guess else "valid sections: " + ", ".join(TrainConfig.SECTIONS)
+    return ConfigError(f"unknown config key '{key}' in {source}; {hint}")
+
+
+def _check_sections(tree: Any, source: str) -> None:
+    """The top level holds sections only."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source} must be a mapping of sections ({', '.join(TrainConfig.SECTIONS)})")
+    for name in tree:
+        if name not in TrainConfig.SECTIONS:
+            raise _unknown(str(name), source)
+
+
+def _check_keys(tree: Any, source: str) -> None:
+    """Every key must be `section` or `section.field`: typos fail loudly instead of being silently ignored."""
+    _check_sections(tree, source)
+    valid = _valid_keys()
+    for name, sub in tree.items():
+        if sub is not None:
+            check_keys(sub, name, valid[name], source, _suggest)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Defaults, then the YAML file (with its `base:` chain), then `section.key=value` overrides; validated."""
+    tree = files.read(str(path), _check_keys)
+    for item in overrides:
+        section, name, value = files.override(item)
+        if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
+            raise _unknown(item.partition("=")[0], f"override '{item}'")
+        tree = files.merge(tree, {section: {name: value}})
+    return TrainConfig.from_dict(tree, source=str(path))
+
+
+# ---- what the trainer derives --------------------------------------------------------------------------------------
+def cuda_available() -> bool:
+    """Whether ranks will run on CUDA. torch is asked rather than DeepSpeed's accelerator so that this module stays
+    cheap to import (and DeepSpeed's import-time log does not go to stdout); DS_ACCELERATOR=cpu is respected."""
+    if os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
+        return False
+    import torch
+    return torch.cuda.is_available()
+

@@ -1,7 +1,8 @@
 """What a synthesizer offers the fused kernels (model/kernels.py): the typed interface between the two.
 
 A synthesizer gives its logits S (Hl heads, n queries × n keys, per sample) in one of three forms, over all n
-positions of its input x (B, n, d), from `fused(x)`:
+positions of its input x (B, n, d), from `fused(x, inputs)`; `inputs[layer]` is layer(x) for each linear it names in
+`projections()`, computed by the mixer in one GEMM with the values' and every other member's (parallel.joint_column):
 
     QKForm(q, k, scale, key_bias)   S = scale · q kᵀ (+ b_j, one term per key): q (B or 1, Hl, n, f), k likewise,
                                     key_bias (Hl, n) or None. dot, dense, factorized_random. In a mixture the q·k
@@ -53,7 +54,9 @@ class Synthesizer(Protocol):
 
     input_dependent   whether S depends on the input x (if no member's does, the whole map is shared by the batch)
     cached            whether decoding caches what `keys(x, t0)` returns per position (then it has `keys`)
-    fused(x)          S as one of the forms above, over all positions of x: the fused path
+    projections()     the column-parallel linears it applies to x on the fused path ([] for none)
+    fused(x, inputs)  S as one of the forms above, over all positions of x: the fused path; inputs[layer] = layer(x)
+                      for each of `projections()`
     logits(x, t0, keys)  rows t0 … t0+m−1 of the materialized S, (B or 1, Hl, m, t0+m): the reference path, maps,
                       decoding (keys: the cached keys of positions < t0+m, for a cached member)
     flops(n)          forward FLOPs per token of this function alone (model/accounting.py)
@@ -61,7 +64,9 @@ class Synthesizer(Protocol):
     input_dependent: bool
     cached: bool
 
-    def fused(self, x: torch.Tensor) -> Form: ...
+    def projections(self) -> list[torch.nn.Module]: ...
+
+    def fused(self, x: torch.Tensor, inputs: dict) -> Form: ...
 
     def logits(self, x: torch.Tensor, t0: int = 0, keys: torch.Tensor | None = None) -> torch.Tensor: ...
 

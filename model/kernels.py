@@ -140,8 +140,9 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     width = _common_width(q, v)
     q = _pad_last(q, width).expand(B, -1, -1, -1)   # (B, Hl, n, width); zero features add 0 to q·k
     k = _pad_last(k, width).expand(B, -1, -1, -1)
-    if gpu:   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's)
-        q, k = q.contiguous(), k.contiguous()
+    if gpu:   # a batch stride of 0 sends CUDA's SDPA to its slow memory-efficient backward (9× dot's): a shared
+        # q or k is materialized; per-sample heads stay the strided views of their projection (no layout copy)
+        q, k = (t.contiguous() if t.stride(0) == 0 and B > 1 else t for t in (q, k))
     v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
     out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
     return out[..., :d_h] / out[..., d_h:d_h + 1] if on_values else out[..., :d_h]

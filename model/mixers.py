@@ -41,11 +41,13 @@ class SynthesizedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None):
         B, m, _ = x.shape
-        v = self.value(x).view(B, m, -1, self.d_h)                       # (B, m, Hl, d_h)
         if self.impl == "reference" or return_map or cache is not None:
+            v = self.value(x).view(B, m, -1, self.d_h)                   # (B, m, Hl, d_h)
             y, A = self._materialized(x, v, t0, cache)                   # (B, m, Hl, d_h)
-        else:
-            y, A = self._fused(x, v), None
+        else:   # the values and every member's projections of x: one GEMM
+            layers = [self.value] + [layer for synth in self.synth.values() for layer in synth.projections()]
+            inputs = dict(zip(layers, tp.joint_column(x, layers)))
+            y, A = self._fused(x, inputs[self.value].view(B, m, -1, self.d_h), inputs), None
         if self.dropout and self.training:
             with tp.rng_tracker.fork(y.device):                          # heads differ per TP rank
                 y = F.dropout(y, self.dropout)
@@ -68,11 +70,11 @@ class SynthesizedAttention(nn.Module):
         A = torch.softmax(S + causal, dim=-1).expand(x.shape[0], -1, -1, -1)
         return (A @ v).transpose(1, 2), A                                # (B, m, Hl, d_h), (B, Hl, m, t1)
 
-    def _fused(self, x, v):
+    def _fused(self, x, v, inputs):
         """Each member's logits in its fused form (model/forms.py), grouped by form: q·k features concatenated (scaled
         by α), a shared map weighted by α, factors on their own kernel (never mixed)."""
         alpha, B = self._weights(), x.shape[0]
-        forms = [synth.fused(x) for synth in self.synth.values()]
+        forms = [synth.fused(x, inputs) for synth in self.synth.values()]
         if isinstance(forms[0], FactorForm):   # factorized dense: its own kernel
             return kernels.factorized_dense_attention(forms[0].A, forms[0].B, v.transpose(1, 2)).transpose(1, 2)
         qs, ks, scale, bias, bias_weight, key_bias = [], [], 1.0, None, None, None

@@ -168,6 +168,18 @@ def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     return layer
 
 
+def joint_column(x: torch.Tensor, layers: list[nn.Module]) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] for column-parallel linears that read the same x, as one GEMM over their
+    (local) weights and biases concatenated: one launch for all, one ∂x GEMM in backward instead of one per layer
+    plus their sum, one bias-gradient reduction. The outputs are views of the joint one (B, n, Σ d_out/TP)."""
+    if len(layers) == 1:
+        return [layers[0](x)]
+    weight = torch.cat([layer.weight for layer in layers])                   # (Σ d_out/TP, d_in)
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    y = F.linear(copy_to_tp(x), weight, bias)                               # 2·d_in·Σ d_out/TP FLOPs a token
+    return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
+
+
 def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once."""
     if tp_world() == 1:

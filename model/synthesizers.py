@@ -49,21 +49,23 @@ def linear_flops(layer: nn.Module) -> int:
 
 
 class Rotary(nn.Module):
-    """RoPE (Su et al.): rotates pairs (x_{2i}, x_{2i+1}) of q and k by angle t·base^(−2i/d_h) at position t."""
+    """RoPE (Su et al.): rotates pairs (x_{2i}, x_{2i+1}) of q and k by angle t·base^(−2i/d_h) at position t — as
+    one complex product per pair, (x_{2i} + i·x_{2i+1})·e^{iθ}, in fp32 (Llama's form: one elementwise kernel where
+    the real form takes eight); an odd d_h's last feature is left as it is."""
 
     def __init__(self, d_h: int, max_len: int, base: float):
         super().__init__()
         inv_freq = base ** (-torch.arange(0, d_h - d_h % 2, 2, dtype=torch.float32) / d_h)   # (d_h/2,)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)          # (L, d_h/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("cos", angles.cos(), persistent=False)   # real buffers: Module.to(dtype) keeps them
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # x (B, Hl, m, d_h) at positions offset…
         m, half = x.shape[-2], self.cos.shape[-1]
-        cos, sin = self.cos[offset:offset + m].to(x.dtype), self.sin[offset:offset + m].to(x.dtype)
-        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-        return torch.cat((rot, x[..., 2 * half:]), dim=-1)
+        turn = torch.complex(self.cos[offset:offset + m].float(), self.sin[offset:offset + m].float())  # (m, d_h/2)
+        pairs = torch.view_as_complex(x[..., :2 * half].float().unflatten(-1, (half, 2)))      # (B, Hl, m, d_h/2)
+        rot = torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)                        # (B, Hl, m, 2·half)
+        return rot if 2 * half == x.shape[-1] else torch.cat((rot, x[..., 2 * half:]), dim=-1)
 
 
 class DotProduct(nn.Module):
@@ -81,20 +83,23 @@ class DotProduct(nn.Module):
         self.k = column_linear(d, d, cfg.bias, cfg.init_std)
         self.rope = Rotary(self.d_h, cfg.max_seq_len, cfg.rope_base) if cfg.position == "rope" else None
 
-    def _project(self, linear, x, t0):
-        y = heads(linear(x), self.d_h)                                   # (B, Hl, m, d_h)
+    def _heads(self, y, t0):
+        y = heads(y, self.d_h)                                           # (B, Hl, m, d_h)
         return y if self.rope is None else self.rope(y, t0)              # rotated by the absolute positions
 
     def keys(self, x, t0=0):
         """k_j of x's positions t0…: what a decoding cache keeps."""
-        return self._project(self.k, x, t0)
+        return self._heads(self.k(x), t0)
 
-    def fused(self, x):
-        return QKForm(self._project(self.q, x, 0), self.keys(x), inv_sqrt(self.d_h))
+    def projections(self):
+        return [self.q, self.k]
+
+    def fused(self, x, inputs):
+        return QKForm(self._heads(inputs[self.q], 0), self._heads(inputs[self.k], 0), inv_sqrt(self.d_h))
 
     def logits(self, x, t0=0, keys=None):
         k = self.keys(x) if keys is None else keys                       # (B, Hl, t1, d_h)
-        return self._project(self.q, x, t0) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
+        return self._heads(self.q(x), t0) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
 
     def flops(self, n):
         return linear_flops(self.q) + linear_flops(self.k) + 2 * n * full_shape(self.q.weight)[0]
@@ -117,16 +122,20 @@ class Dense(nn.Module):
         self.w2 = per_head(cfg.n_heads, L, self.d_h, init=normal(cfg.init_std))
         self.w2_bias = per_head(cfg.n_heads, L, init=constant(0.0))
 
-    def hidden(self, x):
-        return torch.relu(heads(self.w1(x), self.d_h))                  # (B, Hl, n, d_h)
+    def hidden(self, h):
+        return torch.relu(heads(h, self.d_h))                            # (B, Hl, n, d_h) from W_1 X + b_1
 
-    def fused(self, x):
+    def projections(self):
+        return [self.w1]
+
+    def fused(self, x, inputs):
         n = x.shape[1]   # q (B, Hl, n, d_h), k (1, Hl, n, d_h), and b_2^h[j] for key j (Hl, n)
-        return QKForm(self.hidden(x), self.w2[:, :n].unsqueeze(0), 1.0, key_bias=self.w2_bias[:, :n])
+        q, k = self.hidden(inputs[self.w1]), self.w2[:, :n].unsqueeze(0)
+        return QKForm(q, k, 1.0, key_bias=self.w2_bias[:, :n])
 
     def logits(self, x, t0=0, keys=None):
         t1 = t0 + x.shape[1]                                             # keys j < t1: the rows W_2[j]
-        return self.hidden(x) @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]  # (B, Hl, m, t1)
+        return self.hidden(self.w1(x)) @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]
 
     def flops(self, n):
         H_d_h = full_shape(self.w1.weight)[0]
@@ -151,7 +160,10 @@ class Random(nn.Module):
     def bias(self, n):   # at n = L, R itself: a full-size slice's backward would copy the whole (Hl, L, L) gradient
         return self.R if n == self.R.shape[-1] else self.R[:, :n, :n]    # (Hl, n, n)
 
-    def fused(self, x):
+    def projections(self):
+        return []
+
+    def fused(self, x, inputs):
         return MapForm(self.bias(x.shape[1]))
 
     def logits(self, x, t0=0, keys=None):
@@ -176,7 +188,10 @@ class FactorizedRandom(nn.Module):
         self.R1 = per_head(cfg.n_heads, L, k, init=normal(cfg.random_init_std / k ** 0.25))
         self.R2 = per_head(cfg.n_heads, L, k, init=normal(cfg.random_init_std / k ** 0.25))
 
-    def fused(self, x):
+    def projections(self):
+        return []
+
+    def fused(self, x, inputs):
         n = x.shape[1]
         return QKForm(self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0)   # (1, Hl, n, k) each
 
@@ -209,18 +224,22 @@ class FactorizedDense(nn.Module):
         self.fb = per_head(cfg.n_heads, b, self.d_h, init=normal(cfg.init_std))
         self.fb_bias = per_head(cfg.n_heads, b, init=constant(0.0))
 
-    def factors(self, x):
-        """A (B, Hl, n, a), B (B, Hl, n, b) — what the fused kernel builds S from, block by block."""
-        h = torch.relu(heads(self.w1(x), self.d_h))                       # (B, Hl, n, d_h)
+    def factors(self, h):
+        """A (B, Hl, n, a), B (B, Hl, n, b) from h = W_1 X + b_1 — what the fused kernel builds S from, block by
+        block."""
+        h = torch.relu(heads(h, self.d_h))                                # (B, Hl, n, d_h)
         A = h @ self.fa.transpose(-1, -2).unsqueeze(0) + self.fa_bias[:, None]   # (B, Hl, n, a)
         Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
         return A, Bf
 
-    def fused(self, x):
-        return FactorForm(*self.factors(x))
+    def projections(self):
+        return [self.w1]
+
+    def fused(self, x, inputs):
+        return FactorForm(*self.factors(inputs[self.w1]))
 
     def logits(self, x, t0=0, keys=None):
-        A, Bf = self.factors(x)
+        A, Bf = self.factors(self.w1(x))
         # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
         S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, m, L)
         return S[..., :t0 + x.shape[1]]                                   # (B, Hl, m, t1)

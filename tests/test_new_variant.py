@@ -32,7 +32,10 @@ class RelativeRandom(torch.nn.Module):
         distance = (torch.arange(t0, t1)[:, None] - torch.arange(t1)[None, :]).clamp(min=0)   # (m, t1); j > i masked
         return self.r[:, distance]                                                          # (Hl, m, t1)
 
-    def fused(self, x):
+    def projections(self):   # no linear of x
+        return []
+
+    def fused(self, x, inputs):
         return MapForm(self.rows(0, x.shape[1]))
 
     def logits(self, x, t0=0, keys=None):

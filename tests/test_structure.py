@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ class Edge:
     type_only: bool   # under `if TYPE_CHECKING:`
 
 
+@cache
 def source_files(root: Path = ROOT) -> dict[str, Path]:
     """{module name: file} of every package in FLOORS."""
     out = {}
@@ -100,6 +102,7 @@ def edges_of(module: str, path: Path, modules) -> list[Edge]:
     return out
 
 
+@cache
 def import_graph(root: Path = ROOT) -> list[Edge]:
     modules = source_files(root)
     return [e for m, p in modules.items() for e in edges_of(m, p, modules)]

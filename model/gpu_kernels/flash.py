@@ -92,9 +92,11 @@ def rows(*tensors) -> tuple[int, ...]:
 
 
 def outputs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers of the forward: O like v (B, Hl, n, d_h), and L (B, Hl, n) in fp32."""
-    return torch.empty(v.shape, device=v.device, dtype=v.dtype), torch.empty(v.shape[:-1], device=v.device,
-                                                                             dtype=torch.float32)
+    """Buffers of the forward: O (B, Hl, n, d_h) laid out as (B, n, Hl, d_h), the mixer's layout, so that its
+    heads-back-to-features reshape is a view, not a copy; and L (B, Hl, n) in fp32."""
+    B, H, n, d = v.shape
+    o = torch.empty((B, n, H, d), device=v.device, dtype=v.dtype).transpose(1, 2)       # rows stay contiguous
+    return o, torch.empty((B, H, n), device=v.device, dtype=torch.float32)
 
 
 def row_deltas(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""How many kernels one transformer block launches, forward and backward, on the GPU path — counted on the CPU.
+
+The model is built as the trainer builds it (megatron-core's parallel state at TP=1) and run with
+SYNTHFORMER_KERNELS=gpu, so CPU tensors take the GPU path (its Triton kernels under TRITON_INTERPRET=1). Counted: every
+aten op that is not a view (each is a kernel launch on a GPU), and each Triton kernel launch as one (the aten ops the
+interpreter issues to emulate it are not counted). fp32, a block of d 64 (dense+dot: d 256, its flagship widths
+d_h 128, so q·k is 256 wide), 2 heads, n 32, batch 2, biases on.
+
+BEFORE: the counts at c3464e2, the code the GPU issue profiled, by this same harness. Goals: the binding variants
+(dot and the flagship dense+dot) at ≤ 0.7 × BEFORE, no variant above BEFORE; no bias added apart from its GEMM; no
+layout copy of q, k or v in forward.
+"""
+import collections
+import os
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed import run_distributed
+
+BEFORE = {"dot": 63, "dense+dot": 163, "dense": 71, "random": 58, "random_fixed": 56, "factorized_random": 64,
+          "factorized_dense": 92, "random+dot": 90, "sgu": 69}
+BINDING = ("dot", "dense+dot")
+NOT_KERNELS = ("detach", "alias", "lift_fresh")
+
+
+class Kernels(TorchDispatchMode):
+    """Per phase: the non-view aten ops by name, bias adds apart from a GEMM, and 4-D copies (head layouts)."""
+
+    def __init__(self, in_triton):
+        super().__init__()
+        self.ops, self.bias_adds, self.head_copies, self.in_triton = collections.Counter(), 0, 0, in_triton
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if self.in_triton() or func.is_view or name in NOT_KERNELS:
+            return out
+        self.ops[name] += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name == "add" and len(tensors) == 2 and min(t.dim() for t in tensors) == 1 and \
+                max(t.dim() for t in tensors) >= 2:   # y + b with b (d_out,): a bias added after its matmul
+            self.bias_adds += 1
+        if name in ("clone", "contiguous", "_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.dim() == 4:
+            self.head_copies += 1
+        return out
+
+
+def count_worker(rank, world, mixers):
+    import triton.runtime.interpreter as interpreter
+    from megatron.core import parallel_state
+
+    from model import ModelConfig, build_model
+
+    os.environ["SYNTHFORMER_KERNELS"] = "gpu"
+    parallel_state.initialize_model_parallel(1)
+    depth = [0]
+    launch = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):   # a Triton launch: one kernel, whatever the interpreter does inside
+        counts.ops["triton"] += 1
+        depth[0] += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    interpreter.InterpretedFunction.run = counted
+    out = {}
+    for mixer in mixers:
+        d = 256 if mixer == "dense+dot" else 64
+        cfg = ModelConfig(vocab_size=64, d_model=d, n_layers=1, n_heads=2, max_seq_len=32, mixer=mixer, bias=True,
+                          position="rope" if mixer == "dense+dot" else "learned")
+        block = build_model(cfg).blocks[0]
+        x = torch.randn(2, 32, d, requires_grad=True)
+        with Kernels(lambda: depth[0] > 0) as counts:
+            y = block(x)
+        forward = counts
+        with Kernels(lambda: depth[0] > 0) as counts:
+            y.sum().backward()
+        out[mixer] = {"forward": dict(forward.ops), "backward": dict(counts.ops), "bias_adds": forward.bias_adds,
+                      "head_copies": forward.head_copies}
+    interpreter.InterpretedFunction.run = launch
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def total(counts) -> int:
+    return sum(counts["forward"].values()) + sum(counts["backward"].values())
+
+
+def test_a_block_launches_fewer_kernels_than_before():
+    got = run_distributed(count_worker, 1, list(BEFORE))[0]
+    ratios = {m: round(total(got[m]) / BEFORE[m], 2) for m in BEFORE}
+    print("kernels per block (forward + backward), now ÷ before:",
+          {m: f"{total(got[m])} / {BEFORE[m]} = {ratios[m]}" for m in BEFORE})
+    assert all(ratios[m] <= 0.7 for m in BINDING), ratios
+    assert all(r <= 1.0 for r in ratios.values()), ratios
+    for m, counts in got.items():
+        assert counts["bias_adds"] == 0, (m, counts["forward"])      # every bias inside its GEMM (addmm)
+        assert "mm" not in counts["forward"], (m, counts["forward"])
+    for m in BINDING:   # q, k, v stay strided views of their projection
+        assert got[m]["head_copies"] == 0, (m, got[m]["forward"])

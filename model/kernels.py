@@ -6,8 +6,11 @@ Four ways to run A = softmax(S + M) V without keeping B·Hl·n² maps:
 - `qk_attention`: S = q·kᵀ + b for synthesized q/k (dot, dense and their mixtures) and a per-key bias b (dense's
   b_2) through torch SDPA. The flash kernel runs only if q, k, v share batch size and width (≤ 256 on CUDA) and no
   mask needs grad, so batch-shared keys are `.expand()`ed (stride 0, no copy), the narrower side is zero-padded,
-  and b rides as a feature column — or, where that column would pass 256, on the GPU a Triton flash kernel adds b
-  to each score tile (model/gpu_kernels/key_bias_attention.py: dense+dot at f 256, d_h 128, v not padded).
+  and b rides as a feature column — or, where that column would pass 256, on the GPU the values carry it
+  (`_values_with_key_bias`, v padded to q's width). A Triton flash kernel that adds b to each score tile instead
+  (model/gpu_kernels/key_bias_attention.py: dense+dot at f 256, d_h 128, v not padded) runs where
+  SYNTHFORMER_KEY_BIAS_KERNEL=triton: it is exact, but slower than the padded SDPA form on a Hopper GPU and not yet
+  traceable by torch.compile (docs/gpu/), so it is opt-in.
 - `shared_map_attention`: S does not depend on the input (random, factorized_random, their mixture): A is the same
   for every sample and applied with the batch folded into the columns of V, in blocks of query rows over the causal
   keys only, a factored map (R_1 R_2ᵀ) built block by block; no n² buffer is kept for backward.
@@ -125,12 +128,13 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
     q, k: (B or 1, Hl, n, f) — a batch of 1 is shared by all samples; v: (B, Hl, n, d_h); key_bias b: (Hl, n) or
     None, a feature column of q and k unless that column would take them past flash's widths on the GPU path,
-    where the Triton key-bias kernel adds it to the scores (v at d_h), or, without triton, the values carry it
-    (`_values_with_key_bias`). Returns (B, Hl, n, d_h).
+    where the values carry it (`_values_with_key_bias`), or, opted in (SYNTHFORMER_KEY_BIAS_KERNEL=triton), the
+    Triton key-bias kernel adds it to the scores (v at d_h). Returns (B, Hl, n, d_h).
     """
     B, d_h, gpu = v.shape[0], v.shape[-1], on_gpu_path(v)
     on_values = key_bias is not None and gpu and q.shape[-1] + 1 > SDPA_MAX_WIDTH >= q.shape[-1]
-    flash = on_values and d_h <= SDPA_MAX_WIDTH and triton_kernel("key_bias_attention")
+    flash = on_values and d_h <= SDPA_MAX_WIDTH and os.environ.get("SYNTHFORMER_KEY_BIAS_KERNEL") == "triton" \
+        and triton_kernel("key_bias_attention")
     if flash:   # b added to each score tile: no column, no factor on v, no padding of v to q's width
         return flash.key_bias_flash_attention(q, k, v, key_bias, scale)
     if on_values:
@@ -145,7 +149,10 @@ def qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         q, k = (t.contiguous() if t.stride(0) == 0 and B > 1 else t for t in (q, k))
     v_wide = _pad_last(v, width)                     # zero columns give zero outputs, sliced off below
     out = F.scaled_dot_product_attention(q, k, v_wide, is_causal=True, scale=scale)
-    return out[..., :d_h] / out[..., d_h:d_h + 1] if on_values else out[..., :d_h]
+    if not on_values:
+        return out[..., :d_h]
+    rows = out.transpose(1, 2)                       # (B, n, Hl, ·): the quotient is made in the mixer's layout
+    return (rows[..., :d_h] / rows[..., d_h:d_h + 1]).transpose(1, 2)
 
 
 class SharedMapAttention(torch.autograd.Function):

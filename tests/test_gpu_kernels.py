@@ -132,6 +132,7 @@ def test_qk_attention_runs_the_key_bias_kernel_at_the_flagship_widths(monkeypatc
     from model.gpu_kernels import key_bias_attention
 
     used = []
+    monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "triton")   # opted in (the value-factor form is the default)
     monkeypatch.setattr(key_bias_attention, "key_bias_flash_attention",
                         lambda *a, f=key_bias_attention.key_bias_flash_attention: used.append(1) or f(*a))
     monkeypatch.setattr(kernels, "_values_with_key_bias", None)   # never called
@@ -215,6 +216,8 @@ def test_every_variant_trains_under_autocast(variant, path, monkeypatch):
     dtype, `kernels.in_autocast_dtype`: fp32 parameters beside bf16 activations failed in backward.)"""
     from model import build_model
 
+    if path == "gpu" and DEVICE == "cuda":
+        pytest.skip("CPU tensors take the GPU path only under TRITON_INTERPRET (no GPU); on one: tests/test_gpu.py")
     monkeypatch.setenv("SYNTHFORMER_KERNELS", path)
     model = build_model(config(variant))
     x = tokens(2, 13)
@@ -307,6 +310,8 @@ def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(varia
     monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", width)
     if form == "values":
         without_key_bias_kernel(monkeypatch)
+    else:
+        monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "triton")
     used = []
     monkeypatch.setattr(kernels, "_values_with_key_bias",
                         lambda *a, f=kernels._values_with_key_bias: used.append("values") or f(*a))

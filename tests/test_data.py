@@ -432,6 +432,46 @@ def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd,
     assert not any(i.startswith(name[: -len(".tar")]) for b in batches for i in b["ids"])  # nor in the next epoch
 
 
+def test_a_flipped_token_is_found_by_the_hash_not_by_the_size(built, tmp_path):
+    """Under data.verify=size the flipped bit reaches a batch as a wrong token id; under hash (the default) the shard
+    is read twice and then refused."""
+    d, path = damaged_copy(built, tmp_path, "flipped")
+    key = os.path.basename(path)[:-len(".tar")] + "-000002"
+    original = dict(tar_samples(os.path.join(built["dir"], os.path.basename(path))))[key]
+    n = built["manifest"]["splits"]["train"]["samples"] // B + 1
+    rows = {k: row for b in take(TokenStream(d, B, SEQ, verify="size"), n) for k, row in zip(b["ids"], b["tokens"])}
+    assert (rows[key].numpy() != original).sum() == 1   # trained on silently: one token id off by one bit
+    with pytest.raises(DataError) as e:
+        take(TokenStream(d, B, SEQ), n)
+    one_line(e, path, "content hash", "(read twice)")
+
+
+@pytest.mark.parametrize("found", ["before", "after"])
+def test_resume_is_exact_with_a_shard_found_bad_while_reading(built, tmp_path, found):
+    """A shard whose hash fails gives no samples wherever it is read, and the stream remembers the ones its batches
+    reported: resumed before or after the batch that reported it, the batches are the uninterrupted run's."""
+    d, path = damaged_copy(built, tmp_path, "flipped")
+    kw = dict(num_workers=2, bad_shards="skip")
+    s = TokenStream(d, B, SEQ, **kw)
+    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    (w0, w1), straight = read_epochs(s, dict(counts, **{os.path.basename(path): 0}), epoch_count=2)
+    reported = next(j for j, b in enumerate(straight) if b["skipped_shards"])
+    assert straight[reported]["skipped_shards"] == [path] and s.bad_shards_read == {os.path.basename(path)}
+    cut = len(straight) - 20 if found == "after" else max(1, reported - 2)   # "after": in the next epoch
+    first = TokenStream(d, B, SEQ, **kw)
+    take(first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["bad_shards_read"] == ([os.path.basename(path)] if found == "after" else [])
+    again = TokenStream(d, B, SEQ, **kw)
+    again.load_state_dict(state)
+    got = take(again, len(straight) - cut)
+    assert [b["ids"] for b in got] == [b["ids"] for b in straight[cut:]]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight[cut:]))
+    # a shard reported before the checkpoint is not opened again; one reported after it is found as before
+    reports = sum(len(b["skipped_shards"]) for b in got)
+    assert reports == 0 if found == "after" else reports >= 1
+
+
 def test_bad_val_shard_in_validation_batches(built, tmp_path, capfd):
     d, path = damaged_copy(built, tmp_path, "flipped", split="val", index=1)
     with pytest.raises(DataError) as e:

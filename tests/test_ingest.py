@@ -305,3 +305,76 @@ def test_format1_checkpoint_state_without_bad_shards_read_loads():
     del state["bad_shards_read"]
     s.load_state_dict(state)
     assert s.bad_shards_read == set() and next(iter(s))["tokens"].shape == (2, 17)
+
+
+# ---- a whole run with a Hugging Face tokenizer, and one on format-1 shards ----
+
+@pytest.mark.slow
+def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
+    """An AutoTokenizer directory (the test's byte-level BPE saved by transformers) makes the shards; the trainer
+    trains (model.vocab_size 512 above its 400 ids: padding, noted in the log), validates, logs a text sample; the
+    release's generate.py, evaluate.py (bits per byte from the decoded text), the Hugging Face export (its
+    AutoTokenizer gives the training ids) and lm-eval on the shipped tasks all use that tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tests.runs import launch, write_config
+
+    directory = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(hf_tok), eos_token=EOS).save_pretrained(directory)
+    docs = newline_documents(300)
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    shards, run, release, hf = (tmp_path / name for name in ("shards", "run", "release", "hf"))
+    tool("make_shards.py", "--input", tmp_path / "docs.jsonl", "--tokenizer", directory, "--out", shards,
+         "--seq-len", 32, "--samples-per-shard", 8, "--val-fraction", 0.05, "--quiet")
+    m = read_manifest(str(shards))
+    assert (m["tokenizer"], m["tokenizer_kind"], m["vocab_size"]) == ("tokenizer.json", "huggingface", 400)
+    cfg = write_config(tmp_path / "c.yaml", str(shards), run, model={"vocab_size": 512},
+                       train={"max_steps": 6, "global_batch_size": 4, "micro_batch_size": 4},
+                       checkpoint={"every": 6}, logging={"image_every": 3, "sample_tokens": 4})
+    out = launch(cfg, 1).stdout
+    assert "model.vocab_size=512 is above the tokenizer's 400 ids" in out and "ids 400..511 are padding" in out
+    assert "validation at step 6" in out and "sample: " in out
+    tool("convert.py", "to-release", run, release, "--quiet")
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(release))
+    tool("convert.py", "to-hf", release, hf)
+    auto, tok = AutoTokenizer.from_pretrained(str(hf)), Tokenizer.from_file(str(shards / "tokenizer.json"))
+    for text in docs[:8]:
+        assert auto(text).input_ids == tok.encode(text, add_special_tokens=False).ids
+    assert auto.eos_token_id == m["eos_id"] == json.load(open(hf / "config.json"))["eos_token_id"]
+    r = tool("generate.py", release, "--max-new-tokens", 6, "--quiet", "--json")
+    assert len(json.loads(r.stdout)["ids"]) == 6
+    r = json.loads(tool("evaluate.py", release, "--shards", shards, "--json", "--quiet").stdout)
+    # bytes of the decoded text of the val targets, by hand: each eos one byte (a document boundary)
+    val, expect = [], 0
+    for shard in m["splits"]["val"]["shards"]:
+        with tarfile.open(shards / shard["name"]) as tar:
+            (member,) = tar.getmembers()
+            val += list(np.frombuffer(tar.extractfile(member).read(), "<u2").reshape(-1, 33))
+    for row in val:
+        text = tok.decode(row.tolist(), skip_special_tokens=False)
+        first = tok.decode(row[:1].tolist(), skip_special_tokens=False)
+        expect += len(text.encode()) - len(first.encode()) - (len(EOS) - 1) * int((row[1:] == m["eos_id"]).sum())
+    assert (r["tokens"], r["bytes"]) == (len(val) * 32, expect) and r["bits_per_byte"] > 0
+    r = json.loads(tool("evaluate.py", release, "--text", tmp_path / "docs.jsonl", "--json", "--quiet").stdout)
+    assert r["bytes"] == sum(len(d.encode()) + 1 for d in docs)   # the documents, newlines kept, + one eos each
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    r = subprocess.run([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",
+                        f"path={release},newline=text", "--tasks", "austen_cloze,austen_mc4", "--limit", "2",
+                        "--batch_size", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "austen_mc4" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_trainer_trains_and_resumes_on_format1_shards(tmp_path):
+    """The frozen format-1 shards train, checkpoint and resume; each launch says once that they are checked by size."""
+    from tests.runs import launch, losses, write_config
+
+    cfg = write_config(tmp_path / "c.yaml", FORMAT1, tmp_path / "run",
+                       model={"vocab_size": 320, "max_seq_len": 16},
+                       train={"max_steps": 4, "global_batch_size": 2, "micro_batch_size": 2, "stop_after_steps": 2},
+                       checkpoint={"every": 2})
+    first, second = launch(cfg, 1).stdout, launch(cfg, 1).stdout
+    note = "are of manifest format 1, without content hashes: checking their sizes only"
+    assert first.count(note) == 1 and second.count(note) == 1
+    assert "resumed at step 2" in second and sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]

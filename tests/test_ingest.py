@@ -307,7 +307,7 @@ def test_format1_checkpoint_state_without_bad_shards_read_loads():
     assert s.bad_shards_read == set() and next(iter(s))["tokens"].shape == (2, 17)
 
 
-# ---- a whole run with a Hugging Face tokenizer, and one on format-1 shards ----
+# ---- a whole run with a Hugging Face tokenizer ----
 
 @pytest.mark.slow
 def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
@@ -363,18 +363,3 @@ def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
                         f"path={release},newline=text", "--tasks", "austen_cloze,austen_mc4", "--limit", "2",
                         "--batch_size", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "austen_mc4" in r.stdout, r.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_the_trainer_trains_and_resumes_on_format1_shards(tmp_path):
-    """The frozen format-1 shards train, checkpoint and resume; each launch says once that they are checked by size."""
-    from tests.runs import launch, losses, write_config
-
-    cfg = write_config(tmp_path / "c.yaml", FORMAT1, tmp_path / "run",
-                       model={"vocab_size": 320, "max_seq_len": 16},
-                       train={"max_steps": 4, "global_batch_size": 2, "micro_batch_size": 2, "stop_after_steps": 2},
-                       checkpoint={"every": 2})
-    first, second = launch(cfg, 1).stdout, launch(cfg, 1).stdout
-    note = "are of manifest format 1, without content hashes: checking their sizes only"
-    assert first.count(note) == 1 and second.count(note) == 1
-    assert "resumed at step 2" in second and sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]

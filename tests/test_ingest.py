@@ -200,6 +200,31 @@ def test_without_datasets_one_line_names_the_extra(hf_tok, tmp_path):
     assert "pip install 'synthformer[data]'" in r.stderr
 
 
+def test_the_gpu_study_builds_its_shards_from_wikitext_parquet_in_one_command(tmp_path):
+    """configs/study-gpu-50m.yaml's commands, as its header gives them (--vocab-size made small for a small corpus),
+    on Parquet files of WikiText-103's schema: a `text` column, one paragraph or heading a row, empty rows between."""
+    from pretrain.config import load_config
+
+    config = os.path.join(ROOT, "configs", "study-gpu-50m.yaml")
+    commands = [line.strip("# \n") for line in open(config) if line.startswith("#   python tools/")]
+    assert [c.split()[1] for c in commands] == ["tools/train_tokenizer.py", "tools/make_shards.py"]
+    folder = tmp_path / "build" / "study" / "wikitext-103-raw-v1"
+    folder.mkdir(parents=True)
+    rows = []
+    for k, para in enumerate(paragraphs(count=1200)):
+        rows += ([" = = Section {k} = = \n", ""] if k % 40 == 0 else []) + [f" {para} \n", ""]
+    for part in range(2):
+        pq.write_table(pa.table({"text": rows[part::2]}), folder / f"train-0000{part}-of-00002.parquet")
+    for command in commands:
+        command = command.replace("python ", f"{PY} ", 1).replace("tools/", f"{ROOT}/tools/", 1)
+        r = subprocess.run(["bash", "-c", command.replace("--vocab-size 32000", "--vocab-size 600") + " --quiet"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (command, r.stderr[-2000:])
+    m = read_manifest(str(tmp_path / load_config(config).data.shard_dir))
+    assert m["input"]["formats"] == ["parquet", "parquet"] and m["seq_len"] == 1024
+    assert m["splits"]["train"]["samples"] >= 20
+
+
 # ---- tokenizers ----
 
 def test_tokenizer_without_eos_is_one_line_unless_eos_names_one(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Tokenizing a corpus into one stream of ids: the documents in order, eos after each, in batches of about
 `batch_chars` characters, encoded by this process (workers=1) or by `workers` spawned processes. The batches come back
 in the order they were read whatever the number of workers, so the stream, and every shard made from it, is the same
-for any N. At most 2 × workers batches are in flight: memory stays bounded on any corpus.
+for any N. At most 2 × workers batches are in flight: memory stays bounded on any corpus. Workers are forked (spawned
+where there is no fork).
 
     encoded(documents, tokenizer, workers=1, threads=1, batch_chars=1 << 21)
         -> iterator of (ids: int32 numpy array, documents, UTF-8 bytes of those documents)
@@ -57,8 +58,10 @@ def encoded(documents, tokenizer, workers: int = 1, threads: int = 1, batch_char
         for batch in batches(documents, batch_chars):
             yield encode_batch(tokenizer, batch, threads)
         return
-    # spawn: a fresh interpreter per worker (no fork of a process that may hold threads); the tokenizer is pickled
-    with multiprocessing.get_context("spawn").Pool(workers, _start, (tokenizer, threads)) as pool:
+    # fork where there is one (as DataLoader workers start): a spawned worker would import the command's whole
+    # __main__ again (torch among it: seconds per worker); the pool starts before this process reads or encodes
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers, _start, (tokenizer, threads)) as pool:
         pending = collections.deque()
         for batch in batches(documents, batch_chars):
             pending.append(pool.apply_async(_encode, (batch,)))

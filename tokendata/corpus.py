@@ -157,8 +157,9 @@ def read_text(corpus: Corpus, path: str, bar):
         done = 0
         for line in open_text(raw):
             pos = raw.tell()  # position in the file on disk: compressed bytes for .gz, so the total is right
-            bar.update(pos - done)
-            done = pos
+            if pos != done:
+                bar.update(pos - done)
+                done = pos
             line = line.strip()
             if line:
                 yield line

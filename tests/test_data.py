@@ -446,6 +446,24 @@ def test_a_flipped_token_is_found_by_the_hash_not_by_the_size(built, tmp_path):
     one_line(e, path, "content hash", "(read twice)")
 
 
+def test_a_damaged_cached_copy_is_fetched_again_past_the_cache_and_replaced(built, tmp_path):
+    """data.cache_dir holds a copy with a flipped bit: the hash fails, the shard is read again from its source
+    (past the cache), the batch is right, and the good copy replaces the damaged one."""
+    cache = tmp_path / "cache"
+    n = built["manifest"]["splits"]["train"]["samples"] // B
+    straight = take(TokenStream(built["dir"], B, SEQ, cache_dir=str(cache)), n)
+    name = built["manifest"]["splits"]["train"]["shards"][3]
+    copy = cache / f"{name['name']}.{name['bytes']}"
+    good = copy.read_bytes()
+    damaged = bytearray(good)
+    damaged[512 + 7] ^= 0x01
+    copy.write_bytes(bytes(damaged))
+    again = take(TokenStream(built["dir"], B, SEQ, cache_dir=str(cache)), n)
+    assert [b["ids"] for b in again] == [b["ids"] for b in straight]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(again, straight))
+    assert copy.read_bytes() == good
+
+
 @pytest.mark.parametrize("found", ["before", "after"])
 def test_resume_is_exact_with_a_shard_found_bad_while_reading(built, tmp_path, found):
     """A shard whose hash fails gives no samples wherever it is read, and the stream remembers the ones its batches

@@ -135,7 +135,8 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
         batches = stream.val_batches(split=split)
     except DataError as e:
         raise UsageError(str(e)) from None
-    sp, eos = tokenizers.load(tokenizers.local_copy(tokenizer_path(manifest), tempfile.gettempdir())), manifest["eos_id"]
+    sp = tokenizers.load(tokenizers.local_copy(tokenizer_path(manifest), tempfile.gettempdir()))
+    eos = manifest["eos_id"]
     if sp.kind == tokenizers.SENTENCEPIECE:   # bytes from a table of the pieces' texts
         table, dummy = piece_bytes(sp), sp.encode("a", out_type=str)[0].startswith("▁")
         count = lambda tokens: target_bytes(table, tokens[:, :-1], tokens[:, 1:], eos, dummy)  # noqa: E731

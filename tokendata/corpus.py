@@ -8,10 +8,10 @@ text files share, from the forms corpora come in.
               files read by `datasets` (a folder of them, or files), streamed, --split; nothing is fetched from a hub
               (the optional extra: pip install 'synthformer[data]', or pip install datasets)
 
-A record of jsonl, parquet or hf is one document, kept as it is: its newlines stay and are tokenized; a record whose text
-is empty or only whitespace is passed over. The format is found from each input (a directory: hf; .parquet or the
-Parquet magic bytes: parquet; .jsonl/.json/.ndjson before any .gz/.zst: jsonl; else text), or given (--format).
-Compression is found from the first bytes (gzip, zstd).
+A record of jsonl, parquet or hf is one document, kept as it is: its newlines stay and are tokenized; a record
+whose text is empty or only whitespace is passed over. The format is found from each input (a directory: hf;
+.parquet or the Parquet magic bytes: parquet; .jsonl/.json/.ndjson before any .gz/.zst: jsonl; else text), or given
+(--format). Compression is found from the first bytes (gzip, zstd).
 
 Bad records: invalid JSON, a record without the key, a value that is not a string (a null in Parquet) is a DataError
 of one line naming the file and the line (jsonl, counted from 1) or row (parquet and hf, counted from 0, as their

@@ -15,8 +15,8 @@ every reader uses (tools/make_shards.py, the trainer, evaluation, tools/generate
 
 Both kinds answer as sentencepiece's processor does: encode(text or [texts]) -> ids (no bos, no eos: make_shards
 appends eos after each document), decode(ids) -> text (special tokens give no text), eos_id(), vocab_size() (one past
-the largest id), id_to_piece(id), and word_start(id): whether the token's text begins with a space ("▁", "Ġ"), which a
-decode of that token alone drops for a sentencepiece model. A Hugging Face tokenizer encodes with
+the largest id), id_to_piece(id), and word_start(id): whether the token's text begins with a space ("▁", "Ġ"),
+which a decode of that token alone drops for a sentencepiece model. A Hugging Face tokenizer encodes with
 add_special_tokens=False: a post-processor that adds bos (Llama's) is not applied, as the training stream has none.
 """
 from __future__ import annotations

@@ -145,8 +145,8 @@ def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where
 
 
 def load_any(path: str):
-    """(SynthesizerLM in fp32 at TP=1, tokenizer path (model.release.find_tokenizer) or None, info dict) from a release directory or any
-    DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
+    """(SynthesizerLM in fp32 at TP=1, tokenizer path (model.release.find_tokenizer) or None, info dict) from a
+    release directory or any DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
     if is_release(path):
         cfg, tensors, meta = read_release(path)
         source, step = path, meta.get("training", {}).get("step", 0)

@@ -335,7 +335,7 @@ def test_format1_checkpoint_state_without_bad_shards_read_loads():
 # ---- a whole run with a Hugging Face tokenizer ----
 
 @pytest.mark.slow
-def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
+def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path, capsys):
     """An AutoTokenizer directory (the test's byte-level BPE saved by transformers) makes the shards; the trainer
     trains (model.vocab_size 512 above its 400 ids: padding, noted in the log), validates, logs a text sample; the
     release's generate.py, evaluate.py (bits per byte from the decoded text), the Hugging Face export (its
@@ -344,6 +344,12 @@ def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from tests.runs import launch, write_config
+    from tools import evaluate, generate
+
+    def command(main, *args):   # a command's main in this process (no interpreter start): its stdout
+        capsys.readouterr()
+        assert main([*map(str, args)]) == 0, capsys.readouterr().err[-2000:]
+        return capsys.readouterr().out
 
     directory = tmp_path / "tok"
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(hf_tok), eos_token=EOS).save_pretrained(directory)
@@ -367,9 +373,8 @@ def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
     for text in docs[:8]:
         assert auto(text).input_ids == tok.encode(text, add_special_tokens=False).ids
     assert auto.eos_token_id == m["eos_id"] == json.load(open(hf / "config.json"))["eos_token_id"]
-    r = tool("generate.py", release, "--max-new-tokens", 6, "--quiet", "--json")
-    assert len(json.loads(r.stdout)["ids"]) == 6
-    r = json.loads(tool("evaluate.py", release, "--shards", shards, "--json", "--quiet").stdout)
+    assert len(json.loads(command(generate.main, release, "--max-new-tokens", 6, "--quiet", "--json"))["ids"]) == 6
+    r = json.loads(command(evaluate.main, release, "--shards", shards, "--json", "--quiet"))
     # bytes of the decoded text of the val targets, by hand: each eos one byte (a document boundary)
     val, expect = [], 0
     for shard in m["splits"]["val"]["shards"]:
@@ -381,7 +386,7 @@ def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path):
         first = tok.decode(row[:1].tolist(), skip_special_tokens=False)
         expect += len(text.encode()) - len(first.encode()) - (len(EOS) - 1) * int((row[1:] == m["eos_id"]).sum())
     assert (r["tokens"], r["bytes"]) == (len(val) * 32, expect) and r["bits_per_byte"] > 0
-    r = json.loads(tool("evaluate.py", release, "--text", tmp_path / "docs.jsonl", "--json", "--quiet").stdout)
+    r = json.loads(command(evaluate.main, release, "--text", tmp_path / "docs.jsonl", "--json", "--quiet"))
     assert r["bytes"] == sum(len(d.encode()) + 1 for d in docs)   # the documents, newlines kept, + one eos each
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
     r = subprocess.run([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",

@@ -12,6 +12,7 @@ Public API (the shard format, the manifest, DataError and the checks against a m
         notes               [lines for the log]: what the reading does differently from what was asked (format-1
                             shards have no content hashes: verify="hash" checks their sizes only)
         verify              "hash" | "size" | "none": what is checked of each shard (tokendata/shard_files.py)
+        bad_shards_read     names of the shards that the handed-out batches reported bad (kept in state_dict)
         retries             fetches retried in this process (size checks, validation); the workers' ride on batches
         state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
                                                depend on; a new iterator continues exactly where the saved one was

@@ -7,7 +7,8 @@ Inside a measurement process (a fresh interpreter per point, so no two points sh
     measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
                   parent): per repetition the rate, the time per call and the peak memory
     run_point()   one point of a plan: "train" (our engine, pretrain.engine.build_engine), "peer" (Hugging Face GPT-2
-                  under the same DeepSpeed config) or "data" (tokendata.stream.TokenStream alone)
+                  under the same DeepSpeed config), "data" (tokendata.stream.TokenStream alone, data.verify
+                  spec["verify"]) or "shards" (tools/make_shards.py on a text file, spec["workers"] processes)
 """
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ def run_data(spec: dict) -> dict:
             location = server.stdout.readline().split(" at ")[1].split()[0]   # "serving DIR at http://HOST:PORT ..."
         seq_len = read_manifest(spec["shard_dir"])["seq_len"]
         stream = TokenStream(location or spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"],
-                             seed=0)
+                             seed=0, verify=spec.get("verify", "hash"))
         batches = iter(stream)
         out = measure(lambda: next(batches), lambda: None, spec["batch"] * seq_len, spec["warmup"], spec["reps"],
                       spec["steps"])
@@ -271,8 +272,29 @@ def run_data(spec: dict) -> dict:
     return out
 
 
+def run_shards(spec: dict) -> dict:
+    """MB/s of text that tools/make_shards.py turns into shards (read, encoded by spec["workers"] processes of one
+    thread each, windowed, written, hashed), per repetition: each a whole run into a fresh directory."""
+    import shutil
+    import tempfile
+
+    from tools.make_shards import make_shards
+
+    rates = []
+    for _ in range(spec["reps"]):
+        out = tempfile.mkdtemp(prefix="bench-shards-")
+        try:
+            m = make_shards([spec["input"]], spec["tokenizer"], out, spec["seq_len"], threads=1, progress=False,
+                            workers=spec["workers"], batch_chars=spec["batch_chars"])
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        rates.append(m["stats"]["text_bytes"] / 1e6 / m["stats"]["seconds"])
+    return {"rate": rates, "rank": 0}
+
+
 def run_point(spec: dict) -> None:
     """The `_one` subcommand: measure one point and print it as one marked JSON line (rank 0 only)."""
-    out = run_data(spec) if spec["kind"] == "data" else run_train(spec)
+    runs = {"data": run_data, "shards": run_shards}
+    out = runs.get(spec["kind"], run_train)(spec)
     if out.pop("rank") == 0:
         print(RESULT_MARK + json.dumps(out), flush=True)

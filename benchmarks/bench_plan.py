@@ -155,6 +155,23 @@ def plan(a) -> Plan:
                 note="shards served by tools/serve_shards.py on 127.0.0.1; every shard fetched, none cached")
         p.entry("data:demo-train", "data", "demo-cpu train step", p.point("train", DEMO, [], env=CPU), "rate",
                 "tokens/s", note="configs/demo-cpu.yaml (ZeRO-2, fp32, global batch 16) in 1 process on the CPU")
+        # the content hash's cost: the loader with data.verify=size (no hashing) beside the default (hash)
+        size_only = p.point("data", DEMO, shard_dir=SHARDS, batch=8, workers=2, steps=a.data_batches,
+                            warmup=max(a.warmup, 10), verify="size") if have else None
+        p.entry("data:loader-nohash", "data", "TokenStream, data.verify=size (2 workers)", size_only, "rate",
+                "tokens/s", "data:demo-train", goal_min=GOAL_DATA, skipped=why)
+        p.entry("data:hash-cost", "data", "TokenStream verify=hash ÷ verify=size", loader, "rate", "tokens/s",
+                "data:loader-nohash", skipped=why, note="the loader's rate with each shard's xxh3_128 checked ÷ "
+                "without (1.0: hashing costs nothing measurable)")
+        # tools/make_shards.py's throughput with 1 and 2 encoding processes of one thread each (--threads 1)
+        corpus_text = os.path.join(ROOT, "data", "austen.txt.gz")
+        tok = os.path.join(ROOT, SHARDS, "tokenizer.model")
+        writes = {w: p.point("shards", DEMO, input=corpus_text, tokenizer=tok, seq_len=128, workers=w,
+                             batch_chars=1 << 18) if have else None for w in (1, 2)}
+        p.entry("data:make-shards-1w", "data", "make_shards --workers 1 --threads 1", writes[1], "rate", "MB/s",
+                skipped=why, note="data/austen.txt.gz (4 MB) with the demo's tokenizer, n 128")
+        p.entry("data:make-shards-2w", "data", "make_shards --workers 2 --threads 1", writes[2], "rate", "MB/s",
+                "data:make-shards-1w", skipped=why)
     if "parallel" in a.only:   # the throughput part's dot model and global batch, split over 2 gloo processes
         model = shape(a, a.seq_len, a.layers)
         one = p.point("train", a.all_variants["dot"], model, env=CPU)

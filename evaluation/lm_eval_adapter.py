@@ -5,10 +5,11 @@
 
 model_args (key=value, comma-separated):
     path=DIR           release directory, run directory, its checkpoints/ or a step_* directory (required)
-    tokenizer=PATH     sentencepiece model, when the checkpoint holds no tokenizer.model
+    tokenizer=PATH     the run's tokenizer (tokenizer.model or tokenizer.json), when the checkpoint holds none
     batch_size=N       sequences per forward pass (auto → 32); device=cpu|cuda|cuda:N; dtype=float32|bfloat16
     newline=eos|text   eos (default): every line is a document, as tools/make_shards.py streams the corpus
-                       (line ids, eos, line ids, ...); text: a newline is encoded like any character
+                       (line ids, eos, line ids, ...); text: a newline is encoded like any character (the
+                       layout of shards made from records whose documents keep their newlines: JSONL, Parquet…)
     rolling_context=C  context carried into each later window of loglikelihood_rolling (default 1, as lm-eval's HF
                        model: disjoint windows of L tokens; C = L/2 gives every prediction ≥ L/2 tokens of context)
     max_gen_toks=N     default generation budget of generate_until (a task's max_gen_toks wins)
@@ -43,6 +44,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from model import ConfigError
 from model.generate import sample
 from pretrain.checkpoints import load_any
+from tokendata import tokenizer as tokenizers
+from tokendata.remote import DataError
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -92,8 +95,6 @@ class SynthformerLM(TemplateLM):
     def __init__(self, path=None, tokenizer=None, batch_size=1, device=None, dtype="float32", newline="eos",
                  rolling_context=1, max_gen_toks=256, max_batch_size=None, **unused):
         super().__init__()
-        import sentencepiece as spm
-
         if not path:
             raise ConfigError("model_args path=DIR is missing: give a release directory or a DeepSpeed checkpoint "
                               "(run directory, its checkpoints/ or a step_* directory)")
@@ -107,11 +108,14 @@ class SynthformerLM(TemplateLM):
         model, found_tokenizer, self.info = load_any(str(path))
         tokenizer = tokenizer or found_tokenizer
         if not tokenizer:
-            raise ConfigError(f"{path} holds no tokenizer.model; pass model_args tokenizer=PATH (the sentencepiece "
-                              f"model the run trained with)")
+            raise ConfigError(f"{path} holds no tokenizer (tokenizer.model or tokenizer.json); pass model_args "
+                              f"tokenizer=PATH (the tokenizer the run trained with)")
         if not os.path.isfile(tokenizer):
             raise ConfigError(f"model_args tokenizer={tokenizer} does not exist; pass the run's tokenizer.model")
-        self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+        try:
+            self.sp = tokenizers.load(str(tokenizer))
+        except DataError as e:
+            raise ConfigError(str(e)) from None
         L, V = model.cfg.max_seq_len, model.cfg.vocab_size
         if self.sp.vocab_size() > V or self.sp.eos_id() < 0:
             raise ConfigError(f"tokenizer {tokenizer} ({self.sp.vocab_size()} pieces, eos id {self.sp.eos_id()}) does "
@@ -174,7 +178,8 @@ class SynthformerLM(TemplateLM):
 
     def tok_decode(self, ids: list[int], continuation: bool = False) -> str:
         """Inverse of tok_encode. continuation=True: the ids go on a line already started, so a leading '▁' is a
-        space (sentencepiece's decode drops it, taking it for the dummy prefix that starts every encoded line)."""
+        space (sentencepiece's decode drops it, taking it for the dummy prefix that starts every encoded line; a
+        Hugging Face tokenizer's Metaspace decoder the same)."""
         lines = [[]]
         for i in ids:
             if i == self.eot_token_id and self.newline == "eos":
@@ -182,7 +187,7 @@ class SynthformerLM(TemplateLM):
             else:
                 lines[-1].append(i)
         text = [self.sp.decode(line) for line in lines]
-        if continuation and lines[0] and self.sp.id_to_piece(lines[0][0]).startswith("▁"):
+        if continuation and lines[0] and self.sp.word_start(lines[0][0]) and not text[0].startswith(" "):
             text[0] = " " + text[0]
         return "\n".join(text)
 

@@ -1,7 +1,8 @@
 """A model from any form it is kept in, for the evaluation and generation commands.
 
-    load(path, tokenizer=None)   (model at TP=1 in eval mode, SentencePieceProcessor, {"source", "step"}) from a
-                                 release, a DeepSpeed run / checkpoints / step_* directory, or a Hugging Face export
+    load(path, tokenizer=None)   (model at TP=1 in eval mode, its tokenizer (tokendata/tokenizer.py: sentencepiece
+                                 or Hugging Face), {"source", "step"}) from a release, a DeepSpeed run / checkpoints /
+                                 step_* directory, or a Hugging Face export
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import json
 import os
 import sys
 
-import sentencepiece as spm
-
 from cli import UsageError
 from model import ConfigError
+from model.release import find_tokenizer
 from pretrain.checkpoints import load_any
+from tokendata import tokenizer as tokenizers
+from tokendata.remote import DataError
 
 
 def is_hf_export(path: str) -> bool:
@@ -30,15 +32,14 @@ def load_hf(path: str):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
-    tokenizer = os.path.join(path, "tokenizer.model")
     step = (getattr(hf.config, "synthformer_training", None) or {}).get("step", 0)
     # The SynthesizerLM inside, in the export's own code and with the weights transformers loaded: the tools need
     # its parts (cached decoding), not only its logits.
-    return hf.model, tokenizer if os.path.isfile(tokenizer) else None, {"source": path, "step": step}
+    return hf.model, find_tokenizer(path), {"source": path, "step": step}
 
 
 def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
-    """(model in eval mode at TP=1, SentencePieceProcessor or None, info {"source", "step"}); UsageError otherwise."""
+    """(model in eval mode at TP=1, tokenizer or None, info {"source", "step"}); UsageError otherwise."""
     if not os.path.exists(path):
         raise UsageError(f"checkpoint {path} does not exist: pass a release directory or a DeepSpeed run/checkpoint")
     try:
@@ -51,13 +52,14 @@ def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
     tokenizer = tokenizer or found
     if tokenizer is None:
         if need_tokenizer:
-            raise UsageError(f"{info['source']} holds no tokenizer.model: pass --tokenizer PATH")
+            raise UsageError(f"{info['source']} holds no tokenizer (tokenizer.model or tokenizer.json): pass "
+                             "--tokenizer PATH")
         return model, None, info
     try:
-        sp = spm.SentencePieceProcessor(model_file=tokenizer)
-    except (RuntimeError, OSError) as e:
-        raise UsageError(f"cannot load tokenizer {tokenizer}: {str(e).strip().splitlines()[0]}") from None
-    if sp.vocab_size() != model.cfg.vocab_size:
+        sp = tokenizers.load(tokenizer)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if sp.vocab_size() > model.cfg.vocab_size:   # fewer is padding of the model's vocabulary (model.vocab_size)
         raise UsageError(f"tokenizer {tokenizer} has {sp.vocab_size()} ids but the model's vocab_size is "
                          f"{model.cfg.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
     return model, sp, info

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 
-import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
 from cli import UsageError
 from model.parallel import cross_entropy
-from tokendata import remote
+from tokendata import tokenizer as tokenizers
 from tokendata.corpus import documents
 from tokendata.shards import DataError, check_seq_len, check_vocab, read_manifest, tokenizer_path
 from tokendata.stream import TokenStream
@@ -45,6 +45,27 @@ def piece_bytes(sp) -> tuple[torch.Tensor, torch.Tensor]:
     return n, space
 
 
+def decoded_bytes(tok, tokens: torch.Tensor, eos: int) -> int:
+    """UTF-8 bytes of the decoded targets 1..n of each sample (B, n+1), for tokenizers whose pieces do not add up
+    (a Hugging Face tokenizer's decoder joins them): the documents between eos are decoded, one byte per eos (the
+    document boundary, as for sentencepiece), and a first segment that continues the document of token 0 counts as
+    text(token 0 + segment) − text(token 0)."""
+    total = 0
+    for row in tokens.tolist():
+        segments, current = [], []
+        for t in row[1:]:
+            if t == eos:
+                segments.append(current)
+                current = []
+            else:
+                current.append(t)
+        first, *rest = segments + [current]
+        context = [] if row[0] == eos else [row[0]]
+        total += len(tok.decode(context + first).encode()) - len(tok.decode(context).encode())
+        total += sum(len(tok.decode(s).encode()) for s in rest) + len(rest)
+    return total
+
+
 def target_bytes(table, prev: torch.Tensor, targets: torch.Tensor, eos: int, dummy_prefix: bool) -> int:
     """UTF-8 bytes of the targets (any shape), given the token before each (a document starts after eos)."""
     n, space = table
@@ -66,9 +87,10 @@ def windows(T: int, L: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def evaluate_text(model, sp, texts: list[str], stride: int | None = None, batch_size: int = 8,
+def evaluate_text(model, sp, texts: list, stride: int | None = None, batch_size: int = 8,
                   progress: bool = False) -> dict:
-    """Sliding-window NLL over each text's stream [eos] doc eos doc eos …; see the module docstring.
+    """Sliding-window NLL over each text's stream [eos] doc eos doc eos …; see the module docstring. A text: a string
+    (a document a line) or a list of documents (tokendata/corpus.py's records, newlines kept).
 
     stride: 1 … L (default L/2). Returns summarize(...) plus the stride used.
     """
@@ -78,7 +100,7 @@ def evaluate_text(model, sp, texts: list[str], stride: int | None = None, batch_
         raise UsageError(f"--stride {stride} must be between 1 and the model's max_seq_len {L}")
     streams, n_bytes = [], 0
     for text in texts:
-        docs = documents(text)
+        docs = documents(text) if isinstance(text, str) else text
         ids = [eos]
         for doc in docs:
             ids += sp.encode(doc) + [eos]
@@ -113,9 +135,13 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
         batches = stream.val_batches(split=split)
     except DataError as e:
         raise UsageError(str(e)) from None
-    sp = spm.SentencePieceProcessor(model_file=remote.local_copy(tokenizer_path(manifest)))
-    table, eos = piece_bytes(sp), manifest["eos_id"]
-    dummy = sp.encode("a", out_type=str)[0].startswith("▁")
+    sp = tokenizers.load(tokenizers.local_copy(tokenizer_path(manifest), tempfile.gettempdir()))
+    eos = manifest["eos_id"]
+    if sp.kind == tokenizers.SENTENCEPIECE:   # bytes from a table of the pieces' texts
+        table, dummy = piece_bytes(sp), sp.encode("a", out_type=str)[0].startswith("▁")
+        count = lambda tokens: target_bytes(table, tokens[:, :-1], tokens[:, 1:], eos, dummy)  # noqa: E731
+    else:
+        count = lambda tokens: decoded_bytes(sp, tokens, eos)  # noqa: E731
     # val_batches wraps round to the start to fill its last batch: stop after the split's sample count.
     available = sum(s["samples"] for s in manifest["splits"][split]["shards"])
     todo = available if max_samples is None else min(max_samples, available)
@@ -124,7 +150,7 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
         for batch in batches:
             tokens = batch["tokens"][:todo - done]                                         # (B, n+1)
             nll += token_nll(model, tokens[:, :-1], tokens[:, 1:]).double().sum().item()
-            n_bytes += target_bytes(table, tokens[:, :-1], tokens[:, 1:], eos, dummy)
+            n_bytes += count(tokens)
             done += len(tokens)
             bar.update(len(tokens))
             if done >= todo:

@@ -8,6 +8,9 @@
                                        import (config, decoding, fields, forms, lm, mixers, synthesizers, variants,
                                        kernels, parallel)
     <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
+    <hf dir>/tokenizer.json            + tokenizer_config.json (PreTrainedTokenizerFast, its eos_token): a release
+                                       trained with a Hugging Face tokenizer; AutoTokenizer gives the training ids
+                                       (the tokenizer adds no bos or eos unless its own post-processor does)
     <hf dir>/train_config.yaml         (when the release has one)
 
 The directory loads on its own, offline, from any working directory:
@@ -25,7 +28,7 @@ import shutil
 from dataclasses import fields
 
 from .config import ConfigError, ModelConfig
-from .release import DTYPES, read_release, save_release
+from .release import DTYPES, HF_TOKENIZER, HF_TOKENIZER_CONFIG, find_tokenizer, read_release, save_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_TYPE = "synthformer"
@@ -65,12 +68,41 @@ def _transformers_version() -> str | None:
 
 
 def _special_ids(tokenizer: str) -> dict:
-    """bos/eos/pad ids of a sentencepiece model (sentencepiece reports an absent one as -1)."""
+    """bos/eos/pad ids of a sentencepiece model (sentencepiece reports an absent one as -1), or the eos id of a
+    Hugging Face tokenizer.json (its eos_token: the tokenizer_config.json beside it)."""
+    if os.path.basename(tokenizer) == HF_TOKENIZER:
+        from tokenizers import Tokenizer
+
+        eos = _hf_tokenizer_config(tokenizer).get("eos_token")
+        eos_id = Tokenizer.from_file(tokenizer).token_to_id(eos) if isinstance(eos, str) else None
+        return {} if eos_id is None else {"eos_token_id": eos_id}
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=tokenizer)
     ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
     return {k: v for k, v in ids.items() if v >= 0}
+
+
+def _hf_tokenizer_config(tokenizer: str) -> dict:
+    path = os.path.join(os.path.dirname(tokenizer), HF_TOKENIZER_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _copy_tokenizer(tokenizer: str, tmp: str, cfg: ModelConfig) -> None:
+    """The release's tokenizer into an export, with what AutoTokenizer needs to load it offline."""
+    shutil.copy(tokenizer, os.path.join(tmp, os.path.basename(tokenizer)))
+    if os.path.basename(tokenizer) == HF_TOKENIZER:
+        config = {**_hf_tokenizer_config(tokenizer), "tokenizer_class": "PreTrainedTokenizerFast",
+                  "model_max_length": cfg.max_seq_len, "padding_side": "right"}
+        _write_json(os.path.join(tmp, HF_TOKENIZER_CONFIG), config)
+        return
+    shutil.copy(os.path.join(HERE, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
+    _write_json(os.path.join(tmp, "tokenizer_config.json"),
+                {"tokenizer_class": "SynthformerTokenizer", "model_max_length": cfg.max_seq_len,
+                 "auto_map": {"AutoTokenizer": ["tokenization_synthformer.SynthformerTokenizer", None]}})
 
 
 def hf_config(cfg: ModelConfig, dtype: str, training: dict | None = None, special_ids: dict | None = None) -> dict:
@@ -92,9 +124,8 @@ def release_to_hf(release_dir: str, out_dir: str) -> None:
     from safetensors.torch import save_file
 
     cfg, tensors, meta = read_release(release_dir)
-    tokenizer = os.path.join(release_dir, "tokenizer.model")
-    has_tokenizer = os.path.isfile(tokenizer)
-    special = _special_ids(tokenizer) if has_tokenizer else {}
+    tokenizer = find_tokenizer(release_dir)
+    special = _special_ids(tokenizer) if tokenizer else {}
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -106,12 +137,8 @@ def release_to_hf(release_dir: str, out_dir: str) -> None:
     _write_json(os.path.join(tmp, "generation_config.json"), generation)
     for name in code_files():
         shutil.copy(os.path.join(HERE, name), os.path.join(tmp, name))
-    if has_tokenizer:
-        shutil.copy(tokenizer, os.path.join(tmp, "tokenizer.model"))
-        shutil.copy(os.path.join(HERE, TOKENIZER_FILE), os.path.join(tmp, TOKENIZER_FILE))
-        _write_json(os.path.join(tmp, "tokenizer_config.json"),
-                    {"tokenizer_class": "SynthformerTokenizer", "model_max_length": cfg.max_seq_len,
-                     "auto_map": {"AutoTokenizer": ["tokenization_synthformer.SynthformerTokenizer", None]}})
+    if tokenizer:
+        _copy_tokenizer(tokenizer, tmp, cfg)
     train_config = os.path.join(release_dir, "train_config.yaml")
     if os.path.isfile(train_config):
         shutil.copy(train_config, os.path.join(tmp, "train_config.yaml"))
@@ -160,6 +187,6 @@ def hf_to_release(hf_dir: str, out_dir: str) -> None:
         # save_release would cast; say so rather than silently change the bits of a re-saved model.
         found = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
         raise ConfigError(f"{weights} holds {', '.join(found)} tensors but config.json says dtype={dtype}")
-    optional = {name: os.path.join(hf_dir, name) for name in ("tokenizer.model", "train_config.yaml")}
-    save_release(out_dir, cfg, tensors, dtype=dtype, tokenizer=optional["tokenizer.model"],
-                 train_config=optional["train_config.yaml"], training=config.get("synthformer_training") or {})
+    save_release(out_dir, cfg, tensors, dtype=dtype, tokenizer=find_tokenizer(hf_dir),
+                 train_config=os.path.join(hf_dir, "train_config.yaml"),
+                 training=config.get("synthformer_training") or {})

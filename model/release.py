@@ -3,7 +3,8 @@
     <dir>/config.json        {"format": "synthformer-release", "format_version": 1, "model": ModelConfig fields,
                               "dtype": "float32" | "bfloat16", "training": {"step", "tokens", "source"}}
     <dir>/model.safetensors  canonical names of `SynthesizerLM.state_dict()` (`wte.weight`, `blocks.3.mixer.…`)
-    <dir>/tokenizer.model    the sentencepiece model the run trained with (when known)
+    <dir>/tokenizer.model    the sentencepiece model the run trained with (when known), or its Hugging Face tokenizer:
+                             tokenizer.json and tokenizer_config.json (TOKENIZER_FILES)
     <dir>/train_config.yaml  the training config of the run (when known)
 
 Written by `tools/convert.py`, read by the trainer (`train.init_from=DIR`), the Hugging Face export and the evaluation
@@ -24,6 +25,31 @@ from .config import ConfigError, ModelConfig
 from .lm import SynthesizerLM
 
 FORMAT, FORMAT_VERSION = "synthformer-release", 1
+# what a release, a checkpoint or an export carries of the run's tokenizer (written by tokendata/tokenizer.py): a
+# sentencepiece model, or a Hugging Face tokenizer.json with the tokenizer_config.json that names its eos_token
+SP_TOKENIZER, HF_TOKENIZER, HF_TOKENIZER_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
+TOKENIZER_FILES = (SP_TOKENIZER, HF_TOKENIZER, HF_TOKENIZER_CONFIG)
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """The files of the tokenizer at `path`: itself, and for a tokenizer.json the tokenizer_config.json beside it."""
+    config = os.path.join(os.path.dirname(path), HF_TOKENIZER_CONFIG)
+    return [path] + ([config] if os.path.basename(path) == HF_TOKENIZER and os.path.isfile(config) else [])
+
+
+def find_tokenizer(directory: str) -> str | None:
+    """The tokenizer a directory carries (its tokenizer.model or tokenizer.json), or None."""
+    return next((os.path.join(directory, name) for name in (SP_TOKENIZER, HF_TOKENIZER)
+                 if os.path.isfile(os.path.join(directory, name))), None)
+
+
+def copy_tokenizer(path: str | None, directory: str) -> None:
+    """The files of the tokenizer at `path` (if any) into `directory`, under the names TOKENIZER_FILES. A tokenizer
+    of any other name is a sentencepiece model (data.tokenizer may name one)."""
+    if path and os.path.exists(path):
+        for source in tokenizer_files(path):
+            name = os.path.basename(source) if os.path.basename(path) == HF_TOKENIZER else SP_TOKENIZER
+            shutil.copy(source, os.path.join(directory, name))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -59,8 +85,7 @@ def save_release(directory: str, cfg: ModelConfig, tensors: dict[str, torch.Tens
             "training": training or {}}
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    if tokenizer and os.path.exists(tokenizer):
-        shutil.copy(tokenizer, os.path.join(tmp, "tokenizer.model"))
+    copy_tokenizer(tokenizer, tmp)
     if train_config and os.path.exists(train_config):
         shutil.copy(train_config, os.path.join(tmp, "train_config.yaml"))
     shutil.rmtree(directory, ignore_errors=True)

@@ -32,8 +32,8 @@ from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
-from tokendata import remote
-from tokendata.shards import DataError, opening
+from tokendata import tokenizer as tokenizers
+from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
 from tokendata.stream import TokenStream
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
@@ -51,11 +51,12 @@ class Trainer:
                                   dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
                                   seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
                                   pin_memory=lay.device.type == "cuda", cache_dir=cfg.data.cache_dir,
-                                  decide=lambda check: distributed.from_rank0(check, lay))
+                                  decide=lambda check: distributed.from_rank0(check, lay), verify=cfg.data.verify)
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.retries_read = 0   # network fetches the train batches' workers retried
-        # sentencepiece reads a local file: a tokenizer beside remote shards is fetched into the run directory
-        self.tokenizer = remote.local_copy(cfg.data.tokenizer, cfg.train.run_dir)
+        # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
+        self.tokenizer = tokenizers.local_copy(cfg.data.tokenizer or tokenizer_path(self.stream.manifest),
+                                               cfg.train.run_dir)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world,
@@ -72,6 +73,8 @@ class Trainer:
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
                                          lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
+        for note in filter(None, self.stream.notes + [check_vocab(self.stream.manifest, cfg.model.vocab_size)]):
+            self.log.info(note)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
@@ -318,8 +321,6 @@ class Trainer:
         """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
         over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the
         first stage. Every rank that holds part of that model computes (TP, ZeRO-3 collectives); rank 0 writes."""
-        import sentencepiece as spm
-
         model = self.joined_model() if self.pipeline else self.engine.module
         if model is None:
             return
@@ -328,7 +329,7 @@ class Trainer:
         first = next(iter(self.stream.val_batches(1)))["tokens"][:1, :-1]
         maps = [tp.gather_heads(A) for A in model.attention_maps(first[:, :IMAGE_TOKENS].to(dev))]
         self.log.attention(self.step, layer_maps(cfg.model, maps))
-        sp = spm.SentencePieceProcessor(model_file=self.tokenizer)
+        sp = tokenizers.load(self.tokenizer)
         ids = (sp.encode(cfg.logging.sample_prompt) if cfg.logging.sample_prompt is not None
                else opening(first[0], sp.eos_id(), OPENING_TOKENS))   # the opening of a validation document
         out = sample(model, torch.tensor([ids], device=dev), cfg.logging.sample_tokens, temperature=0.8, top_k=50,

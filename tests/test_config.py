@@ -95,7 +95,7 @@ def test_demo_values():
     assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len) == (4096, 128, 4, 4, 128)
     assert (t.global_batch_size, t.micro_batch_size, t.precision, cfg.parallel.zero_stage) == (16, 8, "fp32", 2)
     assert cfg.check_runtime(2, cuda=False).grad_accum == 1
-    assert cfg.data.tokenizer == "build/demo/shards/tokenizer.model"  # default: beside the shards
+    assert cfg.data.tokenizer is None  # default: the one beside the shards that their manifest names
     assert cfg.checkpoint.dir == "runs/demo/checkpoints" and cfg.logging.tensorboard_dir == "runs/demo/tensorboard"
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+import xxhash
 
 from model.config import ConfigError
 from pretrain.config import load_config
@@ -59,14 +60,14 @@ def built(tmp_path_factory):
 
 
 def tar_samples(path):
-    """(key, token array) of every sample in a tar, read with tarfile alone (independent of the loader)."""
-    out = []
+    """(key, token array) of every sample in a shard of format 2, read with tarfile alone (independent of the
+    loader): its one member holds the samples back to back."""
     with tarfile.open(path) as tar:
-        for member in tar.getmembers():
-            key, ext = member.name.split(".", 1)
-            assert ext == "tokens.u16", member.name
-            out.append((key, np.frombuffer(tar.extractfile(member).read(), dtype="<u2")))
-    return out
+        (member,) = tar.getmembers()
+        stem, ext = member.name.split(".", 1)
+        assert ext == "tokens.u16" and stem == os.path.basename(path)[:-len(".tar")], member.name
+        ids = np.frombuffer(tar.extractfile(member).read(), dtype="<u2").reshape(-1, SEQ + 1)
+    return [(f"{stem}-{k:06d}", row) for k, row in enumerate(ids)]
 
 
 def stream(built, **kw):
@@ -92,7 +93,8 @@ def one_line(exc_info, *needles):
 
 def test_make_shards_manifest_matches_tars(built):
     m, d = built["manifest"], built["dir"]
-    assert (m["format"], m["seq_len"], m["vocab_size"], m["dtype"]) == (1, SEQ, VOCAB, "uint16")
+    assert (m["format"], m["seq_len"], m["vocab_size"], m["dtype"], m["hash"]) == (2, SEQ, VOCAB, "uint16", "xxh3_128")
+    assert (m["tokenizer"], m["tokenizer_kind"]) == ("tokenizer.model", "sentencepiece")
     all_ids = []
     for split in ("train", "val"):
         info = m["splits"][split]
@@ -101,6 +103,7 @@ def test_make_shards_manifest_matches_tars(built):
             samples = tar_samples(os.path.join(d, shard["name"]))
             assert len(samples) == shard["samples"] and shard["first_id"] == samples[0][0]
             assert shard["bytes"] == os.path.getsize(os.path.join(d, shard["name"]))
+            assert shard["hash"] == xxhash.xxh3_128_hexdigest(open(os.path.join(d, shard["name"]), "rb").read())
             assert all(len(tokens) == SEQ + 1 for _, tokens in samples)
             all_ids += [key for key, _ in samples]
         assert info["samples"] == sum(s["samples"] for s in info["shards"]) and info["tokens"] == info["samples"] * SEQ
@@ -309,10 +312,12 @@ def test_seq_len_vocab_and_shard_count_errors(built):
     with pytest.raises(DataError) as e:
         TokenStream(built["dir"], B, 64)
     one_line(e, built["dir"], f"seq_len={SEQ}", "seq_len=64")
-    check_vocab(built["manifest"], VOCAB)
+    assert check_vocab(built["manifest"], VOCAB) is None
+    note = check_vocab(built["manifest"], 640)   # padded (tensor parallelism splits 640 evenly): a note, no error
+    assert "model.vocab_size=640" in note and f"ids {VOCAB}..639 are padding" in note
     with pytest.raises(DataError) as e:
-        check_vocab(built["manifest"], 1000)
-    one_line(e, f"vocab_size={VOCAB}", "model.vocab_size=1000", "tokenizer.model", "rebuild the shards")
+        check_vocab(built["manifest"], 300)
+    one_line(e, f"vocab_size={VOCAB}", "model.vocab_size=300", "tokenizer.model", "rebuild the shards")
     n = len(built["manifest"]["splits"]["train"]["shards"])
     with pytest.raises(DataError) as e:
         TokenStream(built["dir"], B, SEQ, dp_rank=0, dp_world=n, num_workers=2)
@@ -353,13 +358,16 @@ def damaged_copy(built, tmp_path, how, split="train", index=3):
         os.truncate(path, os.path.getsize(path) // 2)
     elif how == "empty":
         open(path, "wb").close()
-    else:  # garbage over the middle of one member's 512-byte header: the checksum fails, the size stays
-        with tarfile.open(path) as tar:
-            members = tar.getmembers()
-        at = members[0 if how == "corrupt-first" else len(members) // 2].offset
+    elif how == "corrupt-header":  # garbage over the middle of the member's 512-byte header: its checksum fails
         with open(path, "r+b") as f:
-            f.seek(at + 100)
+            f.seek(100)
             f.write(bytes(range(200)))
+    else:  # "flipped": one bit of one token id of sample 2 (past the 512-byte header), the size unchanged
+        with open(path, "r+b") as f:
+            f.seek(512 + 2 * (SEQ + 1) * 2 + 6)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0x01]))
     return str(d), path
 
 
@@ -392,20 +400,25 @@ def test_bad_shard_size_fails_or_is_skipped_at_construction(built, tmp_path, how
     assert [b["ids"] for b in take(again, 4)] == [b["ids"] for b in batches[5:9]]
 
 
-@pytest.mark.parametrize("how", ["corrupt-first", "corrupt-middle"])
-def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd, how):
+@pytest.mark.parametrize("how,verify", [("corrupt-header", "size"), ("flipped", "hash")])
+def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd, how, verify):
+    """A damaged header is found by tar's checksum (data.verify=size); a flipped bit in a token, by the content hash
+    (the default, hash), which names both hashes."""
     d, path = damaged_copy(built, tmp_path, how)
     name = os.path.basename(path)
-    assert TokenStream(d, B, SEQ).skipped_shards == []  # the size is right: found only when read
+    assert TokenStream(d, B, SEQ, verify=verify).skipped_shards == []  # the size is right: found only when read
     counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    want = built["manifest"]["splits"]["train"]["shards"][3]["hash"]
     for workers in (0, 2):
         with pytest.raises(DataError) as e:  # a worker's DataError arrives as one line, not its traceback
-            take(TokenStream(d, B, SEQ, num_workers=workers), sum(counts.values()) // B + 1)
+            take(TokenStream(d, B, SEQ, num_workers=workers, verify=verify), sum(counts.values()) // B + 1)
         assert type(e.value) is DataError
-        one_line(e, path, "unreadable (ReadError" if how == "corrupt-first" else "manifest.json says 50",
+        got = xxhash.xxh3_128_hexdigest(open(path, "rb").read())
+        one_line(e, path, *(["unreadable (ReadError"] if how == "corrupt-header" else
+                             ["content hash", f"xxh3_128:{got}", f"manifest.json says xxh3_128:{want}"]),
                  "data.bad_shards=skip")
     capfd.readouterr()
-    s = TokenStream(d, B, SEQ, num_workers=2, bad_shards="skip")
+    s = TokenStream(d, B, SEQ, num_workers=2, bad_shards="skip", verify=verify)
     per_worker, batches = read_epochs(s, dict(counts, **{name: 0}))
     err = capfd.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
@@ -419,11 +432,69 @@ def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd,
     assert not any(i.startswith(name[: -len(".tar")]) for b in batches for i in b["ids"])  # nor in the next epoch
 
 
+def test_a_flipped_token_is_found_by_the_hash_not_by_the_size(built, tmp_path):
+    """Under data.verify=size the flipped bit reaches a batch as a wrong token id; under hash (the default) the shard
+    is read twice and then refused."""
+    d, path = damaged_copy(built, tmp_path, "flipped")
+    key = os.path.basename(path)[:-len(".tar")] + "-000002"
+    original = dict(tar_samples(os.path.join(built["dir"], os.path.basename(path))))[key]
+    n = built["manifest"]["splits"]["train"]["samples"] // B + 1
+    rows = {k: row for b in take(TokenStream(d, B, SEQ, verify="size"), n) for k, row in zip(b["ids"], b["tokens"])}
+    assert (rows[key].numpy() != original).sum() == 1   # trained on silently: one token id off by one bit
+    with pytest.raises(DataError) as e:
+        take(TokenStream(d, B, SEQ), n)
+    one_line(e, path, "content hash", "(read twice)")
+
+
+def test_a_damaged_cached_copy_is_fetched_again_past_the_cache_and_replaced(built, tmp_path):
+    """data.cache_dir holds a copy with a flipped bit: the hash fails, the shard is read again from its source
+    (past the cache), the batch is right, and the good copy replaces the damaged one."""
+    cache = tmp_path / "cache"
+    n = built["manifest"]["splits"]["train"]["samples"] // B
+    straight = take(TokenStream(built["dir"], B, SEQ, cache_dir=str(cache)), n)
+    name = built["manifest"]["splits"]["train"]["shards"][3]
+    copy = cache / f"{name['name']}.{name['bytes']}"
+    good = copy.read_bytes()
+    damaged = bytearray(good)
+    damaged[512 + 7] ^= 0x01
+    copy.write_bytes(bytes(damaged))
+    again = take(TokenStream(built["dir"], B, SEQ, cache_dir=str(cache)), n)
+    assert [b["ids"] for b in again] == [b["ids"] for b in straight]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(again, straight))
+    assert copy.read_bytes() == good
+
+
+@pytest.mark.parametrize("found", ["before", "after"])
+def test_resume_is_exact_with_a_shard_found_bad_while_reading(built, tmp_path, found):
+    """A shard whose hash fails gives no samples wherever it is read, and the stream remembers the ones its batches
+    reported: resumed before or after the batch that reported it, the batches are the uninterrupted run's."""
+    d, path = damaged_copy(built, tmp_path, "flipped")
+    kw = dict(num_workers=2, bad_shards="skip")
+    s = TokenStream(d, B, SEQ, **kw)
+    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
+    (w0, w1), straight = read_epochs(s, dict(counts, **{os.path.basename(path): 0}), epoch_count=2)
+    reported = next(j for j, b in enumerate(straight) if b["skipped_shards"])
+    assert straight[reported]["skipped_shards"] == [path] and s.bad_shards_read == {os.path.basename(path)}
+    cut = len(straight) - 20 if found == "after" else max(1, reported - 2)   # "after": in the next epoch
+    first = TokenStream(d, B, SEQ, **kw)
+    take(first, cut)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["bad_shards_read"] == ([os.path.basename(path)] if found == "after" else [])
+    again = TokenStream(d, B, SEQ, **kw)
+    again.load_state_dict(state)
+    got = take(again, len(straight) - cut)
+    assert [b["ids"] for b in got] == [b["ids"] for b in straight[cut:]]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight[cut:]))
+    # a shard reported before the checkpoint is not opened again; one reported after it is found as before
+    reports = sum(len(b["skipped_shards"]) for b in got)
+    assert reports == 0 if found == "after" else reports >= 1
+
+
 def test_bad_val_shard_in_validation_batches(built, tmp_path, capfd):
-    d, path = damaged_copy(built, tmp_path, "corrupt-first", split="val", index=1)
+    d, path = damaged_copy(built, tmp_path, "flipped", split="val", index=1)
     with pytest.raises(DataError) as e:
         list(TokenStream(d, B, SEQ).val_batches())
-    one_line(e, path, "unreadable")
+    one_line(e, path, "content hash")
     batches = list(TokenStream(d, B, SEQ, bad_shards="skip").val_batches())
     assert path in capfd.readouterr().err
     assert [p for b in batches for p in b["skipped_shards"]] == [path]
@@ -436,17 +507,20 @@ def test_bad_val_shard_in_validation_batches(built, tmp_path, capfd):
     assert ids == (good * 2)[: len(ids)]
 
 
-def test_manifest_without_bytes_still_loads_and_names_a_short_shard(built, tmp_path):
-    d, path = damaged_copy(built, tmp_path, "truncated")
+def test_manifest_without_bytes_still_loads_and_names_a_short_shard(tmp_path):
+    """A format-1 manifest of older code, without "bytes" (tests/data/format1, its sizes removed)."""
+    d = str(shutil.copytree(os.path.join(ROOT, "tests", "data", "format1", "shards"), tmp_path / "old"))
+    path = os.path.join(d, "train-000003.tar")
+    os.truncate(path, os.path.getsize(path) // 2)
     m = json.loads(open(os.path.join(d, "manifest.json")).read())
     for split in m["splits"].values():
         for shard in split["shards"]:
             del shard["bytes"]
     with open(os.path.join(d, "manifest.json"), "w") as f:
         json.dump(m, f)
-    s = TokenStream(d, B, SEQ)  # an older manifest: no size check, the shard is found when read
+    s = TokenStream(d, 2, m["seq_len"])  # an older manifest: no size check, the shard is found when read
     with pytest.raises(DataError) as e:
-        take(s, m["splits"]["train"]["samples"] // B + 1)
+        take(s, m["splits"]["train"]["samples"] // 2 + 1)
     one_line(e, path, "rebuild")
 
 

@@ -106,12 +106,14 @@ def test_bits_per_byte_hand_built(sp):
 
 
 def read_split(shard_dir, split):
-    """Every sample of a split straight from the tar files (not through tokendata.stream)."""
+    """Every sample of a split straight from the tar files (not through tokendata.stream): each shard's one member
+    holds its samples of n+1 ids back to back."""
+    n = json.load(open(os.path.join(shard_dir, "manifest.json")))["seq_len"]
     out = []
     for name in sorted(f for f in os.listdir(shard_dir) if f.startswith(split + "-")):
         with tarfile.open(os.path.join(shard_dir, name)) as tar:
-            for m in sorted(tar.getmembers(), key=lambda m: m.name):
-                out.append(np.frombuffer(tar.extractfile(m).read(), dtype="<u2").astype(np.int64))
+            (m,) = tar.getmembers()
+            out += list(np.frombuffer(tar.extractfile(m).read(), dtype="<u2").astype(np.int64).reshape(-1, n + 1))
     return out
 
 

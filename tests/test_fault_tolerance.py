@@ -160,7 +160,7 @@ def corrupt(path):
 
 
 def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
-    """A truncated shard (found when the run starts) and a corrupt one (found when first read): with
+    """A truncated shard (found when the run starts) and a corrupt one (found when first read, by its hash): with
     data.bad_shards=skip both are named, counted in TensorBoard's data/skipped_shards and left out; with the default
     (fail) the run stops with one line naming the corrupt file."""
     from tokendata.stream import TokenStream
@@ -181,7 +181,7 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     cfg = write_config(tmp_path / "skip.yaml", str(bad), run, data={"bad_shards": "skip"}, train={"max_steps": 4})
     r = launch(cfg, 2, "logging.sample_ids=true")
     assert f"skipping 1 bad shards (data.bad_shards=skip): {truncated} (has " in r.stdout
-    assert f"warning: shard {bad / first_read} is unreadable" in r.stdout + r.stderr
+    assert f"warning: shard {bad / first_read} has content hash" in r.stdout + r.stderr   # data.verify=hash
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [row["data/skipped_shards"] for row in rows if "data/skipped_shards" in row][-1] == 2
     seen = {i for rank in (0, 1) for row in (json.loads(l) for l in open(run / "sample_ids" / f"rank{rank}.jsonl"))
@@ -199,4 +199,4 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     corrupt(bad / first_read)
     r = launch(cfg, 2, check=False, launcher=True)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode != 0 and errors and f"shard {bad / first_read} is unreadable" in errors[0], r.stderr[-3000:]
+    assert r.returncode != 0 and errors and f"shard {bad / first_read} has content hash" in errors[0], r.stderr[-3000:]

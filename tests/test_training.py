@@ -185,7 +185,7 @@ def test_errors_are_one_line(shards, tmp_path):
     one_line_error(run_train(cfg, f"data.shard_dir={tmp_path}/nope"), f"{tmp_path}/nope")
     (tmp_path / "empty").mkdir()
     one_line_error(run_train(cfg, f"data.shard_dir={tmp_path}/empty"), f"{tmp_path}/empty")
-    one_line_error(run_train(cfg, "model.vocab_size=1024"), "vocab_size=512", "model.vocab_size=1024")
+    one_line_error(run_train(cfg, "model.vocab_size=256"), "vocab_size=512", "model.vocab_size=256")   # fewer ids
     one_line_error(run_train(cfg, "train.learning_rate=1e-3"), "train.learning_rate", "train.lr")
     one_line_error(run_train(cfg, "train.lr=-1"), "train.lr", "-1")
     one_line_error(run_train(str(tmp_path / "missing.yaml")), "missing.yaml")
@@ -205,7 +205,7 @@ def test_launch_errors_are_one_line_before_any_rank_starts(shards, tmp_path):
                        model={"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
                               "mixer": ["random+dot", "factorized_dense"]}, parallel={"zero_stage": 1})
     cases = [(["data.shard_dir=/nonexistent/shards"], 2, ["/nonexistent/shards", "does not exist"]),
-             (["model.vocab_size=1024"], 2, ["vocab_size=512", "model.vocab_size=1024"]),
+             (["model.vocab_size=256"], 2, ["vocab_size=512", "model.vocab_size=256"]),
              (["model.max_seq_len=64"], 2, ["32 tokens", "model.max_seq_len=64", "--seq-len 64"]),
              (["parallel.tp=2"], 2, ["parallel.tp=1", "parallel.tp=2", "tools/convert.py"]),
              ([], 1, ["written by 2 ranks", "launch 2", "tools/convert.py"])]

@@ -3,10 +3,13 @@
     remote.py       where shards live (a directory, http(s)://, pipe:COMMAND, fsspec URLs) and DataError
     shards.py       the shard format and its manifest, written by tools/make_shards.py; the checks of a shard set
                     against a model (vocabulary, sequence length)
-    shard_files.py  fetching and parsing one shard; what a bad one does
+    shard_files.py  fetching, verifying (data.verify) and parsing one shard; what a bad one does
     stream.py       TokenStream: the resumable, deterministic train batches of one data-parallel rank, and its
                     validation batches
-    corpus.py       reading a text corpus (plain or gzip, one document a line)
+    corpus.py       reading a corpus: text (a document a line), JSONL, Parquet, Hugging Face datasets (a record a
+                    document, newlines kept); bad records
+    tokenizer.py    the tokenizer of a shard set: sentencepiece or Hugging Face, one interface for every reader
+    encode.py       a corpus into one stream of ids, in N processes, the same for any N
 
 It imports nothing from the rest of the project: the trainer (pretrain/), evaluation (evaluation/) and the data
 commands (tools/make_shards.py, tools/make_tasks.py, tools/train_tokenizer.py) all build on it.

@@ -138,11 +138,13 @@ def _reason(e: OSError) -> str:
         ("not found" if isinstance(e, FileNotFoundError) else "permission denied")
 
 
-def fetch(url: str, size: int | None = None, cache: str | None = None, what: str = "shard") -> tuple[bytes, int]:
+def fetch(url: str, size: int | None = None, cache: str | None = None, what: str = "shard",
+          refresh: bool = False) -> tuple[bytes, int]:
     """(the file's bytes, retries it took). `size` (the manifest's) makes a short read a transient fault and keys the
-    cache: with `cache` (a local file path, unique to the name and size) a file already there is read from it, and a
-    fetched one is written there (under a temporary name, then renamed: readers on the node share it)."""
-    if cache and size is not None and os.path.isfile(cache) and os.path.getsize(cache) == size:
+    cache: with `cache` (a local file path, unique to the name and size) a file already there is read from it (unless
+    `refresh`), and a fetched one is written there (under a temporary name, then renamed: readers on the node share
+    it)."""
+    if cache and size is not None and not refresh and os.path.isfile(cache) and os.path.getsize(cache) == size:
         url = cache
 
     def attempt(got):

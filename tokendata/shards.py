@@ -1,24 +1,35 @@
 """The shard format: what tools/make_shards.py writes and tokendata/stream.py reads, defined here once, and the checks
 of a shard set against a model (`check_vocab`, `check_seq_len`).
 
-    <shard_dir>/manifest.json     {"format": 1, "seq_len": n, "vocab_size": V, "eos_id", "tokenizer": "tokenizer.model",
-                                   "tokenizer_sha256", "dtype": "uint16" | "int32", "seed", "val_fraction", "inputs",
-                                   "splits": {"train" | "val": {"samples", "tokens", "shards": [{"name", "samples",
-                                   "first_id", "first_index", "bytes"}, ...]}}}
-    <shard_dir>/<split>-NNNNNN.tar  WebDataset tars; sample k of shard NNNNNN is "<split>-NNNNNN-kkkkkk" with one
-                                   member "tokens.u16" (or "tokens.i32"): n + 1 little-endian token ids, a window of
-                                   the tokenized stream (documents joined by eos) whose last id starts the next one
-    <shard_dir>/tokenizer.model   a copy of the sentencepiece model the tokens come from
+    <shard_dir>/manifest.json     {"format": 2, "seq_len": n, "vocab_size": V, "eos_id", "tokenizer": "tokenizer.model"
+                                   | "tokenizer.json", "tokenizer_kind": "sentencepiece" | "huggingface",
+                                   "tokenizer_sha256", "dtype": "uint16" | "int32", "hash": "xxh3_128", "seed",
+                                   "val_fraction", "inputs", "splits": {"train" | "val": {"samples", "tokens",
+                                   "shards": [{"name", "samples", "first_id", "first_index", "bytes", "hash"}, ...]}}}
+    <shard_dir>/<split>-NNNNNN.tar  a tar of ONE member "<split>-NNNNNN.tokens.u16" (or .tokens.i32): the shard's
+                                   samples back to back, each n + 1 little-endian token ids, a window of the tokenized
+                                   stream (documents joined by eos) whose last id starts the next one. Sample k of
+                                   the shard is "<split>-NNNNNN-kkkkkk": ids [k(n+1), (k+1)(n+1)) of the member.
+                                   One 512-byte header, the payload padded to 512, two zero blocks, no record
+                                   padding: shard bytes / token bytes ≤ 1 + 2048 / payload (≤ 1.01 at 1000 samples
+                                   of n 128). "hash": the HASH of the whole file, checked when a shard is read.
+    <shard_dir>/tokenizer.model   a copy of the sentencepiece model the tokens come from (or tokenizer.json and
+                                   tokenizer_config.json of a Hugging Face tokenizer: tokendata/tokenizer.py)
+
+Format 1 (still read): each sample its own tar member "<split>-NNNNNN-kkkkkk.tokens.u16", written by Python's tarfile
+(a PAX header per member, record padding); no "hash", no "tokenizer_kind" (sentencepiece).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import json
 import os
 import tarfile
 
 import numpy as np
+import xxhash
 
 from tokendata import remote
 from tokendata.remote import DataError  # defined beside the opener that raises it first
@@ -29,7 +40,10 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65535 else "int32"
 
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT, READ_FORMATS = 2, (1, 2)
+HASH = "xxh3_128"   # 15 GB/s against blake2b's 0.9 GB/s where measured (docs/benchmarks.md); both are read
+HASHES = {"xxh3_128": xxhash.xxh3_128_hexdigest,
+          "blake2b": lambda data: hashlib.blake2b(data, digest_size=16).hexdigest()}
 DTYPES = {"uint16": ("<u2", "tokens.u16"), "int32": ("<i4", "tokens.i32")}  # manifest dtype -> (numpy, tar member)
 MAKE = "tools/make_shards.py"
 
@@ -65,8 +79,10 @@ def read_manifest(shard_dir):
         raise DataError(f"malformed manifest {path}: {getattr(e, 'msg', 'bad bytes')} {where}: rebuild it with "
                         f"{MAKE}") from None
     bad = f"malformed manifest {path}:"
-    need(isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT,
-          f"{bad} expected a JSON object with \"format\": {MANIFEST_FORMAT}: rebuild it with {MAKE}")
+    need(isinstance(m, dict) and m.get("format") in READ_FORMATS,
+          f"{bad} expected a JSON object with \"format\": {MANIFEST_FORMAT} (or 1): rebuild it with {MAKE}")
+    v2 = m["format"] >= 2
+    need(not v2 or m.get("hash") in HASHES, f"{bad} \"hash\" must be one of {sorted(HASHES)}, got {m.get('hash')!r}")
     for key in ("seq_len", "vocab_size"):
         need(isinstance(m.get(key), int) and m[key] > 0,
               f"{bad} \"{key}\" must be a positive integer, got {m.get(key)!r}")
@@ -76,9 +92,10 @@ def read_manifest(shard_dir):
     for name, split in m["splits"].items():
         ok = isinstance(split, dict) and isinstance(split.get("shards"), list) and all(
             isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("samples"), int)
-            and s["samples"] > 0 and isinstance(s.get("bytes", 1), int) for s in split["shards"])
+            and s["samples"] > 0 and isinstance(s.get("bytes", 1), int)
+            and (not v2 or isinstance(s.get("bytes"), int) and isinstance(s.get("hash"), str)) for s in split["shards"])
         need(ok, f"{bad} split \"{name}\" needs \"shards\": [{{\"name\": str, \"samples\": int > 0, "
-                  f"\"bytes\": int (optional)}}, ...]")
+                  f"\"bytes\": int" + (", \"hash\": str" if v2 else " (optional)") + "}, ...]")
         total = sum(s["samples"] for s in split["shards"])
         need(split.get("samples") == total,
               f"{bad} split \"{name}\" says {split.get('samples')} samples but its shards hold {total}")
@@ -89,11 +106,17 @@ def tokenizer_path(manifest):
     return remote.join(manifest["shard_dir"], manifest["tokenizer"])
 
 
-def check_vocab(manifest, model_vocab_size):
+def check_vocab(manifest, model_vocab_size) -> str | None:
+    """A DataError where the model has fewer ids than the tokenizer; where it has more (padding, Megatron's
+    make-vocab-size-divisible-by: parallel.tp splits the vocabulary evenly), a note for the log; else None."""
     v = manifest["vocab_size"]
-    need(v == model_vocab_size,
+    need(model_vocab_size >= v,
           f"data {manifest['shard_dir']} has vocab_size={v} (tokenizer {tokenizer_path(manifest)}) but "
-          f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} or rebuild the shards")
+          f"model.vocab_size={model_vocab_size}: set model.vocab_size={v} (or more) or rebuild the shards")
+    if model_vocab_size > v:
+        return (f"model.vocab_size={model_vocab_size} is above the tokenizer's {v} ids ({tokenizer_path(manifest)}):"
+                f" ids {v}..{model_vocab_size - 1} are padding, never in the data")
+    return None
 
 
 def check_seq_len(manifest: dict, max_seq_len: int, training: bool) -> None:
@@ -126,65 +149,96 @@ def write_manifest(out_dir: str, manifest: dict) -> None:
     os.replace(tmp, os.path.join(out_dir, "manifest.json"))
 
 
+def content_hash(data: bytes, algorithm: str = HASH) -> str:
+    return HASHES[algorithm](data)
+
+
+def tar_file(member: str, payload: bytes) -> bytes:
+    """A tar of one member: a ustar header (mtime 0, no PAX), the payload padded to 512 bytes, two zero blocks."""
+    info = tarfile.TarInfo(member)
+    info.size, info.mtime, info.mode = len(payload), 0, 0o644
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512 + 1024)
+
+
 class SplitWriter:
-    """Writes one split's samples into numbered tar shards, opening the next shard when one is full."""
+    """Writes one split's samples into numbered shards (format 2), each written whole once it is full."""
 
     def __init__(self, out_dir, split, samples_per_shard, dtype):
         self.out_dir, self.split, self.per_shard = out_dir, split, samples_per_shard
         self.member = DTYPES[dtype][1]
         self.shards = []  # manifest records of the shards written so far
         self.samples = 0
-        self.tar = self.file = None
+        self.payload = bytearray()
 
-    def write(self, payload):
-        if self.tar is None:
-            import webdataset as wds  # loaded already by make_shards(); not at the top, so --help and errors are quick
-
-            index = len(self.shards)
-            name = f"{self.split}-{index:06d}.tar"
-            # mtime fixed and no encoder: the same input gives byte-identical shards
-            self.file = CountingWriter(remote.writer(remote.join(self.out_dir, name)))
-            self.tar = wds.TarWriter(self.file, encoder=False, mtime=0.0)
-            self.shards.append({"name": name, "samples": 0, "first_id": f"{self.split}-{index:06d}-000000",
-                                "first_index": self.samples})
-        record = self.shards[-1]
-        key = f"{self.split}-{len(self.shards) - 1:06d}-{record['samples']:06d}"
-        self.tar.write({"__key__": key, self.member: payload})
-        record["samples"] += 1
+    def write(self, sample: bytes):
+        if not self.payload:
+            self.shards.append({"name": f"{self.split}-{len(self.shards):06d}.tar", "samples": 0,
+                                "first_id": f"{self.split}-{len(self.shards):06d}-000000", "first_index": self.samples})
+        self.payload += sample
+        self.shards[-1]["samples"] += 1
         self.samples += 1
-        if record["samples"] == self.per_shard:
+        if self.shards[-1]["samples"] == self.per_shard:
             self.close()
 
     def close(self):
-        if self.tar is not None:
-            self.tar.close()
-            self.file.close()
-            self.shards[-1]["bytes"] = self.file.bytes  # after close: the tar's end blocks are written
-            self.tar = None
+        if self.payload:
+            record = self.shards[-1]
+            data = tar_file(f"{record['name'][:-len('.tar')]}.{self.member}", bytes(self.payload))
+            write_file(self.out_dir, record["name"], data)
+            record.update(bytes=len(data), hash=content_hash(data))
+            self.payload = bytearray()
 
 
-class CountingWriter:
-    """A binary file object that counts the bytes written through it: a shard's size wherever it goes."""
+def samples_of(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[dict]:
+    """The samples of one shard's bytes, in order: {"__key__": sample id, member: its bytes, "__url__"}; a DataError
+    (naming `url`) where the file is not what the manifest says. nbytes: each sample's size (default (n+1) ids)."""
+    member = DTYPES[manifest["dtype"]][1]
+    nbytes = nbytes or (manifest["seq_len"] + 1) * np.dtype(DTYPES[manifest["dtype"]][0]).itemsize
+    count, stem = shard["samples"], shard["name"][:-len(".tar")] if shard["name"].endswith(".tar") else shard["name"]
+    if manifest["format"] == 1:
+        from webdataset.tariterators import group_by_keys, tar_file_expander
 
-    def __init__(self, f):
-        self.f, self.bytes = f, 0
+        try:
+            samples = list(group_by_keys(tar_file_expander([{"url": url, "stream": io.BytesIO(data)}])))
+        except Exception as e:  # tarfile/webdataset errors; webdataset appends its stream and url to e.args
+            cause = str(e.args[0]).split(" @ ")[0] if e.args else ""
+            raise DataError(f"shard {url} is unreadable ({type(e).__name__}: {cause})") from None
+        # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
+        need(len(samples) == count, f"shard {url} holds {len(samples)} samples but manifest.json says {count}")
+        for s in samples:
+            got = len(s.get(member, b""))
+            need(got == nbytes, f"shard {url}: sample {s.get('__key__')} has {got} bytes of {member}, not "
+                                 f"{nbytes} (seq_len+1 tokens)")
+        return samples
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:   # uncompressed: one error, not four
+            info = tar.next()
+            payload = tar.extractfile(info).read() if info is not None and info.isfile() else None
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"shard {url} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    need(info is not None and info.name == f"{stem}.{member}",
+          f"shard {url} does not hold the member {stem}.{member} (found {info.name if info else 'none'})")
+    need(payload is not None and len(payload) == count * nbytes,
+          f"shard {url} holds {len(payload or b'')} bytes of tokens but manifest.json says {count} samples of "
+          f"{nbytes} bytes")
+    view = memoryview(payload)
+    return [{"__key__": f"{stem}-{k:06d}", member: bytes(view[k * nbytes:(k + 1) * nbytes]), "__url__": url}
+            for k in range(count)]
 
-    def write(self, data):
-        self.bytes += len(data)
-        return self.f.write(data)
 
-    def close(self):
-        self.f.close()
+def shard_samples(manifest: dict, shard: dict) -> list[tuple[str, np.ndarray]]:
+    """(sample id, token ids) of every sample of one shard, read whole (no verification: tools and tests)."""
+    url = remote.join(manifest["shard_dir"], shard["name"])
+    dtype, member = DTYPES[manifest["dtype"]]
+    data, _ = remote.fetch(url, shard.get("bytes"))
+    return [(s["__key__"], np.frombuffer(s[member], dtype=dtype).astype(np.int64))
+            for s in samples_of(data, manifest, shard, url)]
 
 
 def first_sample(manifest: dict, split: str = "val"):
-    """The token ids (numpy) of the first sample of a split's first shard, read with tarfile alone."""
+    """The token ids (numpy) of the first sample of a split's first shard."""
     shards = manifest["splits"].get(split, {}).get("shards") or manifest["splits"]["train"]["shards"]
-    dtype, member = DTYPES[manifest["dtype"]]
-    data, _ = remote.fetch(remote.join(manifest["shard_dir"], shards[0]["name"]), shards[0].get("bytes"))
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        info = next(m for m in tar if m.name.endswith("." + member))
-        return np.frombuffer(tar.extractfile(info).read(), dtype=dtype).astype(np.int64)
+    return shard_samples(manifest, shards[0])[0][1]
 
 
 def opening(ids, eos: int, n: int) -> list[int]:

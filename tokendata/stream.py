@@ -2,13 +2,17 @@
 
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
-                bad_shards="fail", pin_memory=False, cache_dir=None, decide=None)
+                bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, verify="hash")
                             decide(fn): fn's result as one rank computed it, on every rank, for the size check
                             (the trainer's pretrain.distributed.from_rank0; None: this process checks alone)
         iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
                             "skipped_shards": [URLs of shards found bad while this batch was read; usually []],
                             "retries": fetches retried (network faults) while this batch was read; usually 0}
         skipped_shards      [(URL, reason)]: the train and val shards dropped at construction (bad_shards="skip")
+        notes               [lines for the log]: what the reading does differently from what was asked (format-1
+                            shards have no content hashes: verify="hash" checks their sizes only)
+        verify              "hash" | "size" | "none": what is checked of each shard (tokendata/shard_files.py)
+        bad_shards_read     names of the shards that the handed-out batches reported bad (kept in state_dict)
         retries             fetches retried in this process (size checks, validation); the workers' ride on batches
         state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
                                                depend on; a new iterator continues exactly where the saved one was
@@ -43,14 +47,17 @@ Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), 
     At construction, without opening a shard: a missing file (HTTP 404, 403…), an empty one, or a size other than
     the manifest's "bytes" (when recorded; older manifests lack it; a pipe: command cannot tell) makes a shard bad. With "skip" it is dropped from its split before any order
     is computed and listed in stream.skipped_shards, so the same files give the same order and resume stays exact.
-    While reading, a shard that tarfile cannot parse, or whose sample count or sample sizes differ from the manifest,
-    is bad: with "skip" its samples are dropped, a warning naming it goes to stderr (from the DataLoader worker) and
-    the next batch lists its path in "skipped_shards" (workers are other processes: the batch is how the trainer
-    learns of it); each worker of an iterator reports a shard once and does not reopen it, so the trainer should
-    count distinct paths. Positions are still counted by the manifest, so a shard found bad only while reading shifts
-    that worker's later samples, and a resume is exact only for shards found bad at construction (the size check
-    catches truncated and empty files, the usual damage; tar has no checksum over the data, so garbage inside a
-    sample's tokens is not found at all).
+    While reading, a shard whose content hash differs from the manifest's (twice: verify="hash"), that tarfile cannot
+    parse, or whose sample count or sample sizes differ from the manifest, is bad: with "skip" its samples are
+    dropped, a warning naming it goes to stderr (from the DataLoader worker) and the next batch lists its path in
+    "skipped_shards" (workers are other processes: the batch is how the trainer learns of it); each worker of an
+    iterator reports a shard once and does not reopen it, so the trainer should count distinct paths.
+    The same after a resume: a shard found bad while reading gives no samples, in this epoch and every later one,
+    wherever it is dealt; the stream keeps the names of those that the batches it handed out reported
+    (state_dict()["bad_shards_read"]), and a resumed stream counts them as empty shards when it finds its position
+    and does not open them again. So the resumed batches are the uninterrupted run's batches, sample for sample, also
+    when the bad shard was found before the checkpoint (a shard that was not reported by then lies after the
+    position: the resumed run finds it as the uninterrupted one did).
 """
 
 import functools
@@ -138,12 +145,12 @@ class EpochShards(torch.utils.data.IterableDataset):
             epoch, first = epoch + 1, 0
 
 
-def shuffled_samples(src, counts, files, fmt, bad_shards):
+def shuffled_samples(src, counts, files, fmt, bad_shards, known_bad=()):
     """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded).
     A bad shard (bad_shards="skip") adds no samples: the group is smaller, its order still a function of the seed.
     The next group's shards are fetched by a thread while this one's samples are handed out: over a network the
     worker does not wait a whole download at each group boundary (memory: two groups of shards)."""
-    reader = ShardReader(files, fmt, bad_shards, "train", len(counts))
+    reader = ShardReader(files, fmt, bad_shards, "train", len(counts), known_bad)
     fetch = lambda group: [reader.fetch(name, counts[name]) for name in group["names"]]  # noqa: E731
     groups = iter(src)
     group = next(groups)
@@ -199,7 +206,7 @@ class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None):
+                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, verify="hash"):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -214,8 +221,13 @@ class TokenStream:
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
-        self.files = ShardFiles(shard_dir, {s["name"]: s.get("bytes") for split in m["splits"].values()
-                                            for s in split["shards"]}, cache_dir)
+        self.files = ShardFiles(shard_dir, m, cache_dir, verify)
+        self.verify = verify
+        self.notes = [f"the shards in {shard_dir} are of manifest format 1, without content hashes: checking their "
+                      f"sizes only (data.verify=size); rebuild them with {MAKE} to have them hashed"
+                      ] if verify == "hash" and not self.files.hashing else []
+        self.bad_shards_read: set[str] = set()   # names of shards the handed-out batches reported bad
+        self._names = {self.files.url(name): name for name in self.files.records}
         self.retries = 0   # fetches retried in this process (size checks, validation); train batches carry theirs
         # the good shards of each split and (URL, reason) of those the size check dropped. decide(fn): fn's result as
         # one rank computed it, on every rank (the trainer's: all train on one list, checked by one rank's requests)
@@ -236,7 +248,8 @@ class TokenStream:
         order is computed. Only sizes are read (remote ones by parallel HEAD requests or their store's size call): no
         shard is opened."""
         listed = {split: s["shards"] for split, s in self.manifest["splits"].items()}
-        sizes, retries = remote.sizes([self.files.url(s["name"]) for shards in listed.values() for s in shards])
+        urls = [self.files.url(s["name"]) for shards in listed.values() for s in shards]
+        sizes, retries = remote.sizes(urls) if self.verify != "none" else (dict.fromkeys(urls), 0)
         self.retries += retries
         good, skipped = {split: [] for split in listed}, []
         for split, shards in listed.items():
@@ -270,13 +283,16 @@ class TokenStream:
     # ---- train stream ----
 
     def _source(self, skip_batches):
+        """The order; a shard found bad while reading counts as empty (it gives no samples wherever it is read)."""
         nodesplitter = functools.partial(split_by_dp_rank, rank=self.dp_rank, world=self.dp_world)
-        return EpochShards(self.train, self.seed, nodesplitter, self.mix_shards, skip_batches, self.micro_batch_size)
+        shards = [(name, 0 if name in self.bad_shards_read else count) for name, count in self.train]
+        return EpochShards(shards, self.seed, nodesplitter, self.mix_shards, skip_batches, self.micro_batch_size)
 
     def _loader(self, skip_batches):
         pipeline = wds.DataPipeline(
             self._source(skip_batches),
-            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.files, self.fmt, self.bad_shards),
+            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.files, self.fmt, self.bad_shards,
+                                                 sorted(self.bad_shards_read)),
             wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
         )
         return torch.utils.data.DataLoader(pipeline, batch_size=None, collate_fn=as_is,
@@ -292,6 +308,7 @@ class TokenStream:
                 if me != self._live:
                     raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
                 self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
+                self.bad_shards_read.update(self._names[url] for url in batch["skipped_shards"])
                 yield self._as_tensors(batch)
         except DataError as e:
             raise _one_line(e) from None
@@ -315,7 +332,8 @@ class TokenStream:
             epoch, i, skip = src.start(w, workers)
             group = [name for name, _ in src.groups(epoch, w, workers)[i]]
             position.append({"worker": w, "epoch": epoch, "shards": group, "sample": skip})
-        return {"consumed_batches": self._consumed, **{k: getattr(self, k) for k in STATE_KEYS}, "position": position}
+        return {"consumed_batches": self._consumed, **{k: getattr(self, k) for k in STATE_KEYS}, "position": position,
+                "bad_shards_read": sorted(self.bad_shards_read)}
 
     def load_state_dict(self, sd):
         for key in ("consumed_batches",) + STATE_KEYS:
@@ -326,6 +344,7 @@ class TokenStream:
                   f"{key}={getattr(self, key)}; the sample order depends on it, so an explicit remap of the data "
                   f"position is needed (not supported): run with {key}={sd[key]}")
         self._consumed = int(sd["consumed_batches"])
+        self.bad_shards_read = set(sd.get("bad_shards_read", ()))   # absent in checkpoints of older code
         self._live += 1  # an iterator made before this no longer matches the position
 
     # ---- validation ----

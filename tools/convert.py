@@ -47,7 +47,7 @@ def to_release(args) -> str:
     training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir),
                 "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "zero_stage": cfg.parallel.zero_stage}}
     release.save_release(args.out, cfg.model, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
-                         tokenizer=os.path.join(tag_dir, "tokenizer.model"),
+                         tokenizer=release.find_tokenizer(tag_dir),
                          train_config=os.path.join(tag_dir, "config.yaml"), training=training)
     n = sum(t.numel() for t in tensors.values())
     return f"wrote release {args.out}: {len(tensors)} tensors, {n / 1e6:.2f}M parameters, step {step}, {args.dtype}"
@@ -114,7 +114,7 @@ def rank_main(args) -> None:
     try:
         engine = build_engine(cfg, lay)
         step = release.read_meta(args.release).get("training", {}).get("step", 0)
-        tokenizer = os.path.join(args.release, "tokenizer.model")
+        tokenizer = release.find_tokenizer(args.release)
         Checkpointer(engine, args.out, 10**9, {}, cfg.to_dict(), tokenizer, lay.rank, lay.world).save(step)
     finally:
         distributed.shutdown()

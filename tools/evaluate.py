@@ -9,7 +9,8 @@ Hugging Face export (tools/convert.py to-hf; loaded through transformers, to che
 Reported: tokens scored, bytes they stand for, loss (mean NLL in nats per token), ppl = e^loss, bits_per_token =
 loss / ln 2, and bits_per_byte = total NLL / ln 2 / bytes — comparable between tokenizers.
 
---text: each file is read like the training corpus (one document per non-empty line, stripped), tokenized with the
+--text: each input is read like the training corpus (tokendata/corpus.py: text files one document per non-empty line,
+stripped; JSONL, Parquet or a Hugging Face dataset one document a record, newlines kept), tokenized with the
 model's tokenizer into one stream [eos] doc_1 eos doc_2 eos … (the leading eos is the "new document" context the model
 saw in training; it is not scored). Windows of L = max_seq_len tokens step by --stride: the first scores all its
 tokens, each later one only its last `stride`, so every token is scored once with at least L − stride tokens of
@@ -17,7 +18,8 @@ context (stride 1: the full L − 1 for every token, L times the work of stride 
 documents plus one newline per document (what the scored eos tokens stand for).
 --shards: each sample of the split holds n+1 tokens; tokens 1..n are predicted from the ones before (as in training).
 Bytes: the UTF-8 length of the decoded targets — each piece's text (▁ = one space, <0xNN> = one byte), eos = the
-newline that ended its document, minus the space sentencepiece prepends to a document's first piece.
+newline that ended its document, minus the space sentencepiece prepends to a document's first piece; for a Hugging
+Face tokenizer the bytes of the decoded text of each document (one byte for each eos).
 Errors are one line (exit 2): a path that is not a checkpoint, a missing file, a vocabulary mismatch.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 from cli import UsageError, one_line_errors
 from evaluation.loading import load
 from evaluation.perplexity import evaluate_shards, evaluate_text
-from tokendata.corpus import read_texts
+from tokendata.corpus import Corpus, add_record_arguments
 from tokendata.shards import read_manifest
 
 
@@ -39,13 +41,17 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="release directory or DeepSpeed run / checkpoints / step_* directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", nargs="+", metavar="FILE", help="held-out text (plain or .gz), a document a line")
+    src.add_argument("--text", nargs="+", metavar="PATH",
+                     help="held-out text (plain, .gz, .zst; a document a line), JSONL, Parquet or a Hugging Face "
+                          "dataset (tokendata/corpus.py; --format, --text-key, --dataset-split)")
     src.add_argument("--shards", metavar="DIR", help="a tools/make_shards.py output directory")
     p.add_argument("--split", default="val", help="shard split to evaluate (default val)")
     p.add_argument("--stride", type=int, default=None, help="--text window step, 1..max_seq_len (default L/2)")
     p.add_argument("--batch-size", type=int, default=8, help="windows or samples per forward (default 8)")
     p.add_argument("--max-samples", type=int, default=None, help="--shards: evaluate only the first N samples")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.model, if the checkpoint carries none (--text)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.model or tokenizer.json, if the checkpoint carries none (--text)")
+    add_record_arguments(p, split_flag="--dataset-split")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the human line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -54,7 +60,8 @@ def parse_args(argv=None):
 def run(args) -> dict:
     if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):
         raise UsageError(f"--batch-size {args.batch_size} and --max-samples {args.max_samples} must be ≥ 1")
-    texts = read_texts(args.text) if args.text else None   # inputs before the slow load: a typo fails fast
+    # inputs before the slow load: a typo fails fast
+    texts = Corpus.from_args(args, args.text).per_input() if args.text else None
     if args.shards:
         read_manifest(args.shards)
     model, sp, info = load(args.checkpoint, args.tokenizer, need_tokenizer=bool(args.text))

@@ -73,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=None, help="nucleus: the smallest set with probability ≥ p")
     p.add_argument("--seed", type=int, default=0, help="seed of the first sample; sample k uses seed + k (default 0)")
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations (default 1)")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.model, if the checkpoint carries none")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.model or tokenizer.json, if the checkpoint carries none")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix at every step")
     p.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no timing line")

@@ -1,26 +1,37 @@
-"""Tokenize text files into fixed-length samples in WebDataset shards, streaming.
+"""Tokenize a corpus into fixed-length samples in compact, checksummed WebDataset shards, streaming.
 
     python tools/make_shards.py --input data/austen.txt.gz --tokenizer runs/tok/tokenizer.model \\
         --out runs/shards --seq-len 256 --samples-per-shard 1000 --val-fraction 0.01
+    python tools/make_shards.py --input pile/*.jsonl.zst --tokenizer gpt-neox/tokenizer.json --out shards \\
+        --seq-len 2048 --workers 8                      # JSONL with a "text" field; a Hugging Face tokenizer
+    python tools/make_shards.py --input wikitext-103/train-*.parquet --tokenizer tok/ --out shards --seq-len 1024
 
-text (one document per line, plain or .gz) -> sentencepiece ids -> one continuous stream with eos after each document ->
-samples of seq_len+1 tokens, taken with stride seq_len (consecutive samples share one boundary token, as in Megatron's
-GPTDataset, so every stream token after the first is a target exactly once; the trainer uses tokens[:-1] as input and
-tokens[1:] as targets) -> each sample goes to train or val (a seeded coin flip per sample, P(val) = --val-fraction) ->
-shards of --samples-per-shard samples.
+Inputs (tokendata/corpus.py): text (plain/.gz/.zst, a document a line), JSONL (--text-key, default text), Parquet,
+a Hugging Face dataset (saved with save_to_disk, or local data files; --split); --format, or found from each input. A
+record is one document, its newlines kept. Tokenizer (tokendata/tokenizer.py): a sentencepiece model from
+tools/train_tokenizer.py, a Hugging Face tokenizer.json, or a directory that transformers.AutoTokenizer loads; eos
+is the tokenizer's (--eos names one where it has none).
 
-Output directory:
-  train-000000.tar ...   val-000000.tar ...   tokenizer.model (a copy; the trainer ships it into checkpoints)
-  manifest.json  {"format": 1, "seq_len": n, "vocab_size": V, "eos_id": 2, "tokenizer": "tokenizer.model" (relative
-                  to the directory), "tokenizer_sha256": ..., "tokenizer_source": ..., "dtype": "uint16" | "int32",
-                  "seed": s, "val_fraction": f, "inputs": [...],
-                  "splits": {"train": {"samples": N, "tokens": N*n, "shards": [{"name": "train-000000.tar",
-                  "samples": k, "first_id": "train-000000-000000", "first_index": 0, "bytes": b}, ...]},
-                  "val": {...}}}
+documents -> ids -> one continuous stream with eos after each document -> samples of seq_len+1 tokens, taken with
+stride seq_len (consecutive samples share one boundary token, as in Megatron's GPTDataset, so every stream token after
+the first is a target exactly once; the trainer uses tokens[:-1] as input and tokens[1:] as targets) -> each sample
+goes to train or val (a seeded coin flip per sample, P(val) = --val-fraction) -> shards of --samples-per-shard samples.
+--workers N encode in N processes (each with --threads threads); the stream, and so every file, is the same for any N.
+
+Output directory (the format: tokendata/shards.py, manifest format 2):
+  train-000000.tar ...   val-000000.tar ...   tokenizer.model, or tokenizer.json + tokenizer_config.json (a copy;
+  the trainer ships it into checkpoints)
+  manifest.json  {"format": 2, "seq_len": n, "vocab_size": V, "eos_id", "tokenizer": "tokenizer.model" (relative to
+                  the directory), "tokenizer_kind", "tokenizer_sha256", "tokenizer_source", "dtype": "uint16" |
+                  "int32", "hash": "xxh3_128", "seed": s, "val_fraction": f, "inputs": [...], "input": {formats,
+                  text_key, bad_records_skipped}, "splits": {"train": {"samples": N, "tokens": N*n, "shards":
+                  [{"name": "train-000000.tar", "samples": k, "first_id": "train-000000-000000", "first_index": 0,
+                  "bytes": b, "hash": h}, ...]}, "val": {...}}}
   "tokens" counts target tokens (samples x seq_len). A split with no samples has "shards": []. "bytes" is the size of
-  the closed tar: the loader compares it with the file, so a truncated copy is named before training starts.
-Each sample: __key__ "<split>-<shard:06d>-<index in shard:06d>" (unique over the directory) and one member
-"tokens.u16" (or "tokens.i32" when V > 65535): the n+1 ids as raw little-endian integers.
+  the shard: the loader compares it with the file, so a truncated copy is named before training starts; "hash" is
+  the content hash of the file, checked when the shard is read (data.verify).
+Each shard is a tar of one member "<split>-<shard:06d>.tokens.u16" (or .tokens.i32 when V > 65535): its samples'
+n+1 ids each, back to back, raw little-endian; sample k has the id "<split>-<shard:06d>-<k:06d>".
 
 --out may also be a pipe: command that reads one file from stdin ({} is its name) or an fsspec URL (with fsspec's
 backend for it installed), which writes straight into a bucket:
@@ -29,34 +40,24 @@ or write a directory and upload it (aws s3 sync runs/shards s3://bucket/shards; 
 then streams data.shard_dir=https://bucket.s3.amazonaws.com/shards, "pipe:aws s3 cp s3://bucket/shards/{} -" or
 s3://bucket/shards. manifest.json is written last; --force has no meaning there (nothing is listed or removed).
 
-Memory is bounded whatever the input size: lines are read and encoded in batches, only the tail of the token stream that
-does not fill a sample is kept between batches, and shards are written as they fill. manifest.json is written last, so
-a directory without one is an unfinished run.
+Memory is bounded whatever the input size: documents are read and encoded in batches (at most 2 per worker in
+flight), only the tail of the token stream that does not fill a sample is kept between batches, and shards are written
+as they fill. manifest.json is written last, so a directory without one is an unfinished run.
 """
 
 import argparse
 import glob
-import hashlib
 import os
 import random
-import shutil
 import sys
 import time
 
 import numpy as np
 
-from tokendata import remote
-from tokendata.shards import DTYPES, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
-
 from cli import UsageError, one_line_errors
-from tokendata.corpus import check_inputs, iter_documents
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from tokendata import corpus as corpora, remote, tokenizer as tokenizers
+from tokendata.encode import encoded
+from tokendata.shards import DTYPES, HASH, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
 
 
 def prepare_out_dir(out, force):
@@ -74,96 +75,70 @@ def prepare_out_dir(out, force):
 
 
 def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fraction=0.01, seed=0,
-                batch_chars=1 << 21, threads=None, force=False, progress=True):
-    """Write the shards and manifest.json; return the manifest (plus a "stats" entry with counts and timings)."""
-    import sentencepiece as spm
-
-    check_inputs(inputs)
-    if not os.path.isfile(tokenizer):
-        raise UsageError(f"tokenizer file not found: {tokenizer} (train one with tools/train_tokenizer.py)")
-    if seq_len < 1 or samples_per_shard < 1:
-        raise UsageError(f"--seq-len and --samples-per-shard must be >= 1, got {seq_len} and {samples_per_shard}")
+                batch_chars=1 << 21, threads=None, force=False, progress=True, workers=1, eos=None, corpus=None):
+    """Write the shards and manifest.json; return the manifest (plus a "stats" entry with counts and timings).
+    corpus: a tokendata.corpus.Corpus of the inputs (default: `inputs` with their formats found)."""
+    corpus = corpus or corpora.Corpus(inputs)
+    if seq_len < 1 or samples_per_shard < 1 or workers < 1:
+        raise UsageError(f"--seq-len, --samples-per-shard and --workers must be >= 1, got {seq_len}, "
+                         f"{samples_per_shard} and {workers}")
     if not 0.0 <= val_fraction < 1.0:
         raise UsageError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    try:
-        sp = spm.SentencePieceProcessor(model_file=tokenizer)
-    except (RuntimeError, OSError) as e:
-        raise UsageError(f"cannot load tokenizer {tokenizer}: {str(e).strip().splitlines()[0]}") from None
-    vocab, eos = sp.vocab_size(), sp.eos_id()
-    if eos < 0:
+    tok = tokenizers.prepare(tokenizer, eos)
+    vocab, eos_id = tok.vocab_size(), tok.eos_id()
+    if eos_id < 0:
         raise UsageError(f"tokenizer {tokenizer} has no eos id: retrain it with tools/train_tokenizer.py")
     dtype = dtype_for(vocab)
     prepare_out_dir(out, force)
-    import webdataset  # noqa: F401 -- imports torch (~2 s): here, after the checks, and before the clock starts
 
     writers = {s: SplitWriter(out, s, samples_per_shard, dtype) for s in ("train", "val")}
     coin = random.Random(seed)  # one draw per sample, in stream order: the split depends only on (input, seed, seq_len)
     leftover = np.zeros(0, dtype=np.int64)
     n_docs = n_bytes = n_tokens = 0
-    threads = threads or os.cpu_count() or 1
     t0 = time.perf_counter()
-
-    def flush(batch):
-        nonlocal leftover, n_tokens
-        flat = []
-        for ids in sp.encode(batch, num_threads=threads):
-            flat.extend(ids)
-            flat.append(eos)
-        n_tokens += len(flat)
-        stream = np.concatenate([leftover, np.asarray(flat, dtype=np.int64)])
+    documents = corpus.documents(desc="tokenizing", progress=progress)
+    for ids, docs, text_bytes in encoded(documents, tok, workers, threads or os.cpu_count() or 1, batch_chars):
+        n_docs, n_bytes, n_tokens = n_docs + docs, n_bytes + text_bytes, n_tokens + len(ids)
+        stream = np.concatenate([leftover, ids.astype(np.int64)])
         count = (len(stream) - 1) // seq_len  # windows [i*n, i*n + n + 1) that fit completely
         for i in range(count):
             window = stream[i * seq_len : i * seq_len + seq_len + 1]
             split = "val" if coin.random() < val_fraction else "train"
             writers[split].write(window.astype(DTYPES[dtype][0]).tobytes())
         leftover = stream[count * seq_len :]  # >= 1 token: the last window's end is the next window's start
-
-    batch, size = [], 0
-    for doc in iter_documents(inputs, desc="tokenizing", progress=progress):
-        batch.append(doc)
-        size += len(doc)
-        n_docs += 1
-        n_bytes += len(doc.encode("utf-8"))
-        if size >= batch_chars:
-            flush(batch)
-            batch, size = [], 0
-    if batch:
-        flush(batch)
     for w in writers.values():
         w.close()
     seconds = time.perf_counter() - t0
     if writers["train"].samples == 0:
-        raise UsageError(f"{', '.join(inputs)}: only {n_tokens} tokens, not one train sample of {seq_len + 1}: "
+        raise UsageError(f"{', '.join(corpus.paths)}: only {n_tokens} tokens, not one train sample of {seq_len + 1}: "
                          "give more text or a smaller --seq-len")
-
-    tok_copy = remote.join(out, "tokenizer.model")
-    if remote.is_remote(out):
-        with open(tokenizer, "rb") as f:
-            write_file(out, "tokenizer.model", f.read())
-    elif os.path.abspath(tok_copy) != os.path.abspath(tokenizer):
-        shutil.copyfile(tokenizer, tok_copy)
+    files = tokenizers.contents(tok)
+    for name, data in files.items():
+        write_file(out, name, data)
+    name = next(iter(files))
     manifest = {
-        "format": MANIFEST_FORMAT, "seq_len": seq_len, "vocab_size": vocab, "eos_id": eos,
-        "tokenizer": "tokenizer.model", "tokenizer_sha256": sha256_file(tokenizer),
+        "format": MANIFEST_FORMAT, "seq_len": seq_len, "vocab_size": vocab, "eos_id": eos_id,
+        "tokenizer": name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizers.sha256(files[name]),
         "tokenizer_source": os.path.abspath(tokenizer),
-        "dtype": dtype, "seed": seed, "val_fraction": val_fraction,
-        "inputs": [os.path.abspath(p) for p in inputs],
+        "dtype": dtype, "hash": HASH, "seed": seed, "val_fraction": val_fraction,
+        "inputs": [os.path.abspath(p) for p in corpus.paths], "input": corpus.describe(),
         "splits": {s: {"samples": w.samples, "tokens": w.samples * seq_len, "shards": w.shards}
                    for s, w in writers.items()},
     }
     write_manifest(out, manifest)
     manifest["stats"] = {"documents": n_docs, "text_bytes": n_bytes, "stream_tokens": n_tokens, "seconds": seconds,
-                         "dropped_tokens": max(0, len(leftover) - 1)}
+                         "dropped_tokens": max(0, len(leftover) - 1), "skipped_records": corpus.skip_note()}
     return manifest
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="text files, plain or .gz, one document per line")
+    corpora.add_arguments(p)
     p.add_argument("--tokenizer", required=True, metavar="PATH",
-                   help="sentencepiece model from tools/train_tokenizer.py")
+                   help="a sentencepiece model from tools/train_tokenizer.py, a Hugging Face tokenizer.json, or a "
+                        "local tokenizer directory that transformers.AutoTokenizer loads")
+    p.add_argument("--eos", metavar="TOKEN", help="the token that ends a document, for a tokenizer that names none")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where the shards and manifest.json go: a directory, or pipe:COMMAND that reads one file "
                         "from stdin, with {} for its name (pipe:aws s3 cp - s3://bucket/shards/{}), or an fsspec URL "
@@ -173,7 +148,11 @@ def parse_args(argv=None):
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="probability that a sample goes to val (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val assignment (default 0)")
-    p.add_argument("--threads", type=int, default=None, help="encoding threads (default: all cores)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="encoding processes (default 1); the output is the same for any number")
+    p.add_argument("--threads", type=int, default=None, help="encoding threads of each process (default: all cores)")
+    p.add_argument("--batch-chars", type=int, default=1 << 21, metavar="N",
+                   help="characters of documents encoded as one batch (default 2097152)")
     p.add_argument("--force", action="store_true", help="replace shards already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -183,7 +162,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
-                    args.seed, threads=args.threads, force=args.force, progress=not args.quiet)
+                    args.seed, args.batch_chars, args.threads, args.force, not args.quiet, args.workers, args.eos,
+                    corpora.Corpus.from_args(args))
     st, tr, va = m["stats"], m["splits"]["train"], m["splits"]["val"]
     secs = max(st["seconds"], 1e-9)
     print(f"wrote {args.out}: train {tr['samples']} samples in {len(tr['shards'])} shards, "
@@ -192,6 +172,8 @@ def main(argv=None):
     print(f"read {st['documents']} documents, {st['text_bytes'] / 1e6:.1f} MB, {st['stream_tokens']} tokens "
           f"({st['dropped_tokens']} left over at the end) in {secs:.1f} s: "
           f"{st['text_bytes'] / 1e6 / secs:.2f} MB/s, {st['stream_tokens'] / secs:,.0f} tokens/s")
+    if st["skipped_records"]:
+        print(st["skipped_records"])
     return 0
 
 

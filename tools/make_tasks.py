@@ -33,15 +33,15 @@ import random
 import re
 import shutil
 import sys
-import tarfile
 import textwrap
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm import tqdm
 
 from cli import UsageError, one_line_errors
+from tokendata import tokenizer as tokenizers
 from tokendata.corpus import check_inputs, iter_documents
+from tokendata.shards import read_manifest, shard_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEIGHBOURS = 12   # distractors are drawn from this many sentences closest in length to the true one
@@ -92,8 +92,6 @@ def split_sentences(text: str, passage: int, clean_head: bool) -> list[Sentence]
 
 def read_shard_passages(shard_dir: str, split: str, progress: bool = True):
     """([(name, text, clean_head)], description) of one split of a make_shards directory, decoded."""
-    import sentencepiece as spm
-
     path = os.path.join(shard_dir, "manifest.json")
     if not os.path.isfile(path):
         raise UsageError(f"{path} not found: --shards needs a tools/make_shards.py output directory")
@@ -104,29 +102,27 @@ def read_shard_passages(shard_dir: str, split: str, progress: bool = True):
     tokenizer = os.path.join(shard_dir, manifest["tokenizer"])
     if not os.path.isfile(tokenizer):
         raise UsageError(f"{tokenizer} not found: the shard directory lost its tokenizer copy; rerun make_shards.py")
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
-    dtype, eos = ("<u2" if manifest["dtype"] == "uint16" else "<i4"), manifest["eos_id"]
+    sp, eos = tokenizers.load(tokenizer), manifest["eos_id"]
+    manifest = read_manifest(shard_dir)
     passages = []
     with tqdm(total=manifest["splits"][split]["samples"], desc=f"decoding {split}", disable=not progress,
               file=sys.stderr) as bar:
         for shard in manifest["splits"][split]["shards"]:
-            with tarfile.open(os.path.join(shard_dir, shard["name"])) as tar:
-                for member in tar:
-                    ids = np.frombuffer(tar.extractfile(member).read(), dtype=dtype).tolist()[1:]
-                    lines = [[]]
-                    for i in ids:
-                        if i == eos:
-                            lines.append([])
-                        else:
-                            lines[-1].append(i)
-                    head = lines[0]
-                    text = [sp.decode(line) for line in lines]
-                    if head and not sp.id_to_piece(head[0]).startswith("▁"):   # starts inside a word: skip it
-                        text[0] = text[0].split(" ", 1)[1] if " " in text[0] else ""
-                    paragraphs = [t.strip() for t in text if t.strip()]
-                    if paragraphs:
-                        passages.append((member.name.split(".")[0], "\n".join(paragraphs), not head))
-                    bar.update(1)
+            for key, tokens in shard_samples(manifest, shard):
+                lines = [[]]
+                for i in tokens.tolist()[1:]:
+                    if i == eos:
+                        lines.append([])
+                    else:
+                        lines[-1].append(i)
+                head = lines[0]
+                text = [sp.decode(line) for line in lines]
+                if head and not sp.word_start(head[0]):   # starts inside a word: skip it
+                    text[0] = text[0].split(" ", 1)[1] if " " in text[0] else ""
+                paragraphs = [t.strip() for t in text if t.strip()]
+                if paragraphs:
+                    passages.append((key, "\n".join(paragraphs), not head))
+                bar.update(1)
     m = manifest
     about = (f"the {m['splits'][split]['samples']} '{split}' samples of {shard_dir} (tools/make_shards.py: "
              f"{m['seq_len']}-token samples, each sent to val by a coin flip with seed {m['seed']}, P(val) = "

@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=None, help="text whose maps to plot (default: the opening words of a "
                                                   "validation document of the run's shards, else a generic prompt)")
     p.add_argument("--out", default="attention.png", help="PNG file to write (default attention.png)")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.model, if the checkpoint carries none")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.model or tokenizer.json, if the checkpoint carries none")
     p.add_argument("--dpi", type=int, default=110, help="resolution of the PNG (default 110)")
     return p.parse_args(argv)
 

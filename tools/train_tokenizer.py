@@ -2,7 +2,8 @@
 
     python tools/train_tokenizer.py --input data/austen.txt.gz --vocab-size 8000 --out runs/tok/tokenizer.model
 
-Input: plain or gzip text (detected by its magic bytes), one document/paragraph per line; blank lines are skipped.
+Input (tokendata/corpus.py): plain, gzip or zstd text, one document/paragraph per line (blank lines are skipped);
+JSONL, Parquet or a Hugging Face dataset, one document a record (--format, --text-key, --split, --bad-records).
 
 Memory stays bounded on any input size: the lines are streamed through a reservoir sampler that keeps a uniform
 random sample of at most `--max-sentences` of them, and that sample is fed to sentencepiece through
@@ -23,7 +24,7 @@ import random
 import sys
 
 from cli import UsageError, one_line_errors
-from tokendata.corpus import check_inputs, iter_documents
+from tokendata import corpus as corpora
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MAX_SENTENCE_BYTES = 1 << 16
@@ -32,12 +33,13 @@ MAX_SENTENCE_BYTES = 1 << 16
 CHUNK_CHARS = MAX_SENTENCE_BYTES // 4
 
 
-def sample_sentences(paths, max_sentences, seed, progress=True):
-    """A uniform random sample of at most max_sentences lines (reservoir sampling, Algorithm R), seeded."""
+def sample_sentences(corpus, max_sentences, seed, progress=True):
+    """A uniform random sample of at most max_sentences pieces of documents (reservoir sampling, Algorithm R),
+    seeded."""
     rng = random.Random(seed)
     kept = []
     seen = 0
-    for doc in iter_documents(paths, progress=progress):
+    for doc in corpus.documents(progress=progress):
         for start in range(0, len(doc), CHUNK_CHARS):
             piece = doc[start : start + CHUNK_CHARS]
             if len(kept) < max_sentences:
@@ -48,22 +50,25 @@ def sample_sentences(paths, max_sentences, seed, progress=True):
                     kept[j] = piece
             seen += 1
     if not kept:
-        raise UsageError(f"no text in {', '.join(paths)}: every line is empty")
+        raise UsageError(f"no text in {', '.join(corpus.paths)}: every document is empty")
     return kept
 
 
 def train(paths, vocab_size, out, model_type="bpe", seed=0, max_sentences=500_000, threads=None,
-          progress=True, verbose=False):
-    """Train and write the model to `out` (written to a temporary name first, so a failed run leaves no half file)."""
+          progress=True, verbose=False, corpus=None):
+    """Train and write the model to `out` (written to a temporary name first, so a failed run leaves no half file).
+    corpus: a tokendata.corpus.Corpus of the inputs (default: `paths` with their formats found)."""
     import sentencepiece as spm
 
-    check_inputs(paths)
+    corpus = corpus or corpora.Corpus(paths)
     if vocab_size < 300:
         # 3 special ids + 256 byte pieces + the alphabet: below this sentencepiece fails with a long message.
         raise UsageError(f"--vocab-size {vocab_size} is too small: byte_fallback alone needs 259 ids; use >= 300")
     if max_sentences < 1:
         raise UsageError(f"--max-sentences must be >= 1, got {max_sentences}")
-    sample = sample_sentences(paths, max_sentences, seed, progress)
+    sample = sample_sentences(corpus, max_sentences, seed, progress)
+    if corpus.skip_note():
+        print(corpus.skip_note(), file=sys.stderr)
     spm.set_random_generator_seed(seed)  # sentencepiece draws no other random numbers for bpe/unigram; set it anyway
     model = io.BytesIO()
     try:
@@ -97,8 +102,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Input lines are documents; the model is written to --out.")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="text files, plain or .gz, one document per line")
+    corpora.add_arguments(p)
     p.add_argument("--vocab-size", type=int, required=True,
                    help="number of ids, including 3 specials and 256 byte pieces")
     p.add_argument("--out", required=True, metavar="PATH", help="model file to write, e.g. runs/tok/tokenizer.model")
@@ -117,7 +121,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     out = train(args.input, args.vocab_size, args.out, args.model_type, args.seed, args.max_sentences,
-                args.threads, progress=not args.quiet, verbose=args.verbose)
+                args.threads, progress=not args.quiet, verbose=args.verbose, corpus=corpora.Corpus.from_args(args))
     print(f"wrote {out} (vocab_size={args.vocab_size}, {args.model_type}, seed={args.seed})")
     return 0
 

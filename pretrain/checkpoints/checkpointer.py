@@ -26,6 +26,7 @@ import yaml
 
 from model import ConfigError
 from model import parallel as tp
+from model.release import copy_tokenizer
 from pretrain.checkpoints import universal
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.resume import compatibility_problem, complete_tags, is_universal, newest_complete
@@ -109,8 +110,7 @@ class Checkpointer:
         if self.rank == 0:
             with open(os.path.join(partial, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.config, f, sort_keys=False)
-            if os.path.exists(self.tokenizer):
-                shutil.copy(self.tokenizer, os.path.join(partial, "tokenizer.model"))
+            copy_tokenizer(self.tokenizer, partial)
 
     def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
         """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""

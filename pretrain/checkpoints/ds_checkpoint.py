@@ -25,7 +25,7 @@ import yaml
 
 from model import ConfigError, SynthesizerLM
 from model.accounting import parameters
-from model.release import is_release, load_into, read_release
+from model.release import find_tokenizer, is_release, load_into, read_release
 from pretrain.config import TrainConfig
 from pretrain.pipeline import canonical_name, stage_prefixes
 
@@ -145,8 +145,8 @@ def merge_tp(cfg: TrainConfig, shards: dict[str, dict[int, torch.Tensor]], where
 
 
 def load_any(path: str):
-    """(SynthesizerLM in fp32 at TP=1, tokenizer.model path or None, info dict) from a release directory or any
-    DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
+    """(SynthesizerLM in fp32 at TP=1, tokenizer path (model.release.find_tokenizer) or None, info dict) from a
+    release directory or any DeepSpeed checkpoint path that `resolve` accepts — what the evaluation and generation tools start from."""
     if is_release(path):
         cfg, tensors, meta = read_release(path)
         source, step = path, meta.get("training", {}).get("step", 0)
@@ -156,5 +156,4 @@ def load_any(path: str):
         cfg, step = train_cfg.model, step_of(source)
     model = SynthesizerLM(cfg)
     load_into(model, tensors)
-    tokenizer = os.path.join(source, "tokenizer.model")
-    return model.eval(), (tokenizer if os.path.isfile(tokenizer) else None), {"source": source, "step": step}
+    return model.eval(), find_tokenizer(source), {"source": source, "step": step}

@@ -38,6 +38,7 @@ import torch
 from model import ConfigError
 from model import parallel as tp
 from model.accounting import parameters
+from model.release import TOKENIZER_FILES
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.ds_checkpoint import canonical_names, read_config, read_weights, step_of
 
@@ -90,7 +91,7 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
         _as_stage_1_2(zero, cfg)
     _write_frozen(tag_dir, cfg, zero)
     _one_set_of_model_states(partial)
-    for name in ("config.yaml", "tokenizer.model"):
+    for name in ("config.yaml",) + TOKENIZER_FILES:
         if os.path.exists(os.path.join(tag_dir, name)):
             shutil.copy(os.path.join(tag_dir, name), partial)
     trainer = torch.load(os.path.join(tag_dir, "trainer_rank0.pt"), weights_only=False) \

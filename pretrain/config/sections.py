@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_types, described, need
-from tokendata import remote
 
 
 @dataclass(kw_only=True)
@@ -16,8 +15,9 @@ class DataSection:
     shard_dir: str = described("where the shards written by tools/make_shards.py are (beside their manifest.json): a "
                         "directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file name (pipe:aws "
                         "s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its backend installed)")
-    tokenizer: str | None = described("path or URL of the sentencepiece tokenizer.model; default "
-                               "<shard_dir>/tokenizer.model", None)
+    tokenizer: str | None = described("path or URL of the tokenizer (a sentencepiece tokenizer.model, or a Hugging "
+                               "Face tokenizer.json with its tokenizer_config.json beside it); default the one beside "
+                               "the shards that their manifest.json names", None)
     cache_dir: str | None = described("a local folder that keeps a copy of each shard read from a URL (keyed by name "
                                "and size), so later epochs and relaunches read the disk; default none", None)
     num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process)", 2)
@@ -25,15 +25,17 @@ class DataSection:
     val_batches: int = described("validation micro-batches per evaluation (the same batches every time)", 20)
     bad_shards: str = described("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
                          "(train without it; logged and counted)", "fail")
+    verify: str = described("what is checked of each shard: 'hash' (its size before training, its content hash "
+                     "once fetched: a mismatch is fetched again past data.cache_dir, then is a bad shard), 'size' (the "
+                     "sizes, and each shard's structure when read), 'none' (the structure only)", "hash")
 
     def __post_init__(self):
         check_types(self, "data")
         need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
-        if self.tokenizer is None:
-            self.tokenizer = remote.join(self.shard_dir, "tokenizer.model")
         need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
+        need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
 
 
 @dataclass(kw_only=True)

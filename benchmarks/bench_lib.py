@@ -26,9 +26,9 @@ READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up
 
 # ---- inside one measurement process --------------------------------------------------------------------------------
 def tensor_mb() -> float:
-    """MB held by the live tensors of this process that Python reaches (parameters, optimizer states, ZeRO's flat
-    buffers and partitions, gradients), each storage counted once: what an engine holds at rest, read off its tensors
-    rather than off the allocator."""
+    """MB held by the live tensors of this process that Python reaches and autograd did not make (parameters,
+    optimizer states, ZeRO's flat buffers and partitions, gradients; not the outputs a pipeline keeps), each storage
+    counted once: what an engine holds at rest, read off its tensors rather than off the allocator."""
     import gc
 
     import torch
@@ -36,7 +36,7 @@ def tensor_mb() -> float:
     seen = {}
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.grad_fn is None:
                 storage = obj.untyped_storage()
                 seen[(obj.device, storage.data_ptr())] = storage.nbytes()
         except (RuntimeError, ReferenceError):   # a tensor without storage (sparse, a freed weakref proxy)

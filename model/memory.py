@@ -136,7 +136,8 @@ def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool
     if pipeline:   # the last stage computes the logits, then the loss (model/lm.py Head.loss), kept per micro-batch
         kept.append(Term(f"vocab logits B·n·V/tp = {N}·{V}, and their fp32 log-softmax",
                          a * N * V + FP32 * N * V * (2 if a != FP32 else 1)))
-        return kept, 0
+        return kept, FP32 * N * V   # their gradient, in backward
+
     kept += [Term("fused loss: gradient of its input", a * N * d),
              Term(f"fused loss: gradient of the head weight, fp32 V/tp·d = {V}·{d}", FP32 * V * d)]
     rows = max(1, min(N, CHUNK_ELEMENTS // V))
@@ -179,29 +180,39 @@ def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: 
     kept, recompute = [], Term("nothing", 0)
     if first:
         kept += embedding_terms(cfg, B, n)
-    mixers = cfg.layer_mixers()
+    mixers, runs = cfg.layer_mixers(), []   # runs of alike layers: [first, last, what, bytes each]
     for i in layers:
         size = layer_bytes(cfg, i, B, n, tp, a, gpu)
         if checkpoint_every and i % checkpoint_every == 0:
-            kept.append(Term(f"layer {i} ({mixers[i]}): checkpointed, its input", full_input))
+            what, each = f"{mixers[i]}, checkpointed: its input", full_input
             if size > recompute.bytes:
-                recompute = Term(f"layer {i} recomputed in backward", size)
+                recompute = Term(f"layer {i} ({mixers[i]}) recomputed in backward", size)
         else:
-            kept.append(Term(f"layer {i} ({mixers[i]})", size))
+            what, each = mixers[i], size
+        if runs and runs[-1][2:] == [what, each] and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, what, each])
+    for lo, hi, what, each in runs:
+        count = hi - lo + 1
+        kept.append(Term(f"layer {lo} ({what})" if count == 1 else f"layers {lo}-{hi} ({what}), {count} alike",
+                         count * each))
     transient = recompute
     if last:
         head, chunk = head_terms(cfg, B, n, tp, a, pipeline)
         kept += head
         if chunk > transient.bytes:
-            transient = Term("the loss's chunk of fp32 logits", chunk)
+            transient = Term("the logits' gradient" if pipeline else "the loss's chunk of fp32 logits", chunk)
     return Activations(kept, transient)
 
 
-def per_layer_summary(cfg: ModelConfig, B: int, n: int, tp: int, a: int, gpu: bool) -> dict[str, list[Term]]:
-    """{mixer name: its terms} for each distinct mixer of the model (the plan's breakdown)."""
-    out = {}
-    for i, name in enumerate(cfg.layer_mixers()):
-        out.setdefault(name, layer_terms(cfg, i, B, n, tp, a, gpu))
+def per_layer_summary(cfg: ModelConfig, B: int, n: int, tp: int, a: int, gpu: bool,
+                      layers: range | None = None) -> dict[str, list[Term]]:
+    """{mixer name: one layer's terms} for each distinct mixer among `layers` (the plan's breakdown)."""
+    out, mixers = {}, cfg.layer_mixers()
+    for i in range(cfg.n_layers) if layers is None else layers:
+        if mixers[i] not in out:
+            out[mixers[i]] = layer_terms(cfg, i, B, n, tp, a, gpu)
     return out
 
 

@@ -5,6 +5,7 @@ not one per rank after DeepSpeed started; the trainer runs them again on every r
 launches without the script.
 
     python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--print] [--deepspeed] [--world-size 2]
+    python -m pretrain.config configs/synth-1.3b.yaml --world-size 64 --memory [--gpu-memory 80GiB]
 """
 from __future__ import annotations
 
@@ -58,9 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
                                                                 "the shards, a checkpoint it would resume (with "
                                                                 "--deepspeed: the config only; default 1)")
+    p.add_argument("--memory", action="store_true", help="print the memory plan per rank (pretrain/memory_plan.py): "
+                   "model states, DeepSpeed's buffers, activations, the peak; reads no shard")
+    p.add_argument("--gpu-memory", default=None, help="with --memory: the memory of one GPU (80GiB, 80GB, 81920MiB): "
+                                                      "whether the run fits, the largest micro-batch that does, and "
+                                                      "the (tp, pp, ZeRO) layouts of --world-size ranks that fit")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --memory: the device the ranks "
+                   "run on (default cuda; on a CPU a buffer counts only with the pages written)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.memory or args.gpu_memory:   # the plan before a launch: the config alone, no shard read
+            from pretrain.memory_plan import parse_size, report
+
+            budget = parse_size(args.gpu_memory) if args.gpu_memory else None
+            cfg.check_runtime(args.world_size or 1, cuda=args.device == "cuda")
+            print(report(cfg, args.world_size or 1, budget, args.device))
+            return 0
         if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume

@@ -32,8 +32,10 @@ How close this comes to what a launch measures: tests/test_memory_plan.py (CPU, 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 
 from model import ConfigError, ModelConfig
@@ -109,7 +111,8 @@ def stage_layers(cfg: ModelConfig, pp: int, partition: str) -> list[range]:
     [token embedding, positions, blocks…, final norm, head]: by trainable parameter counts, or uniformly."""
     if pp == 1:
         return [range(cfg.n_layers)]
-    from deepspeed.runtime import utils as ds_utils
+    with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's import-time log must not mix with the plan
+        from deepspeed.runtime import utils as ds_utils
 
     counts = {}
     for name, p in parameters(cfg).items():

@@ -42,6 +42,7 @@ from model import ConfigError, ModelConfig
 from model.accounting import parameters
 from model.memory import FP32, Activations, Term, activations, bytes_of, per_layer_summary
 from pretrain.config import TrainConfig
+from pretrain.engine import deepspeed_config
 
 PERSISTENCE, PREFETCH, BUCKET = 100_000, 50_000_000, 500_000_000   # DeepSpeed's ZeRO defaults (elements)
 GIB = 2**30
@@ -318,8 +319,6 @@ def table(p: Plan, budget: int | None = None, alternatives: list[tuple[Layout, i
 def report(cfg: TrainConfig, world: int, budget: int | None = None, device: str = "cuda") -> str:
     """The whole answer of `--memory`: the plan of the configured layout, with checkpointing on for comparison,
     and with a budget the verdict, the largest micro-batch and the layouts that fit."""
-    from pretrain.engine import deepspeed_config
-
     lay = layout_of(cfg, world)
     ds = deepspeed_config(cfg, lay.dp)
     p = plan(cfg, lay, device=device, ds=ds)

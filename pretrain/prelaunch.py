@@ -21,6 +21,8 @@ from pretrain.checkpoints import universal
 from pretrain.checkpoints.resume import architecture_problem, layout_problem, resume_point
 from pretrain.config import Runtime, TrainConfig, load_config
 from pretrain.engine import deepspeed_config
+from pretrain.memory_plan import parse_size, report
+from pretrain.monitor import requirements
 from tokendata.shards import check_seq_len, check_vocab, read_manifest
 
 
@@ -29,6 +31,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     `relayout`: this is the one process before the launch (launch/pretrain.sh), which converts a checkpoint of
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
+    requirements(cfg)   # logging.wandb, logging.eval_tasks: their optional packages installed
     manifest = read_manifest(cfg.data.shard_dir)
     check_vocab(manifest, cfg.model.vocab_size)
     check_seq_len(manifest, cfg.model.max_seq_len, training=True)
@@ -70,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.memory or args.gpu_memory:   # the plan before a launch: the config alone, no shard read
-            from pretrain.memory_plan import parse_size, report
-
             budget = parse_size(args.gpu_memory) if args.gpu_memory else None
             cfg.check_runtime(args.world_size or 1, cuda=args.device == "cuda")
             print(report(cfg, args.world_size or 1, budget, args.device))

@@ -33,8 +33,11 @@ ALLOWED_EDGES = {
                                             "registry (model/variants.py), which builds the synthesizers, for the "
                                             "mixer names; the synthesizers name ModelConfig in their signatures only",
 }
-# (importer, imported): why a library module imports a project module inside a function (none today)
-LOCAL_IMPORTS: dict[tuple[str, str], str] = {}
+# (importer, imported): why a library module imports a project module inside a function
+LOCAL_IMPORTS: dict[tuple[str, str], str] = {
+    ("pretrain.live", "pretrain.downstream"): "lm-eval is an optional extra (synthformer[eval]): the trainer imports it "
+                                              "only when logging.eval_tasks asks for scores",
+}
 
 
 @dataclass(frozen=True)

@@ -235,13 +235,34 @@ def metric_name(task: str, key: str) -> str:
 def score(model, tokenizer: str, tasks: list[str], batch_size: int = 32, limit: int | None = None,
           include_path: str = TASKS) -> dict[str, float]:
     """{"eval/<task>/<metric>": value} of lm-eval's `tasks` on `model` as it is now (its weights, device, dtype):
-    the numbers lm_eval.simple_evaluate reports, standard errors included; `limit` the first documents of each task
-    (lm-eval's limit)."""
+    the numbers lm_eval.simple_evaluate reports (without standard errors, see below); `limit` the first documents of
+    each task (lm-eval's limit). {} on every process but the one lm-eval reports on (LOCAL_RANK 0)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     lm = LiveLM(model, tokenizer, batch_size)
+    # No seeding of Python's, numpy's or torch's global generators: they are the trainer's (dropout, exact resume).
+    # No bootstrapped standard errors: lm-eval computes them in a forked process pool, and a training process (gloo's
+    # and the data loader's threads) cannot be forked safely.
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, log_samples=False, verbosity="ERROR",
-                                  task_manager=TaskManager(include_path=include_path))
+                                  task_manager=task_manager(include_path, tuple(tasks)), random_seed=None,
+                                  numpy_random_seed=None, torch_random_seed=None, bootstrap_iters=0)
+    if out is None:   # lm-eval reports on the process with LOCAL_RANK 0 only; the others ran the same passes
+        return {}
     return {metric_name(task, key): float(value) for task, metrics in out["results"].items()
-            for key, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            for key, value in metrics.items() if "," in key and isinstance(value, (int, float))}   # "metric,filter"
+
+
+_MANAGERS: dict = {}
+
+
+def task_manager(include_path: str, tasks: tuple[str, ...]):
+    """lm-eval's TaskManager over `include_path`, and over lm-eval's own thousands of tasks only where a task is not
+    found there (indexing them takes seconds); kept for the run's later evaluations."""
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    defaults = not set(tasks) <= set(local.all_tasks)
+    key = (include_path, defaults)
+    if key not in _MANAGERS:
+        _MANAGERS[key] = TaskManager(include_path=include_path) if defaults else local
+    return _MANAGERS[key]

@@ -48,14 +48,14 @@ class WandbRun:
         resume = {}
         if os.path.exists(path):
             run_id = open(path).read().strip()
-            resume = {"resume_from": f"{run_id}?_step={step}"}
-        else:
-            run_id = wandb.util.generate_id()
-            with open(path, "w") as f:
-                f.write(run_id + "\n")
+            resume = {"id": run_id, "resume_from": f"{run_id}?_step={step}"}
         self.run = wandb.init(project=settings["project"], entity=settings.get("entity"),
                               mode=settings.get("mode", "online"), tags=settings.get("tags") or None, dir=run_dir,
-                              id=run_id, config=config, **resume)
+                              config=config, **resume)
+        if not resume:
+            with open(path + ".tmp", "w") as f:
+                f.write(self.run.id + "\n")
+            os.replace(path + ".tmp", path)
 
     def scalars(self, step: int, values: dict) -> None:
         self.run.log({tag: float(v) for tag, v in values.items()}, step=step)

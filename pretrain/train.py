@@ -343,11 +343,10 @@ class Trainer:
         self.log.info(f"sample: {text!r}")
         self.engine.train()
 
-    def log_scores(self) -> dict:   # logging.eval_tasks on the live weights (pretrain/live.py)
-        if not self.cfg.logging.eval_tasks:
-            return {}
-        return live.log_scores(self.step, live.whole_model(self.engine, self.cfg, self.layout), self.cfg,
-                               self.tokenizer, self.log)
+    def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/live.py)
+        if self.cfg.logging.eval_tasks:
+            live.log_scores(self.step, live.whole_model(self.engine, self.cfg, self.layout), self.cfg, self.tokenizer,
+                            self.log)
 
     def close(self) -> None:
         self.log.close()

@@ -4,19 +4,33 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench
+.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench wheelhouse
 
 setup: $(VENV)/.installed
 
 # torch first: a plain `pip install torch` (or a package that needs it) would pull a multi-GB CUDA build.
+# WHEELS=DIR: from a folder of wheels only (`make wheelhouse`), for a node without package access; the venv sees the
+# system's packages, so a node's own torch serves where the folder holds none.
+WHEELS ?=
 $(VENV)/.installed: requirements.txt pyproject.toml
+ifeq ($(WHEELS),)
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r requirements.txt
-	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .   # the project itself: tools/ import it
+else
+	$(PY) -m venv --system-site-packages $(VENV)
+	$(VPY) -m pip install -q --no-index --find-links $(WHEELS) setuptools wheel -r requirements.txt
+endif
+	$(VPY) -m pip install -q --no-index --no-build-isolation --no-deps -e .   # the project itself: tools/ import it
 	# DeepSpeed JIT-builds its CPU shared-memory op in the first run of each venv (~40 s): build it now, once
 	$(VPY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()"
 	touch $@
+
+# A folder of wheels to carry to a node without package access (tools/wheelhouse.py): requirements.txt, all it pulls
+# in, and the project; torch and its CUDA wheels left out unless WITH_TORCH=1 (GPU nodes have their own).
+WHEELHOUSE ?= wheels
+wheelhouse: setup
+	$(VPY) tools/wheelhouse.py --out $(WHEELHOUSE) $(if $(WITH_TORCH),--with-torch)
 
 test: setup
 	$(VPY) -m pytest -q

@@ -125,9 +125,10 @@ def run_point_once(spec: dict, timeout: float) -> dict:
     for log in logs:
         log.seek(0)
         texts.append(log.read())
-    for line in reversed(texts[0].splitlines()):
-        if line.startswith(RESULT_MARK) and error is None:
-            return json.loads(line[len(RESULT_MARK):])
+    results = [next((json.loads(line[len(RESULT_MARK):]) for line in reversed(text.splitlines())
+                     if line.startswith(RESULT_MARK)), None) for text in texts]
+    if results[0] is not None and error is None:
+        return {**results[0], "by_rank": results} if len(results) > 1 else results[0]
     failed = next((t for p, t in zip(procs, texts) if p.returncode), texts[0])
     return {"error": error or (failed.strip().splitlines() or ["failed without output"])[-1][-300:]}
 

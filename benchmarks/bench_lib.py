@@ -26,6 +26,25 @@ READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up
 
 
 # ---- inside one measurement process --------------------------------------------------------------------------------
+def tensor_mb() -> float:
+    """MB held by the live tensors of this process that Python reaches and autograd did not make (parameters,
+    optimizer states, ZeRO's flat buffers and partitions, gradients; not the outputs a pipeline keeps), each storage
+    counted once: what an engine holds at rest, read off its tensors rather than off the allocator."""
+    import gc
+
+    import torch
+
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.grad_fn is None:
+                storage = obj.untyped_storage()
+                seen[(obj.device, storage.data_ptr())] = storage.nbytes()
+        except (RuntimeError, ReferenceError):   # a tensor without storage (sparse, a freed weakref proxy)
+            continue
+    return sum(seen.values()) / 2**20
+
+
 class Memory:
     """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size, with the
     kernel's high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has
@@ -37,7 +56,7 @@ class Memory:
     def __init__(self, device):
         self.device = device
         self.after_init = self.now()   # after imports and the process group's start
-        self.after_engine = self.at_rest = None
+        self.after_engine = self.at_rest = self.tensors_at_rest = None
         self.phases = {}
 
     def now(self) -> float:
@@ -48,6 +67,7 @@ class Memory:
 
     def rest(self) -> None:
         self.at_rest = self.now()
+        self.tensors_at_rest = tensor_mb()
 
     def reset_peak(self) -> None:
         self.phases = {}
@@ -102,7 +122,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
-                   at_rest_mb=mem.at_rest, phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()})
+                   at_rest_mb=mem.at_rest, tensors_at_rest_mb=mem.tensors_at_rest, phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()})
     return out
 
 
@@ -208,6 +228,10 @@ def training_step(spec: dict):
     losses = []   # each step's loss, detached: read once after the timing (no host read inside a step)
 
     def step():
+        if lay.pp > 1:   # the PipelineEngine runs the step's micro-batches itself (its phases are not told apart)
+            losses.append(engine.train_batch(iter([(inputs, targets)] * lay.grad_accum)).detach())
+            mem.phase("pipeline step")
+            return
         for _ in range(lay.grad_accum):
             loss = engine(inputs, targets)
             losses.append(loss.detach())
@@ -293,8 +317,8 @@ def run_shards(spec: dict) -> dict:
 
 
 def run_point(spec: dict) -> None:
-    """The `_one` subcommand: measure one point and print it as one marked JSON line (rank 0 only)."""
+    """The `_one` subcommand: measure one point and print it as one marked JSON line (every rank its own; the parent
+    reports rank 0's, with the others' under `by_rank`)."""
     runs = {"data": run_data, "shards": run_shards}
     out = runs.get(spec["kind"], run_train)(spec)
-    if out.pop("rank") == 0:
-        print(RESULT_MARK + json.dumps(out), flush=True)
+    print(RESULT_MARK + json.dumps(out), flush=True)

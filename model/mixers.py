@@ -191,6 +191,14 @@ class SpatialGatingMixer(nn.Module):
     def synthesizer_parameters(self):
         yield "spatial", self.spatial
 
+    def activations(self, B, n, gpu=False):
+        """Elements it keeps for backward, all heads (model/memory.py): on the GPU path the masked map (W ⊙ causal)
+        per head, on the CPU path the gate half with the batch in its columns."""
+        d_in, H = self.norm_weight.numel() * tp.tp_world(), self.spatial.shape[0] * tp.tp_world()
+        return {"U X before and after GELU": 4 * B * n * d_in, "normed gate half, the gate, their product": 3 * B * n * d_in,
+                **({f"masked map W ⊙ causal, H·n² = {H}·{n}²": H * n * n} if gpu else
+                   {"gate half with the batch in its columns": B * n * d_in})}
+
     def flops(self, n):
         Hl_c = self.norm_weight.numel() * tp.tp_world()                  # d_in
         return linear_flops(self.in_proj) + linear_flops(self.out) + 2 * n * Hl_c

@@ -104,6 +104,11 @@ class DotProduct(nn.Module):
     def flops(self, n):
         return linear_flops(self.q) + linear_flops(self.k) + 2 * n * full_shape(self.q.weight)[0]
 
+    def activations(self, B, n, mixed=False):
+        """Elements it keeps for backward beyond the attention kernel's (model/memory.py), all heads: in a mixture,
+        q (its product with the weight α keeps it)."""
+        return {"q, kept by the mixture's weight α": B * n * full_shape(self.q.weight)[0]} if mixed else {}
+
 
 class Dense(nn.Module):
     """Dense synthesizer: S_h[i, :] = W_2^h σ(W_1^h X_i + b_1^h) + b_2^h, σ = ReLU.
@@ -141,6 +146,9 @@ class Dense(nn.Module):
         H_d_h = full_shape(self.w1.weight)[0]
         return linear_flops(self.w1) + 2 * n * H_d_h
 
+    def activations(self, B, n, mixed=False):
+        return {"hidden features σ(W_1 X)": B * n * full_shape(self.w1.weight)[0]}
+
 
 class Random(nn.Module):
     """Random synthesizer: S_h = R^h[:n, :n], R^h ∈ ℝ^{L×L} — `R` (Hl, L, L), trainable or (`frozen`) fixed.
@@ -173,6 +181,9 @@ class Random(nn.Module):
     def flops(self, n):
         return 0
 
+    def activations(self, B, n, mixed=False):
+        return {}   # R is a parameter; its softmax is the kernel's (model/memory.py)
+
 
 class FactorizedRandom(nn.Module):
     """Factorized random synthesizer: S_h = R_1^h[:n] (R_2^h[:n])ᵀ, R_1^h, R_2^h ∈ ℝ^{L×k}; no dependence on X.
@@ -202,6 +213,9 @@ class FactorizedRandom(nn.Module):
     def flops(self, n):
         H, _, k = full_shape(self.R1)
         return 2 * n * k * H
+
+    def activations(self, B, n, mixed=False):
+        return {}   # its features are slices of R_1, R_2
 
 
 class FactorizedDense(nn.Module):
@@ -248,3 +262,9 @@ class FactorizedDense(nn.Module):
         H, a, d_h = full_shape(self.fa)
         b = self.fb.shape[1]
         return linear_flops(self.w1) + 2 * H * d_h * (a + b) + H * n
+
+    def activations(self, B, n, mixed=False):
+        H, a, d_h = full_shape(self.fa)
+        b = full_shape(self.fb)[1]
+        return {"hidden features σ(W_1 X), and the copy each factor product makes": 3 * B * n * H * d_h,
+                "factors A, B": B * H * n * (a + b), "F_A, F_B broadcast over the batch": B * H * (a + b) * d_h}

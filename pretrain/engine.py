@@ -27,6 +27,7 @@ from model.lm import Block
 from model.parallel import is_sharded, tp_rank
 from pretrain import distributed
 from pretrain.config import TrainConfig, TrainSection
+from pretrain.config.files import merge
 from pretrain.health import GuardedAdamW
 from pretrain.pipeline import build_pipeline
 
@@ -82,10 +83,11 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
     No "optimizer" entry: the trainer hands DeepSpeed its AdamW (`build_optimizer`) with parameter groups (no
     decay on norms/biases). No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
     `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
-    defines it on every backend and its step count lives in the engine's checkpoint."""
+    defines it on every backend and its step count lives in the engine's checkpoint. The config's `deepspeed:`
+    section is merged over it (what the trainer sets itself is refused there)."""
     t, stage = cfg.train, cfg.parallel.zero_stage
     device_clip = clips_on_device(cfg) if device_clip is None else device_clip
-    return {
+    generated = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum(dp_world),
@@ -106,6 +108,7 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "timers": {"throughput": {"enabled": False}},
         "wall_clock_breakdown": False,
     }
+    return merge(generated, cfg.deepspeed.passed())   # the `deepspeed:` section (pretrain/config/deepspeed_section.py)
 
 
 def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:

@@ -1,4 +1,5 @@
-"""What the run reports: console lines, TensorBoard (scalars, attention-map images, text) and metrics.jsonl.
+"""What the run reports: console lines, TensorBoard (scalars, attention-map images, text) and metrics.jsonl, and
+the same to Weights & Biases where logging.wandb is set (pretrain/monitor.py).
 
 Only global rank 0 writes; every other rank gets a Logger whose methods do nothing, so the training loop
 calls it unconditionally.
@@ -12,6 +13,8 @@ import sys
 import time
 
 import torch
+
+from pretrain.monitor import WandbRun
 
 
 def memory_mb(device: torch.device, peak: bool = True) -> float:
@@ -111,10 +114,13 @@ def keep_rows_up_to(path: str, step: int) -> None:
 
 
 class Logger:
-    def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str):
+    def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str, wandb: dict | None = None,
+                 config: dict | None = None):
         self.enabled = enabled
         self.writer = None
         self.jsonl = None
+        self.wandb, self.wandb_settings, self.config = None, wandb, config   # logging.wandb: opened by resume_at
+        self.run_dir = run_dir
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -130,9 +136,11 @@ class Logger:
             self.jsonl.close()
             keep_rows_up_to(self.jsonl_path, step)
             self.jsonl = open(self.jsonl_path, "a")
+            if self.wandb_settings:   # W&B, resumed at the same step (pretrain/monitor.py WandbRun)
+                self.wandb = WandbRun(self.wandb_settings, self.run_dir, step, self.config or {})
 
-    def info(self, msg: str) -> None:
-        if self.enabled:
+    def info(self, msg: str | None) -> None:
+        if self.enabled and msg is not None:
             print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True, file=sys.stdout)
 
     def scalars(self, step: int, values: dict, descriptions: dict | None = None) -> None:
@@ -152,20 +160,29 @@ class Logger:
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
         self.writer.flush()
+        if self.wandb:
+            self.wandb.scalars(step, values)
 
     def attention(self, step: int, layers: list[tuple]) -> None:
         """One image per layer, `attention/layer_NN`: every head's map, labelled (attention_figure)."""
         if self.enabled:
             for layer in layers:
-                self.writer.add_figure(f"attention/layer_{layer[0]:02d}", attention_figure([layer]), step)
+                tag, fig = f"attention/layer_{layer[0]:02d}", attention_figure([layer])
+                if self.wandb:
+                    self.wandb.figure(step, tag, fig)
+                self.writer.add_figure(tag, fig, step)
             self.writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
             self.writer.add_text(tag, text, step)
             self.writer.flush()
+            if self.wandb:
+                self.wandb.text(step, tag, text)
 
     def close(self) -> None:
         if self.enabled:
             self.writer.close()
             self.jsonl.close()
+            if self.wandb:
+                self.wandb.close()

@@ -5,6 +5,7 @@ not one per rank after DeepSpeed started; the trainer runs them again on every r
 launches without the script.
 
     python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--print] [--deepspeed] [--world-size 2]
+    python -m pretrain.config configs/synth-1.3b.yaml --world-size 64 --memory [--gpu-memory 80GiB]
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pretrain.checkpoints import universal
 from pretrain.checkpoints.resume import architecture_problem, layout_problem, resume_point
 from pretrain.config import Runtime, TrainConfig, load_config
 from pretrain.engine import deepspeed_config
+from pretrain.memory_plan import parse_size, report
+from pretrain.monitor import requirements
 from tokendata.shards import check_seq_len, check_vocab, read_manifest
 
 
@@ -28,6 +31,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     `relayout`: this is the one process before the launch (launch/pretrain.sh), which converts a checkpoint of
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
+    requirements(cfg)   # logging.wandb, logging.eval_tasks: their optional packages installed
     manifest = read_manifest(cfg.data.shard_dir)
     check_vocab(manifest, cfg.model.vocab_size)
     check_seq_len(manifest, cfg.model.max_seq_len, training=True)
@@ -58,9 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
                                                                 "the shards, a checkpoint it would resume (with "
                                                                 "--deepspeed: the config only; default 1)")
+    p.add_argument("--memory", action="store_true", help="print the memory plan per rank (pretrain/memory_plan.py): "
+                   "model states, DeepSpeed's buffers, activations, the peak; reads no shard")
+    p.add_argument("--gpu-memory", default=None, help="with --memory: the memory of one GPU (80GiB, 80GB, 81920MiB): "
+                                                      "whether the run fits, the largest micro-batch that does, and "
+                                                      "the (tp, pp, ZeRO) layouts of --world-size ranks that fit")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --memory: the device the ranks "
+                   "run on (default cuda; on a CPU a buffer counts only with the pages written)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.memory or args.gpu_memory:   # the plan before a launch: the config alone, no shard read
+            budget = parse_size(args.gpu_memory) if args.gpu_memory else None
+            cfg.check_runtime(args.world_size or 1, cuda=args.device == "cuda")
+            print(report(cfg, args.world_size or 1, budget, args.device))
+            return 0
         if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume

@@ -17,13 +17,11 @@ import warnings
 
 import torch
 
-import torch.distributed as dist
-
-from model import ConfigError, SynthesizerLM
+from model import ConfigError
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed
+from pretrain import distributed, live, memory_plan, monitor
 from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
@@ -72,7 +70,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
                                          lay.rank, lay.world, self.faults)
-        self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir)
+        self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
+        self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         for note in filter(None, self.stream.notes + [check_vocab(self.stream.manifest, cfg.model.vocab_size)]):
             self.log.info(note)
         if self.stream.skipped_shards:
@@ -87,6 +86,7 @@ class Trainer:
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
         self.log.resume_at(self.step)          # each step once in metrics.jsonl: replayed rows move aside
+        self.eta = monitor.Eta.for_config(cfg, self.step)   # elapsed time and time left in the step line
         self.ids_file = None
         if cfg.logging.sample_ids:
             os.makedirs(os.path.join(cfg.train.run_dir, "sample_ids"), exist_ok=True)
@@ -104,6 +104,7 @@ class Trainer:
                       f"{', compiled blocks' if cfg.train.compile else ''}; model {cfg.model.mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{self.start_words()}")
+        self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""
@@ -137,7 +138,7 @@ class Trainer:
                           f"{cfg.train.max_steps}); nothing to do. Raise train.max_steps to train on")
             return {}
         if self.step == 0 or "engine" not in self.checkpointer.restored:
-            self.validate()
+            self.eta.timed("validation", self.validate)
         stop = total if cfg.train.stop_after_steps is None else min(total, self.step + cfg.train.stop_after_steps)
         batches = self.micro_batches(iter(self.stream))
         window_t, window_tokens = time.time(), 0
@@ -153,17 +154,20 @@ class Trainer:
                 self.log_step(loss, window_tokens / (time.time() - window_t))
                 window_t, window_tokens = time.time(), 0
             if cfg.logging.val_every and self.step % cfg.logging.val_every == 0 and self.step != total:
-                self.validate()
+                self.eta.timed("validation", self.validate)
+            if cfg.logging.eval_every and self.step % cfg.logging.eval_every == 0 and self.step != total:
+                self.eta.timed("eval", self.log_scores)
             if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
-                self.log_samples()
+                self.eta.timed("samples", self.log_samples)
             if self.step % cfg.checkpoint.every == 0 or self.step == stop or preempted:
-                path = self.checkpointer.save(self.step)
+                path = self.eta.timed("checkpoint", self.checkpointer.save, self.step)
                 self.log.info(f"saved checkpoint {path}")
             if preempted:
                 self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
                               f"command to continue")
                 return {}
         result = self.validate()
+        self.eta.timed("eval", self.log_scores)
         first_step, first_ppl = self.first_val()
         self.log.info(f"done: validation perplexity {result['val/ppl']:.2f} at step {self.step} "
                       f"(step {first_step}: {first_ppl:.2f}); "
@@ -291,12 +295,13 @@ class Trainer:
             values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
             values["perf/mfu"] = tflops / self.peak_tflops
-        self.log.scalars(self.step, values)
+        self.eta.mark(self.step)
+        self.log.scalars(self.step, {**values, **self.eta.scalars(self.step)})
         mfu = f"{100 * values['perf/mfu']:.3g}%" if self.peak_tflops else "n/a"   # a tiny model: 0.0008%, not 0.0%
         norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {norm} | {tokens_per_s:,.0f} tok/s | "
-                      f"{tflops:.3g} TFLOP/s | MFU {mfu}")
+                      f"{tflops:.3g} TFLOP/s | MFU {mfu} | {self.eta.words(self.step)}")
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")   # compiled blocks (train.compile) serve training steps only
@@ -321,7 +326,7 @@ class Trainer:
         """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
         over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the
         first stage. Every rank that holds part of that model computes (TP, ZeRO-3 collectives); rank 0 writes."""
-        model = self.joined_model() if self.pipeline else self.engine.module
+        model = live.whole_model(self.engine, self.cfg, self.layout)
         if model is None:
             return
         cfg, dev = self.cfg, self.layout.device
@@ -339,24 +344,10 @@ class Trainer:
         self.log.info(f"sample: {text!r}")
         self.engine.train()
 
-    def joined_model(self):
-        """Under PP, on the first stage's ranks of data-parallel replica 0: the whole model (this rank's TP shard),
-        the other stages' weights gathered over the pipeline group. None on every other rank."""
-        from megatron.core import parallel_state as ps
-
-        if ps.get_data_parallel_rank() != 0:
-            return None
-        stage = self.engine.module
-        mine = {stage.canonical_name(name): p.detach().cpu() for name, p in stage.named_parameters()}
-        parts = [None] * self.layout.pp
-        dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
-        if ps.get_pipeline_model_parallel_rank() != 0:
-            return None
-        weights = {name: t for part in parts for name, t in part.items()}
-        model = SynthesizerLM(self.cfg.model)
-        for name, p in model.named_parameters():   # each tensor is this TP rank's shard already
-            p.data = weights[name].to(p.dtype)
-        return model.to(self.layout.device)
+    def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/live.py)
+        if self.cfg.logging.eval_tasks:
+            live.log_scores(self.step, live.whole_model(self.engine, self.cfg, self.layout), self.cfg, self.tokenizer,
+                            self.log)
 
     def close(self) -> None:
         self.log.close()

@@ -159,7 +159,7 @@ def test_rolling_loglikelihood_covers_every_token_once(tiny, rolling_context):
 
 
 def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(tiny, monkeypatch):
-    import evaluation.lm_eval_adapter as module
+    import pretrain.downstream as downstream
 
     release, sp, model, _ = tiny
     phrases = ["Emma Woodhouse, handsome, clever, and rich", "Mr. Darcy walked with Elizabeth in the park",
@@ -179,7 +179,7 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(tiny, monkeypa
     assert plain == refs
     stop = refs[0][len(refs[0]) // 2:len(refs[0]) // 2 + 2]
     steps = []
-    monkeypatch.setattr(module, "sample", lambda *a, **k: steps.append(1) or sample(*a, **k))
+    monkeypatch.setattr(downstream, "sample", lambda *a, **k: steps.append(1) or sample(*a, **k))
     [cut] = lm.generate_until([request("generate_until", prompts[0], {"until": [stop], "max_gen_toks": 64})])
     assert cut == refs[0].split(stop)[0] and len(steps) < 64   # stopped once the stop string appeared
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model.config import ConfigError
-from model.fields import check_types, described, need
+from model.fields import check_keys, check_types, described, need
+from tokendata import remote
 
 
 @dataclass(kw_only=True)
@@ -195,11 +196,40 @@ class LoggingSection:
                                           "first document of the run's validation data", None)
     sample_tokens: int = described("tokens generated for the text sample", 64)
     sample_ids: bool = described("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
+    wandb: dict | None = described("Weights & Biases beside TensorBoard, from rank 0, the same scalars, images and text: "
+                                   "{project, entity, mode: online|offline|disabled, tags: [...]}; a relaunch resumes "
+                                   "the same W&B run (its id in <run_dir>/wandb-run-id). null = off; needs pip install "
+                                   "'synthformer[wandb]'", None)
+    eval_tasks: tuple[str, ...] = described("lm-eval tasks scored on the live weights every logging.eval_every steps, "
+                                            "logged as eval/<task>/<metric>: the shipped austen_cloze, austen_mc4, or "
+                                            "any lm-eval task available offline; needs pip install "
+                                            "'synthformer[eval]'", ())
+    eval_every: int = described("score logging.eval_tasks every this many steps (0 = only at the end of the run)", 0)
+    eval_batch_size: int = described("sequences per forward pass of the scoring", 32)
+    eval_limit: int | None = described("score only the first this many documents of each task (null = all)", None)
 
     def __post_init__(self):
         check_types(self, "logging")
         for name in ("every", "val_every", "image_every", "sample_tokens"):
             low = 1 if name == "every" else 0
             need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
+        check_wandb(self.wandb)
+        need(self.eval_every >= 0, "logging.eval_every", self.eval_every, "≥ 0 (0 = only at the end)")
+        need(self.eval_batch_size >= 1, "logging.eval_batch_size", self.eval_batch_size, "≥ 1")
+        need(self.eval_limit is None or self.eval_limit >= 1, "logging.eval_limit", self.eval_limit, "null or ≥ 1")
         need(self.peak_tflops_per_device is None or self.peak_tflops_per_device > 0,
               "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
+
+
+WANDB_KEYS = ("project", "entity", "mode", "tags")
+
+
+def check_wandb(settings: dict | None) -> None:
+    """logging.wandb: known keys, a project, a mode W&B knows, a list of tags."""
+    if settings is None:
+        return
+    check_keys(settings, "logging.wandb", list(WANDB_KEYS), "the config")
+    need(bool(settings.get("project")), "logging.wandb.project", settings.get("project"), "a W&B project name")
+    need(settings.get("mode", "online") in ("online", "offline", "disabled"), "logging.wandb.mode",
+         settings.get("mode"), "online, offline, disabled")
+    need(isinstance(settings.get("tags", []), list), "logging.wandb.tags", settings.get("tags"), "a list of strings")

@@ -18,6 +18,7 @@ from model.config import ConfigError, ModelConfig, architecture_difference, plai
 from model.fields import build, check_keys, described, nearest_key
 from model.release import FORMAT, is_release
 from pretrain.config import files
+from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.sections import CheckpointSection, DataSection, LoggingSection, ParallelSection, TrainSection
 
 
@@ -37,8 +38,10 @@ class TrainConfig:
     train: TrainSection = described("optimizer, schedule, batch, length, precision")
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"help": "saving and resuming"})
     logging: LoggingSection = field(default_factory=LoggingSection, metadata={"help": "console and TensorBoard"})
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection,
+                                        metadata={"help": "DeepSpeed settings passed through to the engine"})
 
-    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging")
+    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging", "deepspeed")
 
     def __post_init__(self):
         # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.
@@ -90,6 +93,7 @@ class TrainConfig:
     def from_dict(cls, tree: dict, source: str = "the config") -> "TrainConfig":
         """Build from a nested dict (a merged YAML tree, or `to_dict()` saved in a checkpoint)."""
         _check_sections(tree, source)
+        refuse_owned(tree.get("deepspeed"), source)
         types = get_type_hints(cls)
         return cls(**{name: build(types[name], tree.get(name) or {}, name, source, _suggest)
                       for name in cls.SECTIONS})
@@ -146,6 +150,7 @@ def _check_sections(tree: Any, source: str) -> None:
 def _check_keys(tree: Any, source: str) -> None:
     """Every key must be `section` or `section.field`: typos fail loudly instead of being silently ignored."""
     _check_sections(tree, source)
+    refuse_owned(tree.get("deepspeed"), source)
     valid = _valid_keys()
     for name, sub in tree.items():
         if sub is not None:
@@ -157,6 +162,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     tree = files.read(str(path), _check_keys)
     for item in overrides:
         section, name, value = files.override(item)
+        refuse_owned({name: value} if section == "deepspeed" else None, f"override '{item}'")
         if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
             raise _unknown(item.partition("=")[0], f"override '{item}'")
         tree = files.merge(tree, {section: {name: value}})

@@ -1,0 +1,224 @@
+"""Activation memory of one training micro-batch, per rank, from the model config: what each layer keeps for
+backward, named, and the largest temporary of the forward pass.
+
+Legend: B micro-batch, n sequence length, N = B·n tokens, d width, H heads (Hl = H/tp on a rank), d_h = d/H, f a
+q·k feature width, V vocabulary, a the activation dtype's bytes (4 fp32; 2 bf16/fp16, DeepSpeed casts the module).
+
+Every count comes from the real modules: each synthesizer's fused form (`fused(x)` on a meta input of the whole model,
+model/accounting.py's `shape_model`) gives its feature widths, whether a member's keys are shared by the batch and
+whether it has a per-key bias; each synthesizer names what it keeps itself (`activations(B, n, mixed)`). What the
+kernels keep (model/kernels.py, model/gpu_kernels/), per layer:
+    q·k members (dot, dense, factorized_random and their mixtures), one SDPA call: q, k, v, out at the common width
+        W (v's, or f rounded up to 8 when the concatenated features are wider: dense+dot's 2·d_h + 1 bias column),
+        its logsumexp (fp32); on the GPU past 256 features the key-bias flash kernel keeps q, k at f and v, out at d_h
+    a map beside q·k members (random+dot): the same, block by block (CPU) or a Triton kernel (GPU): nothing n²
+    maps alone (random, factorized_random): the values with the batch in their columns and the output; on a GPU
+        also the softmax of the map, Hl·n² ("random's H·n² maps": one per layer, shared by the batch)
+    factors (factorized_dense): A, B, v, out
+    then the output projection's input (a copy where the kernel's output is not laid out as (B, n, Hl·d_h)).
+Beside the mixer: two layer norms (input + fp32 statistics), the MLP's input, pre- and post-GELU hidden (d_ffn/tp
+each), dropout masks where dropout is on. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
+gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32 logits
+(CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
+log-softmax in fp32. Activation checkpointing keeps a checkpointed block's input only, and recomputes one block at a
+time in backward (its activations come back while it runs).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .accounting import shape_model
+from .config import ModelConfig
+from .forms import FactorForm, MapForm, QKForm
+from .linear_cross_entropy import CHUNK_ELEMENTS
+from .mixers import SynthesizedAttention
+
+FP32, INDEX = 4, 8
+SDPA_MAX_WIDTH = 256   # the widest q/k CUDA's flash kernel takes (model/kernels.py)
+
+
+class Term(NamedTuple):
+    name: str
+    bytes: int
+
+
+def _width(f: int, d_h: int) -> int:
+    """The common width of q, k, v on the SDPA path (model/kernels.py _common_width)."""
+    return d_h if f <= d_h else -(-f // 8) * 8
+
+
+def _forms(mixer: SynthesizedAttention, B: int, n: int) -> list:
+    x = torch.empty(B, n, mixer.value.weight.shape[1], device="meta")
+    return [synth.fused(x) for synth in mixer.synth.values()]
+
+
+def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
+    """What a synthesized-attention mixer keeps for backward on one rank (per rank: heads / tp)."""
+    H, d_h = mixer.value.weight.shape[0] // mixer.d_h, mixer.d_h
+    Hl, N, mixed = H // tp, B * n, len(mixer.names) > 1
+    out = []
+    for name, synth in mixer.synth.items():   # each member's own intermediates (dense's hidden features, ...)
+        out += [Term(f"{name}: {what}", a * count // tp) for what, count in synth.activations(B, n, mixed).items()]
+    forms = _forms(mixer, B, n)
+    head_rows = N * Hl                       # (B, Hl, n) rows of one feature each
+    values = a * head_rows * d_h
+    value_term = Term("values V = X W_v", values)
+    copy_out = True                          # the output projection's input is a copy of the kernel's output
+    if isinstance(forms[0], FactorForm):
+        out += [value_term, Term("attention output (laid out as V: no copy for the output projection)", values)]
+        copy_out = False
+        if gpu:
+            out.append(Term("row log-sum-exp (fp32)", FP32 * head_rows))
+    elif not any(s.input_dependent for s in mixer.synth.values()):   # one map for the batch
+        out.append(Term("values and output with the batch in the columns", 2 * values))
+        maps = any(isinstance(form, MapForm) for form in forms)
+        if gpu or (mixed and maps):   # GPU: the map's softmax; CPU: the map weighted by α (the kernel's input)
+            what = "softmax of the map" if gpu else "the map weighted by α"
+            out.append(Term(f"{what}, Hl·n² = {Hl}·{n}² (one for the batch)", a * Hl * n * n))
+        f = sum(form.q.shape[-1] for form in forms if isinstance(form, QKForm))
+        if f:
+            out.append(Term(f"factors R_1, R_2 (weighted and) concatenated, {f} wide", 2 * a * Hl * n * f))
+    else:
+        qk = [f for f in forms if isinstance(f, QKForm)]
+        f = sum(form.q.shape[-1] for form in qk)
+        key_bias = any(form.key_bias is not None for form in qk)
+        shared_k = len(qk) == 1 and qk[0].k.shape[0] == 1
+        has_map = any(isinstance(form, MapForm) for form in forms)
+        if gpu and (has_map or (key_bias and f + 1 > SDPA_MAX_WIDTH >= f)):   # Triton: no padding, k per sample
+            width, v_width, k_rows, copy_out = f, d_h, head_rows, True
+        else:
+            width = _width(f + key_bias, d_h)
+            v_width, k_rows = width, head_rows // B if shared_k and not gpu else head_rows
+            copy_out = width != d_h
+        what = "concatenated q·k features" if len(qk) > 1 or key_bias else "q, k"
+        out.append(Term(f"{what} at width {width} (q, k)", a * (head_rows + k_rows) * width))
+        out.append(Term(f"values padded to width {v_width}", a * head_rows * v_width) if v_width != d_h
+                   else value_term)
+        out.append(Term(f"attention output (width {v_width}) and row log-sum-exp",
+                        a * head_rows * v_width + FP32 * head_rows))
+    if copy_out:
+        out.append(Term("output projection input", values))
+    if mixer.dropout:
+        out.append(Term("mixer dropout mask", head_rows * d_h))
+    return out
+
+
+def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
+    """Everything block `index` keeps for backward on one rank."""
+    block = shape_model(cfg).blocks[index]
+    N, d = B * n, cfg.d_model
+    norms = 1 if block.mlp is None else 2
+    out = [Term("layer norm inputs and statistics", norms * (a * N * d + 2 * FP32 * N)),
+           Term("normed input of the mixer", a * N * d)]
+    if isinstance(block.mixer, SynthesizedAttention):
+        out += attention_terms(block.mixer, B, n, tp, a, gpu)
+    else:
+        out += [Term(f"sgu: {what}", a * count // tp) for what, count in block.mixer.activations(B, n, gpu).items()]
+    if block.mlp is not None:
+        f = cfg.d_ffn // tp
+        out += [Term("normed input of the MLP", a * N * d), Term(f"MLP hidden {f} wide, before and after GELU",
+                                                                  2 * a * N * f)]
+    if cfg.dropout:
+        out.append(Term("residual dropout masks", norms * N * d))
+    return out
+
+
+def layer_bytes(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> int:
+    return sum(t.bytes for t in layer_terms(cfg, index, B, n, tp, a, gpu))
+
+
+def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool = False) -> tuple[list[Term], int]:
+    """(what the final norm, head and loss keep; the forward's largest temporary) on one rank."""
+    N, d, V = B * n, cfg.d_model, cfg.vocab_size // tp
+    kept = [Term("final layer norm input and statistics", a * N * d + 2 * FP32 * N)]
+    if pipeline:   # the last stage computes the logits, then the loss (model/lm.py Head.loss), kept per micro-batch
+        kept.append(Term(f"vocab logits B·n·V/tp = {N}·{V}, and their fp32 log-softmax",
+                         a * N * V + FP32 * N * V * (2 if a != FP32 else 1)))
+        return kept, FP32 * N * V   # their gradient, in backward
+
+    kept += [Term("fused loss: gradient of its input", a * N * d),
+             Term(f"fused loss: gradient of the head weight, fp32 V/tp·d = {V}·{d}", FP32 * V * d)]
+    rows = max(1, min(N, CHUNK_ELEMENTS // V))
+    chunk = rows * V * (2 * FP32 + (a if a != FP32 else 0)) + a * V * d   # logits, ∂logits (fp32 and cast), Gᵀx
+    return kept, chunk
+
+
+def embedding_terms(cfg: ModelConfig, B: int, n: int) -> list[Term]:
+    out = [Term("token ids", INDEX * B * n)]
+    if cfg.dropout:
+        out.append(Term("embedding dropout mask", B * n * cfg.d_model))
+    return out
+
+
+class Activations(NamedTuple):
+    """One micro-batch's activations on one rank: `kept` (named terms, in bytes) alive at the end of the forward
+    pass, and `transient`, the most that exists beside them for a moment (the loss's chunk of logits, or a
+    checkpointed block recomputed in backward)."""
+    kept: list[Term]
+    transient: Term
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.kept)
+
+    @property
+    def peak(self) -> int:
+        return self.total + self.transient.bytes
+
+
+def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: int = FP32, checkpoint_every: int = 0,
+                layers: range | None = None, first: bool = True, last: bool = True, pipeline: bool = False,
+                gpu: bool = False) -> Activations:
+    """The activations of blocks `layers` (default all) and, where `first`/`last`, of the embedding and the head
+    (a pipeline stage holds some of them). `checkpoint_every` k > 0: blocks 0, k, 2k, … keep their input only
+    (parallel.activation_checkpointing); `gpu`: the GPU path's kernels (model/kernels.py `on_gpu_path`)."""
+    n = n or cfg.max_seq_len
+    layers = range(cfg.n_layers) if layers is None else layers
+    full_input = a * B * n * cfg.d_model
+    kept, recompute = [], Term("nothing", 0)
+    if first:
+        kept += embedding_terms(cfg, B, n)
+    mixers, runs = cfg.layer_mixers(), []   # runs of alike layers: [first, last, what, bytes each]
+    for i in layers:
+        size = layer_bytes(cfg, i, B, n, tp, a, gpu)
+        if checkpoint_every and i % checkpoint_every == 0:
+            what, each = f"{mixers[i]}, checkpointed: its input", full_input
+            if size > recompute.bytes:
+                recompute = Term(f"layer {i} ({mixers[i]}) recomputed in backward", size)
+        else:
+            what, each = mixers[i], size
+        if runs and runs[-1][2:] == [what, each] and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, what, each])
+    for lo, hi, what, each in runs:
+        count = hi - lo + 1
+        kept.append(Term(f"layer {lo} ({what})" if count == 1 else f"layers {lo}-{hi} ({what}), {count} alike",
+                         count * each))
+    transient = recompute
+    if last:
+        head, chunk = head_terms(cfg, B, n, tp, a, pipeline)
+        kept += head
+        if chunk > transient.bytes:
+            transient = Term("the logits' gradient" if pipeline else "the loss's chunk of fp32 logits", chunk)
+    return Activations(kept, transient)
+
+
+def per_layer_summary(cfg: ModelConfig, B: int, n: int, tp: int, a: int, gpu: bool,
+                      layers: range | None = None) -> dict[str, list[Term]]:
+    """{mixer name: one layer's terms} for each distinct mixer among `layers` (the plan's breakdown)."""
+    out, mixers = {}, cfg.layer_mixers()
+    for i in range(cfg.n_layers) if layers is None else layers:
+        if mixers[i] not in out:
+            out[mixers[i]] = layer_terms(cfg, i, B, n, tp, a, gpu)
+    return out
+
+
+def bytes_of(dtype: str) -> int:
+    """Activation bytes of train.precision."""
+    return FP32 if dtype == "fp32" else 2
+
+
+__all__ = ["Activations", "Term", "activations", "bytes_of", "head_terms", "layer_terms", "per_layer_summary"]

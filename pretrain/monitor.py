@@ -1,0 +1,179 @@
+"""Watching a run, beside TensorBoard (pretrain/metrics.py): Weights & Biases, the time left, downstream scores.
+
+    WandbRun(settings, run_dir, step, config)   logging.wandb on rank 0: the same scalars, images and text as
+                                                TensorBoard; a relaunch resumes the same W&B run, rewound to the step
+                                                the checkpoint holds (W&B's resume_from), so the replayed steps replace
+                                                the ones a crash left behind and no step is duplicated or dropped
+    Eta                                         elapsed time and the estimate of the time left (formula below)
+    deepspeed_readback(engine, passed)          what the engine reports of the `deepspeed:` section's settings
+    requirements(cfg)                           one line naming the extra to install for what the config asks
+"""
+from __future__ import annotations
+
+import html
+import math
+import os
+import time
+from contextlib import contextmanager
+
+from model import ConfigError
+
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def requirements(cfg) -> None:
+    """A ConfigError (one line, before any rank starts) when the config asks for an optional extra not installed."""
+    for wanted, module, extra in ((cfg.logging.wandb, "wandb", "wandb"), (cfg.logging.eval_tasks, "lm_eval", "eval")):
+        if not wanted:
+            continue
+        try:
+            __import__(module)
+        except ImportError:
+            key = "logging.wandb" if extra == "wandb" else "logging.eval_tasks"
+            raise ConfigError(f"{key} needs the {module} package, which is not installed: pip install "
+                              f"'synthformer[{extra}]' (or pip install -r requirements.txt)") from None
+
+
+class WandbRun:
+    """One W&B run per training run, from rank 0. Its id is kept in <run_dir>/wandb-run-id: a relaunch that resumes
+    at step s opens the same run with `resume_from="<id>?_step=s"`, so W&B drops what the interrupted launch logged
+    after s (metrics.jsonl moves those rows aside the same way) and takes the replayed steps in their place. In
+    offline mode each launch writes its own directory under <run_dir>/wandb; `wandb sync` uploads them in order."""
+
+    def __init__(self, settings: dict, run_dir: str, step: int, config: dict):
+        import wandb
+
+        self.wandb = wandb
+        path = os.path.join(run_dir, WANDB_ID_FILE)
+        resume = {}
+        if os.path.exists(path):
+            run_id = open(path).read().strip()
+            resume = {"id": run_id, "resume_from": f"{run_id}?_step={step}"}
+        self.run = wandb.init(project=settings["project"], entity=settings.get("entity"),
+                              mode=settings.get("mode", "online"), tags=settings.get("tags") or None, dir=run_dir,
+                              config=config, **resume)
+        if not resume:
+            with open(path + ".tmp", "w") as f:
+                f.write(self.run.id + "\n")
+            os.replace(path + ".tmp", path)
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.run.log({tag: float(v) for tag, v in values.items()}, step=step)
+
+    def figure(self, step: int, tag: str, fig) -> None:
+        self.run.log({tag: self.wandb.Image(fig)}, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.run.log({tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Eta:
+    """Elapsed time and the time left, of this launch:
+
+        ETA(s) = (T − s) · t_step  +  Σ_e n_e(s) · t_e
+
+    s the step reached, T the run's last step (TrainConfig.total_steps); t_step the mean wall time of a training
+    step since the previous estimate, without the events timed inside that window; for each event e (validation,
+    checkpoint, samples, eval), t_e its measured mean duration so far (0 until it has run once) and n_e(s) how many
+    are still due: the multiples of its period in [s, T) (the step line comes before the events of its own step),
+    plus the one at T (validation, eval and a checkpoint always run at the end; samples only on their period)."""
+
+    def __init__(self, total: int, periods: dict[str, int], at_end: tuple[str, ...] = ("validation", "checkpoint",
+                                                                                         "eval"), step: int = 0,
+                 clock=time.time):
+        self.total, self.periods, self.at_end, self.clock = total, periods, at_end, clock
+        self.started = clock()
+        self.durations: dict[str, list[float]] = {}
+        self.window_start, self.window_step, self.window_events, self.step_time = self.started, step, 0.0, None
+
+    @classmethod
+    def for_config(cls, cfg, step: int = 0) -> "Eta":
+        """The events of a TrainConfig's loop (pretrain/train.py), from `step` (a resumed run's)."""
+        lg = cfg.logging
+        return cls(cfg.total_steps(), {"validation": lg.val_every, "checkpoint": cfg.checkpoint.every,
+                                       "samples": lg.image_every, "eval": lg.eval_every if lg.eval_tasks else 0},
+                   ("validation", "checkpoint") + (("eval",) if lg.eval_tasks else ()), step)
+
+    def timed(self, event: str, call, *args):
+        """call(*args), its duration counted as one `event`."""
+        with self.timing(event):
+            return call(*args)
+
+    @contextmanager
+    def timing(self, event: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            dt = self.clock() - t0
+            self.durations.setdefault(event, []).append(dt)
+            self.window_events += dt
+
+    def due(self, event: str, step: int) -> int:
+        """n_e(s): the events still due at step s."""
+        period = self.periods.get(event, 0)
+        before_end = len(range(period * -(-step // period), self.total, period)) if period else 0
+        at_end = step <= self.total and (event in self.at_end or (period > 0 and self.total % period == 0))
+        return before_end + at_end
+
+    def mark(self, step: int) -> None:
+        """At a log line: t_step over the steps since the previous mark (or the start), the events timed in between
+        left out."""
+        now = self.clock()
+        if step > self.window_step:
+            self.step_time = max(0.0, now - self.window_start - self.window_events) / (step - self.window_step)
+        self.window_start, self.window_step, self.window_events = now, step, 0.0
+
+    def estimate(self, step: int) -> float | None:
+        """Seconds left, or None before a step time is known."""
+        if self.step_time is None:
+            return None
+        events = sum(self.due(e, step) * sum(d) / len(d) for e, d in self.durations.items())
+        return (self.total - step) * self.step_time + events
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def scalars(self, step: int) -> dict:
+        left = self.estimate(step)
+        return {"time/elapsed_s": self.elapsed(), **({"time/eta_s": left} if left is not None else {})}
+
+    def words(self, step: int) -> str:
+        left = self.estimate(step)
+        return f"elapsed {clock_text(self.elapsed())} | ETA {clock_text(left) if left is not None else 'n/a'}"
+
+
+def clock_text(seconds: float) -> str:
+    """1:02:03 (h:mm:ss), or 3d 4:05:06."""
+    seconds = max(0, int(math.ceil(seconds)))
+    days, rest = divmod(seconds, 86400)
+    h, rest = divmod(rest, 3600)
+    text = f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
+# engine.<method>() for each `deepspeed:` key whose value DeepSpeed's engine reports
+READBACK = {"zero_optimization.overlap_comm": "zero_overlap_comm",
+            "zero_optimization.reduce_bucket_size": "zero_reduce_bucket_size",
+            "zero_optimization.allgather_bucket_size": "zero_allgather_bucket_size",
+            "zero_optimization.contiguous_gradients": "zero_contiguous_gradients",
+            "zero_optimization.reduce_scatter": "zero_reduce_scatter",
+            "communication_data_type": "communication_data_type",
+            "wall_clock_breakdown": "wall_clock_breakdown"}
+
+
+def deepspeed_readback(engine, passed: dict) -> str | None:
+    """'deepspeed: zero_optimization.overlap_comm=True, …' as the engine reports the section's settings (those it
+    has a reader for; the others as given), or None without a `deepspeed:` section."""
+    if not passed:
+        return None
+    flat = {}
+    for key, value in passed.items():
+        for inner, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+            flat[f"{key}.{inner}" if inner else key] = v
+    words = [f"{k}={getattr(engine, READBACK[k])()!r}" if k in READBACK else f"{k}={v!r} (as given)"
+             for k, v in flat.items()]
+    return "deepspeed section applied, as the engine reports it: " + ", ".join(words)

@@ -4,7 +4,7 @@ backward, named, and the largest temporary of the forward pass.
 Legend: B micro-batch, n sequence length, N = B·n tokens, d width, H heads (Hl = H/tp on a rank), d_h = d/H, f a
 q·k feature width, V vocabulary, a the activation dtype's bytes (4 fp32; 2 bf16/fp16, DeepSpeed casts the module).
 
-Every count comes from the real modules: each synthesizer's fused form (`fused(x)` on a meta input of the whole model,
+Every count comes from the real modules: each synthesizer's fused form (`fused(x, inputs)` on a meta input of the whole model,
 model/accounting.py's `shape_model`) gives its feature widths, whether a member's keys are shared by the batch and
 whether it has a per-key bias; each synthesizer names what it keeps itself (`activations(B, n, mixed)`). What the
 kernels keep (model/kernels.py, model/gpu_kernels/), per layer:
@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .forms import FactorForm, MapForm, QKForm
 from .linear_cross_entropy import CHUNK_ELEMENTS
 from .mixers import SynthesizedAttention
+from .parallel import joint_column
 
 FP32, INDEX = 4, 8
 SDPA_MAX_WIDTH = 256   # the widest q/k CUDA's flash kernel takes (model/kernels.py)
@@ -51,7 +52,9 @@ def _width(f: int, d_h: int) -> int:
 
 def _forms(mixer: SynthesizedAttention, B: int, n: int) -> list:
     x = torch.empty(B, n, mixer.value.weight.shape[1], device="meta")
-    return [synth.fused(x) for synth in mixer.synth.values()]
+    layers = [mixer.value] + [layer for synth in mixer.synth.values() for layer in synth.projections()]
+    inputs = dict(zip(layers, joint_column(x, layers)))
+    return [synth.fused(x, inputs) for synth in mixer.synth.values()]
 
 
 def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:

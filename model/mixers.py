@@ -44,15 +44,23 @@ class SynthesizedAttention(nn.Module):
         if self.impl == "reference" or return_map or cache is not None:
             v = self.value(x).view(B, m, -1, self.d_h)                   # (B, m, Hl, d_h)
             y, A = self._materialized(x, v, t0, cache)                   # (B, m, Hl, d_h)
-        else:   # the values and every member's projections of x: one GEMM
-            layers = [self.value] + [layer for synth in self.synth.values() for layer in synth.projections()]
-            inputs = dict(zip(layers, tp.joint_column(x, layers)))
+        else:
+            inputs = self._projected(x)
             y, A = self._fused(x, inputs[self.value].view(B, m, -1, self.d_h), inputs), None
         if self.dropout and self.training:
             with tp.rng_tracker.fork(y.device):                          # heads differ per TP rank
                 y = F.dropout(y, self.dropout)
         out = self.out(y.reshape(B, m, -1))                              # (B, m, d)
         return (out, A) if return_map else out
+
+    def _projected(self, x):
+        """{linear: linear(x)} for the values and every member's `projections()`. One synthesizer alone: one GEMM
+        (parallel.joint_column), as its outputs all go whole into the attention kernel, which keeps them for backward
+        anyway (dot's q, k, v). In a mixture each apart: a slice of a joint output would keep the whole of it alive
+        where the kernel keeps only a concatenation made from it."""
+        layers = [self.value] + [layer for synth in self.synth.values() for layer in synth.projections()]
+        outputs = tp.joint_column(x, layers) if len(self.synth) == 1 else [layer(x) for layer in layers]
+        return dict(zip(layers, outputs))
 
     def _materialized(self, x, v, t0=0, cache=None):
         """Rows i = t0 … t1−1 of S = Σ α_m S_m (B, Hl, m, t1), A = softmax(S + M), Y_h = A_h V_h over keys j < t1;

@@ -174,10 +174,43 @@ def joint_column(x: torch.Tensor, layers: list[nn.Module]) -> list[torch.Tensor]
     plus their sum, one bias-gradient reduction. The outputs are views of the joint one (B, n, Σ d_out/TP)."""
     if len(layers) == 1:
         return [layers[0](x)]
-    weight = torch.cat([layer.weight for layer in layers])                   # (Σ d_out/TP, d_in)
-    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    y = F.linear(copy_to_tp(x), weight, bias)                               # 2·d_in·Σ d_out/TP FLOPs a token
+    biases = [layer.bias for layer in layers if layer.bias is not None]
+    y = JointLinear.apply(copy_to_tp(x), torch.cat(biases) if biases else None, *(l.weight for l in layers))
     return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
+
+
+class JointLinear(torch.autograd.Function):
+    """y = x [W_1; W_2; …]ᵀ + b, saving x and the weights themselves, not their concatenation: backward concatenates
+    them again (one copy of Σ d_out·d_in, no activation memory) rather than keeping a copy of every weight alive from
+    forward to backward. Under autocast the GEMMs run in its dtype, as F.linear's would (x saved cast, as F.linear
+    saves it); 2·d_in·Σ d_out FLOPs a token forward, twice that backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, *weights):
+        kind = x.device.type
+        autocast = torch.amp.is_autocast_available(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast and torch.is_autocast_enabled(kind) else x.dtype
+        with torch.autocast(kind, enabled=False) if autocast else contextlib.nullcontext():
+            xc = x.to(dtype)                                                       # (B, n, d_in)
+            w = torch.cat([t.to(dtype) for t in weights])                          # (Σ d_out, d_in)
+            y = F.linear(xc, w, None if bias is None else bias.to(dtype))          # (B, n, Σ d_out)
+        ctx.save_for_backward(xc, *weights)
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, *weights = ctx.saved_tensors
+        x_dtype, bias_dtype, dtype = ctx.dtypes
+        kind = dy.device.type
+        with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
+            dy = dy.to(dtype)
+            w = torch.cat([t.to(dtype) for t in weights])                          # again, as in forward
+            dx = (dy @ w).to(x_dtype)                                              # (B, n, d_in)
+            dw = dy.flatten(0, -2).T @ xc.flatten(0, -2)                           # (Σ d_out, d_in)
+            db = None if bias_dtype is None else dy.flatten(0, -2).sum(0).to(bias_dtype)
+        parts = dw.split([t.shape[0] for t in weights])
+        return (dx, db, *(p.to(t.dtype) for p, t in zip(parts, weights)))
 
 
 def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:

@@ -130,12 +130,12 @@ class Dense(nn.Module):
     def hidden(self, h):
         return torch.relu(heads(h, self.d_h))                            # (B, Hl, n, d_h) from W_1 X + b_1
 
-    def projections(self):
-        return [self.w1]
+    def projections(self):   # W_1 X + b_1 apart: a slice of the joint GEMM would keep the whole of its output alive
+        return []             # for backward, where ReLU keeps only its own output
 
     def fused(self, x, inputs):
         n = x.shape[1]   # q (B, Hl, n, d_h), k (1, Hl, n, d_h), and b_2^h[j] for key j (Hl, n)
-        q, k = self.hidden(inputs[self.w1]), self.w2[:, :n].unsqueeze(0)
+        q, k = self.hidden(self.w1(x)), self.w2[:, :n].unsqueeze(0)
         return QKForm(q, k, 1.0, key_bias=self.w2_bias[:, :n])
 
     def logits(self, x, t0=0, keys=None):
@@ -246,11 +246,11 @@ class FactorizedDense(nn.Module):
         Bf = h @ self.fb.transpose(-1, -2).unsqueeze(0) + self.fb_bias[:, None]  # (B, Hl, n, b)
         return A, Bf
 
-    def projections(self):
-        return [self.w1]
+    def projections(self):   # W_1 X + b_1 apart, as Dense's
+        return []
 
     def fused(self, x, inputs):
-        return FactorForm(*self.factors(inputs[self.w1]))
+        return FactorForm(*self.factors(self.w1(x)))
 
     def logits(self, x, t0=0, keys=None):
         A, Bf = self.factors(self.w1(x))

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from tests.runs import CORPUS, ROOT, build_shards, built_once, launch, reference_config, tool
+from tests.runs import BLEND, CORPUS, ROOT, build_blend, build_shards, built_once, launch, reference_config, tool
 
 # Without a GPU, the Triton kernels of the GPU path (model/gpu_kernels/) run under Triton's interpreter on CPU
 # tensors. Set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
@@ -19,6 +19,14 @@ torch.set_num_threads(1)   # and so do the tests that compute in this process
 def shards(tmp_path_factory):
     """Tiny one-sample-per-shard token shards for the trainer's tests (see tests/runs.py)."""
     return str(built_once(tmp_path_factory, "train-data", build_shards) / "shards")
+
+
+@pytest.fixture(scope="session")
+def blend(shards, tmp_path_factory):
+    """{name: shard directory} of three shard sets of 8 samples a shard (tests/runs.py build_blend): a, b and c, which
+    is small enough to start its next epoch within a short run."""
+    root = built_once(tmp_path_factory, "blend-data", lambda tmp: build_blend(tmp, shards))
+    return {name: str(root / name) for name in BLEND}
 
 
 @pytest.fixture(scope="session")

@@ -134,9 +134,10 @@ class Blend:
     whose next sample is due first, (count + 1 − δ)/w; ties to the lower index. After every sample, so after every
     global batch, each source's count is within 1 − δ of w·N. Its state is the counts alone.
     Their split over the C streams (each gives G/C): every stream gets k // C of a source's k; the k mod C left over
-    go to streams, sources with most left over first, each to the streams with the most room left (so that every
-    stream gets exactly G/C) and, among those, the furthest behind w × its own samples on that source: each stream
-    reads every source at its rate, so each source's shards are read at one pace by every stream."""
+    go to streams, sources with fewest left over first, each to the streams with the most room left (so that every
+    stream gets exactly G/C: the greedy of the Gale–Ryser theorem) and, among those, the furthest behind w × its own
+    samples on that source: each stream reads every source at about its rate (within a few samples), so each
+    source's shards are read at one pace by every stream."""
 
     def __init__(self, weights: list[float], streams: int):
         total = float(sum(weights))
@@ -168,9 +169,9 @@ class Blend:
         X = [[q // C for q in k] for _ in range(C)]
         room = [per - sum(X[0])] * C
         done = sum(pos.streams[0]) + per   # every stream's samples after this batch
-        for s in sorted(range(m), key=lambda s: (-(k[s] % C), s)):
+        for s in sorted(range(m), key=lambda s: (k[s] % C, s)):   # the rarest first: they pick the streams
             behind = lambda c: (-room[c], pos.streams[c][s] - self.w[s] * done, c)  # noqa: E731
-            for c in sorted(range(C), key=behind)[:k[s] % C]:
+            for c in sorted(range(C), key=behind)[:k[s] % C]:   # most room first: every stream fills (Gale–Ryser)
                 X[c][s] += 1
                 room[c] -= 1
         for c in range(C):

@@ -43,9 +43,11 @@ class DataSection:
 
     def __post_init__(self):
         check_types(self, "data")
-        if (self.shard_dir is None) == (self.sources is None):
-            raise ConfigError("set data.shard_dir (one shard set) or data.sources (a blend: [{name, path, weight}]), "
-                              "not " + ("both" if self.shard_dir else "neither"))
+        if self.shard_dir is None and self.sources is None:
+            raise ConfigError("missing required config key 'data.shard_dir' (one shard set) or 'data.sources' (a "
+                              "blend: [{name, path, weight}])")
+        if self.shard_dir is not None and self.sources is not None:
+            raise ConfigError("set data.shard_dir (one shard set) or data.sources (a blend), not both")
         if self.shard_dir is not None:
             need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
         else:

@@ -99,8 +99,9 @@ def test_a_position_goes_on_in_another_layout_across_an_epoch_boundary(blend):
 @pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [5, 3, 2], [0.9, 0.05, 0.03, 0.02], [1, 1], [1]])
 @pytest.mark.parametrize("streams,global_batch", [(1, 8), (4, 4), (16, 16), (8, 64)])
 def test_the_blend_keeps_every_source_within_one_sample_of_its_weight(weights, streams, global_batch):
-    """After every global batch: |count − w·N| ≤ 1 − 1/(2m−2) (< 1) for each source, whatever C (a single stream
-    included); every stream gives exactly G/C samples; each stream reads each source at about its weight's rate."""
+    """After every global batch: |count − w·N| ≤ 1 − 1/(2m−2) (< 1) for each source, whatever C (a single
+    stream included); every stream gives exactly G/C samples; each stream reads each source at about its weight's
+    rate."""
     blend, w = Blend(weights, streams), [x / sum(weights) for x in weights]
     bound = 1 - 1 / (2 * len(w) - 2) if len(w) > 1 else 0
     pos, per = blend.start(), global_batch // streams

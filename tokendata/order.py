@@ -26,6 +26,7 @@ manifest's counts, without opening a shard.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 from tokendata.shards import DataError
@@ -130,8 +131,8 @@ class Blend:
     (any positive numbers, used as proportions).
 
     The sources of a global batch: the next G of one sequence for the whole run, Tijdeman's rule (the chairman
-    assignment problem, 1980): sample t (1-based) goes, among the sources with w·t − count ≥ δ = 1/(2m−2), to the one
-    whose next sample is due first, (count + 1 − δ)/w; ties to the lower index. After every sample, so after every
+    assignment problem, 1980): sample t (1-based) goes, among the sources with w·t − count ≥ δ = 1/(2m−2), to the
+    one whose next sample is due first, (count + 1 − δ)/w; ties to the lower index. After every sample, so after every
     global batch, each source's count is within 1 − δ of w·N. Its state is the counts alone.
     Their split over the C streams (each gives G/C): every stream gets k // C of a source's k; the k mod C left over
     go to streams, sources with fewest left over first, each to the streams with the most room left (so that every
@@ -160,10 +161,14 @@ class Blend:
             for row in pos.streams:
                 row[0] += per
             return [[per] for _ in range(C)]
-        k = [0] * m
-        for t in range(pos.samples + 1, pos.samples + global_batch + 1):
-            s = self.pick(t, pos.counts)
-            pos.counts[s] += 1
+        k, counts, due_from = [0] * m, pos.counts, self.delta - 1e-9
+        for t in range(pos.samples + 1, pos.samples + global_batch + 1):   # pick(t, counts), the hot loop inlined
+            s, first = -1, math.inf
+            for i, w in enumerate(self.w):
+                if w * t - counts[i] >= due_from and (counts[i] + 1 - self.delta) / w < first:
+                    s, first = i, (counts[i] + 1 - self.delta) / w
+            s = s if s >= 0 else self.pick(t, counts)
+            counts[s] += 1
             k[s] += 1
         pos.samples += global_batch
         X = [[q // C for q in k] for _ in range(C)]

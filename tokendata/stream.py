@@ -128,7 +128,8 @@ class TokenStream:
         self.notes = [f"data.num_workers={num_workers}, but each rank serves {len(self.streams)} of the "
                       f"{C} canonical streams (data.canonical_streams): {self.workers} workers read them"
                       ] if num_workers > self.workers else []
-        self._urls = {p.files.url(name): (i, name) for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
+        self._urls = {p.files.url(name): (i, name)   # a train shard's URL -> (source, name)
+                      for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
         self._pos, self._into = self.blend.start(), 0   # the position, and micro-batches into its next global batch
         self._bad = [set() for _ in self.parts]
         self._legacy = None   # micro-batches consumed in the old order, once an old data state is loaded

@@ -162,9 +162,9 @@ class Checkpointer:
 
     def _load_universal(self, path: str) -> int:
         """Weights and AdamW's moments in this run's layout, through DeepSpeed's universal loader (the engine was
-        built with `checkpoint.load_universal`); the step, the loss guard and the data position from the trainer's state
-        (a universal checkpoint without one, of a run in the old order: the trainer positions the data at the step);
-        the RNG streams start from the seed."""
+        built with `checkpoint.load_universal`); the step, the loss guard and the data position from the trainer's
+        state (a universal checkpoint without one, of a run in the old order: the trainer positions the data at the
+        step); the RNG streams start from the seed."""
         with tempfile.TemporaryDirectory() as tmp:
             view = universal.view_for(path, self.engine.module, tmp)
             with torch.no_grad():

@@ -15,10 +15,10 @@ from tokendata.sources import Source, as_sources
 @dataclass(kw_only=True)
 class DataSection:
     """Where the token shards are and how they are read."""
-    shard_dir: str | None = described("where the shards written by tools/make_shards.py are (beside their manifest.json): "
-                        "a directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file name (pipe:aws "
-                        "s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its backend installed); "
-                        "the one source of a run (or data.sources)", None)
+    shard_dir: str | None = described("where the shards written by tools/make_shards.py are (beside their "
+                        "manifest.json): a directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file "
+                        "name (pipe:aws s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its "
+                        "backend installed); the one source of a run (or data.sources)", None)
     sources: list | None = described("several shard sets blended by weight, instead of shard_dir: a list of {name, "
                         "path, weight}; path: as shard_dir; weight: a proportion > 0 (0.5, 0.3, 0.2, or 5, 3, 2); "
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "

@@ -1,7 +1,7 @@
 """Real runs of the data order (the trainer on gloo ranks; three sources of shards of 8 samples blended 0.5 / 0.3 /
 0.2, the groups of 4 shards pooled; the small source c wraps within the run):
-- 2 and 4 data-parallel ranks read the same samples in every global batch and give the same losses (relative 1e-4);
-  at 4 ranks source a is streamed from a real HTTP server, which counts each of its train shards fetched once;
+- 2 data-parallel ranks of 2 workers and 4 of 1 read the same samples in every global batch and give the same losses
+  (relative 1e-4); at 4 ranks source a is streamed from a real HTTP server, which counts each shard fetched once;
 - after every step every source is within one sample of its weight; c is in its second epoch; validation per source
   and combined is in metrics.jsonl and in TensorBoard;
 - the 2-rank run killed (kill -9 of a rank, in a save), relaunched, stopped at step 20 (SIGTERM) and continued on one
@@ -53,7 +53,8 @@ def runs(blend, tmp_path_factory):
     data = {"shard_dir": None, "sources": blend_sources(blend)}
     out = launch(config(tmp, "dp2", data), 2).stdout
     with ShardServer(blend["a"]) as srv:
-        launch(config(tmp, "dp4", {**data, "sources": blend_sources(blend, a=srv.url)}), 4, "train.micro_batch_size=2")
+        launch(config(tmp, "dp4", {**data, "sources": blend_sources(blend, a=srv.url), "num_workers": 1}), 4,
+               "train.micro_batch_size=2")
     chain = config(tmp, "chain", data, every=3)
     r = launch(chain, 2, check=False, env={"SYNTHFORMER_FAULTS": "kill-save-begin@9@1"})   # SIGKILL of rank 1
     assert r.returncode != 0 and "saved checkpoint" in r.stdout and "step_00000009" not in r.stdout
@@ -73,7 +74,7 @@ def test_2_and_4_ranks_read_the_same_global_batches_and_give_the_same_losses(run
 
 
 def test_each_train_shard_is_fetched_once_by_the_one_rank_that_trains_on_it(blend, runs):
-    """4 ranks × 2 workers read a over HTTP: the server saw one GET of each shard of the groups the 8 streams started
+    """4 ranks × 1 worker read a over HTTP: the server saw one GET of each shard of the groups the 8 streams started
     (plus the group each fetches ahead), none twice, none of another group; one HEAD of every shard (rank 0's check)."""
     stream = TokenStream([Source(**s) for s in blend_sources(blend)], 2, SEQ, dp_world=4, seed=1234,
                          global_batch_size=G)

@@ -47,8 +47,9 @@ def check_streams(streams: int, global_batch: int, dp: int, key: str = "data.can
                         f"G/C samples to every global batch): choose a divisor of {global_batch}")
     if streams % dp:
         raise DataError(f"{key}={streams} is not divisible by the data-parallel size {dp}: each rank serves C/dp "
-                        f"whole streams; set {key} to a multiple of every data-parallel size the run may use "
-                        f"(dividing train.global_batch_size={global_batch})")
+                        f"whole streams; a new run: set {key} to a multiple of every data-parallel size it may use "
+                        f"(dividing train.global_batch_size={global_batch}); a running one: use a data-parallel "
+                        f"size that divides {streams}")
 
 
 def rank_streams(streams: int, dp_rank: int, dp_world: int) -> list[int]:

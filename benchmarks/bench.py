@@ -20,8 +20,9 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               Variants whose model would not fit in --mem-budget-gb at the longest n get fewer layers (noted).
               Goal at 4 × the first n: ≤ 3 for dot, dense, factorized_random, dense+dot; ≤ 5 for random, random+dot.
   data        tokens/s that tokendata.stream.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers), read
-              from disk and over HTTP (tools/serve_shards.py on 127.0.0.1, no cache), each ÷ the tokens/s a
-              configs/demo-cpu.yaml train step consumes (measured here, 1 CPU process). Goal: ≥ 20 for both.
+              from disk, over HTTP (tools/serve_shards.py on 127.0.0.1, no cache), and from three HTTP sources blended
+              0.5/0.3/0.2 (data.sources, a server each), each ÷ the tokens/s a configs/demo-cpu.yaml train step
+              consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model

@@ -273,24 +273,29 @@ def run_train(spec: dict) -> dict:
 
 def run_data(spec: dict) -> dict:
     """Batches of tokendata.stream.TokenStream read by its DataLoader workers, nothing else: from the shards on disk,
-    or (spec["http"]) from a tools/serve_shards.py process serving them on 127.0.0.1."""
+    or (spec["http"]) from tools/serve_shards.py processes on 127.0.0.1: one, or with spec["blend"] three, each serving
+    the shards as one source of a 0.5 / 0.3 / 0.2 blend (data.sources)."""
+    from tokendata.sources import Source
     from tokendata.stream import TokenStream
     from tokendata.shards import read_manifest
 
-    server = location = None
+    servers = []
     try:
-        if spec.get("http"):
-            server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve_shards.py"),
-                                       spec["shard_dir"], "--port", "0"], stdout=subprocess.PIPE, text=True)
-            location = server.stdout.readline().split(" at ")[1].split()[0]   # "serving DIR at http://HOST:PORT ..."
+        for _ in range((3 if spec.get("blend") else 1) if spec.get("http") else 0):
+            servers.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "serve_shards.py"),
+                                             spec["shard_dir"], "--port", "0"], stdout=subprocess.PIPE, text=True))
+        # "serving DIR at http://HOST:PORT ..."
+        urls = [server.stdout.readline().split(" at ")[1].split()[0] for server in servers] or [spec["shard_dir"]]
+        location = [Source(url, w, name) for url, w, name in zip(urls, (0.5, 0.3, 0.2), ("one", "two", "three"))] \
+            if spec.get("blend") else urls[0]
         seq_len = read_manifest(spec["shard_dir"])["seq_len"]
-        stream = TokenStream(location or spec["shard_dir"], spec["batch"], seq_len, num_workers=spec["workers"],
+        stream = TokenStream(location, spec["batch"], seq_len, num_workers=spec["workers"],
                              seed=0, verify=spec.get("verify", "hash"))
         batches = iter(stream)
         out = measure(lambda: next(batches), lambda: None, spec["batch"] * seq_len, spec["warmup"], spec["reps"],
                       spec["steps"])
     finally:
-        if server:
+        for server in servers:
             server.kill()
     out.update(seq_len=seq_len, rank=0)
     return out

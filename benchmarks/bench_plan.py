@@ -153,6 +153,13 @@ def plan(a) -> Plan:
         p.entry("data:loader-http", "data", "TokenStream over HTTP (2 workers)", http, "rate", "tokens/s",
                 "data:demo-train", goal_min=GOAL_DATA, skipped=why,
                 note="shards served by tools/serve_shards.py on 127.0.0.1; every shard fetched, none cached")
+        # three sources blended 0.5 / 0.3 / 0.2 (data.sources), each served by its own tools/serve_shards.py
+        blend = p.point("data", DEMO, shard_dir=SHARDS, batch=8, workers=2, steps=a.data_batches,
+                        warmup=max(a.warmup, 10), http=True, blend=True) if have else None
+        p.entry("data:loader-blend", "data", "TokenStream, 3 blended HTTP sources (2 workers)", blend, "rate",
+                "tokens/s", "data:demo-train", goal_min=GOAL_DATA, skipped=why,
+                note="data.sources 0.5/0.3/0.2, each the demo shards behind its own tools/serve_shards.py on "
+                     "127.0.0.1; none cached")
         p.entry("data:demo-train", "data", "demo-cpu train step", p.point("train", DEMO, [], env=CPU), "rate",
                 "tokens/s", note="configs/demo-cpu.yaml (ZeRO-2, fp32, global batch 16) in 1 process on the CPU")
         # the content hash's cost: the loader with data.verify=size (no hashing) beside the default (hash)

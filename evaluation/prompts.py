@@ -40,7 +40,8 @@ def default_prompt(info: dict, sp) -> tuple[str, str]:
         path = os.path.join(info["source"], name)
         if os.path.isfile(path):
             with open(path) as f:
-                shard_dir = ((yaml.safe_load(f) or {}).get("data") or {}).get("shard_dir")
+                data = (yaml.safe_load(f) or {}).get("data") or {}
+            shard_dir = data.get("shard_dir") or (data.get("sources") or [{}])[0].get("path")   # a blend: its first
             break
     if shard_dir:
         try:

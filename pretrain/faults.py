@@ -3,6 +3,8 @@ does nothing unless the environment variable SYNTHFORMER_FAULTS names faults.
 
 SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults to 0):
     nan@7                 the loss of step 7 on that rank is NaN (as an overflow would make it), before backward
+    term@20               that rank gets SIGTERM during step 20, from itself (as from a scheduler that preempts the
+                          job): every rank stops after that step, with a checkpoint
     kill-save-PHASE@6@1   rank 1 kills itself (SIGKILL, as `kill -9` or the OOM killer) while saving step 6, at PHASE:
                           begin    (the temporary directory exists, nothing written yet)
                           engine   (DeepSpeed's files written, the trainer's not yet)
@@ -32,7 +34,9 @@ class Faults:
         return cls(os.environ.get("SYNTHFORMER_FAULTS", ""), rank)
 
     def loss(self, loss, step: int):
-        """The loss of `step`, or NaN times it where a `nan` fault is armed."""
+        """The loss of `step`, or NaN times it where a `nan` fault is armed; SIGTERM where a `term` fault is."""
+        if ("term", step) in self.armed:
+            os.kill(os.getpid(), signal.SIGTERM)
         return loss * float("nan") if ("nan", step) in self.armed else loss
 
     def saving(self, phase: str, step: int) -> None:

@@ -24,7 +24,6 @@ from collections import deque
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from pretrain import distributed
 

@@ -23,7 +23,8 @@ from pretrain.config import Runtime, TrainConfig, load_config
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import parse_size, report
 from pretrain.monitor import requirements
-from tokendata.shards import check_seq_len, check_vocab, read_manifest
+from tokendata.shards import check_seq_len, check_vocab
+from tokendata.sources import as_sources, open_sources
 
 
 def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> Runtime:
@@ -32,9 +33,9 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
     requirements(cfg)   # logging.wandb, logging.eval_tasks: their optional packages installed
-    manifest = read_manifest(cfg.data.shard_dir)
-    check_vocab(manifest, cfg.model.vocab_size)
-    check_seq_len(manifest, cfg.model.max_seq_len, training=True)
+    for source in open_sources(as_sources(cfg.data.source_list())):   # every source's manifest, checked together
+        check_vocab(source.manifest, cfg.model.vocab_size)
+        check_seq_len(source.manifest, cfg.model.max_seq_len, training=True)
     resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)
     if resume is None:
         return runtime

@@ -25,6 +25,7 @@ from pretrain import distributed, live, memory_plan, monitor
 from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
+from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.engine import build_engine, clips_on_device, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
@@ -32,7 +33,6 @@ from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
 from tokendata import tokenizer as tokenizers
 from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
-from tokendata.stream import TokenStream
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -45,11 +45,7 @@ class Trainer:
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
-        self.stream = TokenStream(cfg.data.shard_dir, cfg.train.micro_batch_size, cfg.model.max_seq_len,
-                                  dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers,
-                                  seed=cfg.data.seed, bad_shards=cfg.data.bad_shards,
-                                  pin_memory=lay.device.type == "cuda", cache_dir=cfg.data.cache_dir,
-                                  decide=lambda check: distributed.from_rank0(check, lay), verify=cfg.data.verify)
+        self.stream = train_stream(cfg, lay)   # pretrain/data.py: one shard set, or sources blended by weight
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.retries_read = 0   # network fetches the train batches' workers retried
         # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
@@ -72,8 +68,7 @@ class Trainer:
                                          lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
-        for note in filter(None, self.stream.notes + [check_vocab(self.stream.manifest, cfg.model.vocab_size)]):
-            self.log.info(note)
+        self.log.info(check_vocab(self.stream.manifest, cfg.model.vocab_size))   # a note, or None (padded ids)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
@@ -85,6 +80,7 @@ class Trainer:
             self.step = self.continue_release(cfg.train.init_from)
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
+        self.data_log = DataLog(self.stream)   # tokens and epochs of each source, from the position resumed
         self.log.resume_at(self.step)          # each step once in metrics.jsonl: replayed rows move aside
         self.eta = monitor.Eta.for_config(cfg, self.step)   # elapsed time and time left in the step line
         self.ids_file = None
@@ -105,6 +101,8 @@ class Trainer:
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{self.start_words()}")
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
+        for line in data_words(self.stream):
+            self.log.info(line)
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""
@@ -127,8 +125,8 @@ class Trainer:
         return f"starting from a release at step {self.step}" if self.step else "starting fresh"
 
     def skip_data(self, step: int) -> None:
-        """Position the data stream after `step` optimizer steps of this layout (same settings: same samples)."""
-        self.stream.load_state_dict({**self.stream.state_dict(), "consumed_batches": step * self.layout.grad_accum})
+        """Position the data stream after `step` optimizer steps: global batches, the same in every layout."""
+        self.stream.start_at(step)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -290,7 +288,7 @@ class Trainer:
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
-                  **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults()))}
+                  **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults())), **self.data_log.values()}
         if grad_norm is not None:   # none where DeepSpeed computes none
             values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
@@ -302,23 +300,14 @@ class Trainer:
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {norm} | {tokens_per_s:,.0f} tok/s | "
                       f"{tflops:.3g} TFLOP/s | MFU {mfu} | {self.eta.words(self.step)}")
+        for line in self.data_log.news(self.step):   # a source that began its next epoch
+            self.log.info(line)
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")   # compiled blocks (train.compile) serve training steps only
     def validate(self) -> dict:
-        self.engine.eval()
-        dev = self.layout.device
-        val = [(b["tokens"][:, :-1].to(dev), b["tokens"][:, 1:].to(dev))
-               for b in self.stream.val_batches(self.cfg.data.val_batches)]
-        loss = self.read(self.val_loss(val).reshape(1))[0]
-        result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
-        total = self.stream.manifest["splits"]["val"]["samples"]
-        covered = min(total, len(val) * self.cfg.train.micro_batch_size * self.layout.dp)
-        what = (f"over {covered} of the {total} validation samples (data.val_batches={self.cfg.data.val_batches} "
-                f"× micro-batch {self.cfg.train.micro_batch_size} × {self.layout.dp} data-parallel ranks)")
-        self.log.scalars(self.step, result, {tag: f"{tag} {what}, the same samples every time" for tag in result})
-        self.log.info(f"validation at step {self.step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f} {what}")
-        return result
+        self.engine.eval()   # every source's validation, and for a blend their weighted combination (pretrain/data.py)
+        return validation(self.stream, self.val_loss, self.cfg, self.layout, self.log, self.step, self.read)
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")   # decoding's changing lengths would recompile the blocks

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from tests.runs import CORPUS, ROOT, build_shards, built_once, launch, reference_config, tool
+from tests.runs import BLEND, CORPUS, ROOT, build_blend, build_shards, built_once, launch, reference_config, tool
 
 # Without a GPU, the Triton kernels of the GPU path (model/gpu_kernels/) run under Triton's interpreter on CPU
 # tensors. Set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
@@ -19,6 +19,14 @@ torch.set_num_threads(1)   # and so do the tests that compute in this process
 def shards(tmp_path_factory):
     """Tiny one-sample-per-shard token shards for the trainer's tests (see tests/runs.py)."""
     return str(built_once(tmp_path_factory, "train-data", build_shards) / "shards")
+
+
+@pytest.fixture(scope="session")
+def blend(shards, tmp_path_factory):
+    """{name: shard directory} of three shard sets of 8 samples a shard (tests/runs.py build_blend): a, b and c, which
+    is small enough to start its next epoch within a short run."""
+    root = built_once(tmp_path_factory, "blend-data", lambda tmp: build_blend(tmp, shards))
+    return {name: str(root / name) for name in BLEND}
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +59,7 @@ def build_demo(tmp):
 # The files that launch many multi-process runs, longest first (minutes in one `make test`): pytest-xdist hands a
 # worker one file at a time in collection order, so starting these first keeps both workers busy to the end.
 LONGEST_FIRST = ["test_convert.py", "test_fault_tolerance.py", "test_3d.py", "test_training.py",
-                 "test_kill_resume.py", "test_bench.py", "test_eval_tools.py", "test_ablate.py"]
+                 "test_kill_resume.py", "test_order_runs.py", "test_bench.py", "test_eval_tools.py", "test_ablate.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -58,6 +58,25 @@ def build_shards(tmp):
     return str(tmp / "shards")
 
 
+BLEND = {"a": (0, 60_000, 0.5), "b": (60_000, 100_000, 0.3), "c": (100_000, 103_000, 0.2)}   # (text slice, weight)
+
+
+def build_blend(tmp, shards):
+    """Three shard sets of 8 samples a shard, cut from the trainer tests' text with its tokenizer (build_shards): a
+    (~100 train shards), b (~70), and c (~5: it runs out and starts its next epoch within a short run)."""
+    src = os.path.dirname(shards)
+    text = open(os.path.join(src, "corpus.txt"), encoding="utf-8").read()
+    for name, (start, end, _) in BLEND.items():
+        (tmp / f"{name}.txt").write_text(text[start:end], encoding="utf-8")
+        tool("make_shards.py", "--input", tmp / f"{name}.txt", "--tokenizer", os.path.join(src, "tokenizer.model"),
+             "--out", tmp / name, "--seq-len", 32, "--samples-per-shard", 8, "--val-fraction", 0.05, "--quiet")
+
+
+def blend_sources(blend, **paths):
+    """data.sources of the three shard sets (BLEND's weights); `paths` replaces some (a URL serving one)."""
+    return [{"name": n, "path": paths.get(n, blend[n]), "weight": w} for n, (_, _, w) in BLEND.items()]
+
+
 def write_config(path, shards, run_dir, **sections):
     cfg = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
                      "mixer": "random+dot"},

@@ -22,7 +22,7 @@ import xxhash
 
 from model.config import ConfigError
 from pretrain.config import load_config
-from tokendata.stream import TokenStream
+from tokendata.stream import TokenStream, merged_state
 from tokendata.shards import DataError, check_vocab, read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,33 +161,42 @@ def test_tools_missing_input_is_one_line(tool, built, tmp_path):
 
 # ---- loader ----
 
-def epoch_ids(built, rank, world, workers, epoch_count=1):
-    """Each logical worker's first `epoch_count` epochs of sample ids, cut from the rank's batch stream (j -> j % W)."""
-    s = stream(built, dp_rank=rank, dp_world=world, num_workers=workers)
-    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
-    return read_epochs(s, counts, epoch_count)[0], s
+def counts_of(built):
+    return {x["name"]: x["samples"] for x in built["manifest"]["splits"]["train"]["shards"]}
 
 
-def read_epochs(s, counts, epoch_count=1):
-    """(per logical worker, its first `epoch_count` epochs of ids; the batches read). counts: samples per shard name,
-    0 for a shard the stream will find bad while reading."""
-    W = max(1, s.num_workers)
-    need = [sum(counts[n] for e in range(epoch_count) for n in s.worker_shards(e, w)) for w in range(W)]
-    n_batches = max((-(-need[w] // B) - 1) * W + w + 1 for w in range(W))
-    per_worker, batches = [[] for _ in range(W)], take(s, n_batches)
-    for j, batch in enumerate(batches):
-        per_worker[j % W] += batch["ids"]
-    return [ids[: need[w]] for w, ids in enumerate(per_worker)], batches
+def read_epochs(s, counts, epochs=1):
+    """({canonical stream of this rank: the ids of its first `epochs` epochs}, the micro-batches read), cut from the
+    rank's global-batch shares (each stream gives G/C samples to a global batch, in stream order). counts: samples
+    per shard name, 0 for a shard the stream will find bad while reading."""
+    need = {c: sum(counts[n] for e in range(epochs) for n, _ in s.orders[0].share(c, e)) for c in s.streams}
+    steps = -(-max(need.values()) // s.per_stream)
+    batches, per = take(s, steps * s.grad_accum), {c: [] for c in s.streams}
+    for g in range(steps):
+        share = [i for b in batches[g * s.grad_accum:(g + 1) * s.grad_accum] for i in b["ids"]]
+        for j, c in enumerate(s.streams):
+            per[c] += share[j * s.per_stream:(j + 1) * s.per_stream]
+    return {c: ids[:need[c]] for c, ids in per.items()}, batches
+
+
+def global_batches(streams, steps):
+    """Each of the next `steps` global batches as read by these streams (one per data-parallel rank, in rank order):
+    (ids, tokens) in order."""
+    its, out = [iter(s) for s in streams], []
+    for _ in range(steps):
+        batches = [next(it) for s, it in zip(streams, its) for _ in range(s.grad_accum)]
+        out.append(([i for b in batches for i in b["ids"]], torch.cat([b["tokens"] for b in batches]).tolist()))
+    return out
 
 
 def test_one_epoch_two_ranks_two_workers_sees_every_sample_once(built):
-    train = built["manifest"]["splits"]["train"]
-    seen = collections.Counter()
+    train, counts, seen = built["manifest"]["splits"]["train"], counts_of(built), collections.Counter()
     for rank in range(2):
-        streams, s = epoch_ids(built, rank, 2, 2)
-        for w, ids in enumerate(streams):
-            shards = {n[: -len(".tar")] for n in s.worker_shards(0, w)}
-            assert {i.rsplit("-", 1)[0] for i in ids} == shards  # the worker read exactly its shards
+        s = stream(built, dp_rank=rank, dp_world=2, num_workers=2, global_batch_size=32, canonical_streams=8)
+        assert s.streams == [4 * rank + k for k in range(4)] and s.grad_accum == 4
+        per_stream, _ = read_epochs(s, counts)
+        for c, ids in per_stream.items():   # each stream read exactly its share of the epoch's shards
+            assert {i.rsplit("-", 1)[0] for i in ids} == {n[: -len(".tar")] for n, _ in s.orders[0].share(c, 0)}
             seen.update(ids)
     assert len(seen) == train["samples"] and set(seen.values()) == {1}
     assert all(name.startswith("train-") for name in seen)
@@ -195,45 +204,49 @@ def test_one_epoch_two_ranks_two_workers_sees_every_sample_once(built):
 
 def test_worker_batches_are_pickled_not_shared_file_descriptors(built):
     # a tensor from a worker arrives as shared memory whose file descriptor a thread of the worker serves: a rank
-    # killed in mid-handover made that thread print a traceback (seen in CI). Pickled numpy tokens need no such thread.
+    # killed in mid-handover (kill -9) made that thread print a traceback (seen in CI). Pickled numpy tokens need no such thread.
     batches = take(stream(built, num_workers=2), 3)
     assert all(b["tokens"].dtype == torch.int64 and not b["tokens"].is_shared() for b in batches)
 
 
-def test_resume_is_exact_on_two_ranks_with_workers(built):
-    seen = []
-    for rank in range(2):
-        kw = dict(dp_rank=rank, dp_world=2, num_workers=2)
-        straight = take(stream(built, **kw), 12)
-        seen.append({i for b in straight for i in b["ids"]})
-        first = stream(built, **kw)
-        head = take(first, 5)
-        state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint keeps must survive serialization
-        assert state["consumed_batches"] == 5  # counted at hand-over, not what the workers prefetched
-        again = stream(built, **kw)
-        again.load_state_dict(state)
-        got = head + take(again, 7)
-        assert [b["ids"] for b in got] == [b["ids"] for b in straight]
-        assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight))
-        assert got[0]["tokens"].shape == (B, SEQ + 1) and str(got[0]["tokens"].dtype) == "torch.int64"
-    assert len(seen[0]) == len(seen[1]) == 12 * B and not seen[0] & seen[1]  # the ranks read different samples
+def test_resume_is_exact_in_its_own_layout_and_goes_on_in_another(built):
+    settings = dict(global_batch_size=16, canonical_streams=8)
+    straight = global_batches([stream(built, micro_batch_size=8, **settings)], 12)   # 1 rank, in the process
+    assert len({i for ids, _ in straight for i in ids}) == 12 * 16
+    first = [stream(built, dp_rank=r, dp_world=2, num_workers=2, **settings) for r in range(2)]
+    assert global_batches(first, 5) == straight[:5]
+    # what a checkpoint keeps must survive serialization; counted at hand-over, not what the workers prefetched
+    states = [json.loads(json.dumps(s.state_dict())) for s in first]
+    assert states[0]["samples"] == 5 * 16 and states[0]["micro_batches"] == 0
+    same = lambda state: {k: v for k, v in state.items() if k != "layout"}  # noqa: E731
+    assert same(states[0]) == same(states[1])   # the position is the same on every rank
+    again = stream(built, dp_rank=1, dp_world=2, num_workers=2, **settings)   # the same layout, rank 1
+    again.load_state_dict(states[1])
+    rank1 = global_batches([again], 7)
+    assert [b[0] for b in rank1] == [ids[8:] for ids, _ in straight[5:12]]
+    assert [b[1] for b in rank1] == [tokens[8:] for _, tokens in straight[5:12]]
+    later = [stream(built, micro_batch_size=1, dp_rank=r, dp_world=4, num_workers=1, **settings) for r in range(4)]
+    for s in later:   # another layout: 4 ranks, 1 worker, micro-batch 1 (4 a step)
+        s.load_state_dict(merged_state(states))
+    assert global_batches(later, 7) == straight[5:12]
+    assert str(straight[0][1][0][0]).isdigit() and len(straight[0][1][0]) == SEQ + 1
 
 
 def test_resume_across_an_epoch_boundary(built):
-    kw = dict(dp_rank=1, dp_world=2, num_workers=2)
-    s = stream(built, **kw)
-    counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
-    # rank batch index at which the first worker runs into its epoch 1
-    boundary = min((sum(counts[n] for n in s.worker_shards(0, w)) // B) * 2 + w for w in range(2))
-    straight = take(s, boundary + 6)
-    assert any(p["epoch"] == 1 for p in s.state_dict()["position"])
-    first = stream(built, **kw)
-    take(first, boundary - 5)
-    again = stream(built, **kw)
+    settings = dict(dp_rank=1, dp_world=2, num_workers=2, global_batch_size=16, canonical_streams=8)
+    s = stream(built, **settings)
+    counts = counts_of(built)
+    # the global batch in which the first of this rank's streams runs into its epoch 1
+    boundary = min(sum(count for _, count in s.orders[0].share(c, 0)) for c in s.streams) // s.per_stream
+    straight = take(s, (boundary + 6) * s.grad_accum)
+    assert any(p["epochs"] > 0 for p in s.progress())
+    first = stream(built, **settings)
+    take(first, (boundary - 5) * s.grad_accum)
+    again = stream(built, **settings)
     again.load_state_dict(first.state_dict())
-    got = take(again, 11)
-    assert [b["ids"] for b in got] == [b["ids"] for b in straight[boundary - 5 :]]
-    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight[boundary - 5 :]))
+    got = take(again, 11 * s.grad_accum)
+    assert [b["ids"] for b in got] == [b["ids"] for b in straight[(boundary - 5) * s.grad_accum:]]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(got, straight[(boundary - 5) * s.grad_accum:]))
 
 
 def test_resume_without_workers_and_a_second_iterator_continues(built):
@@ -248,15 +261,32 @@ def test_resume_without_workers_and_a_second_iterator_continues(built):
         next(old)
 
 
+def test_a_stream_stopped_inside_a_global_batch_resumes_in_its_own_layout_only(built):
+    settings = dict(global_batch_size=16, canonical_streams=4)
+    straight = take(stream(built, **settings), 12)   # micro-batches of 4: 4 a global batch
+    first = stream(built, **settings)
+    take(first, 6)
+    state = first.state_dict()
+    assert state["samples"] == 16 and state["micro_batches"] == 2
+    again = stream(built, **settings)
+    again.load_state_dict(state)
+    assert [b["ids"] for b in take(again, 6)] == [b["ids"] for b in straight[6:]]
+    with pytest.raises(DataError) as e:
+        stream(built, micro_batch_size=8, **settings).load_state_dict(state)
+    one_line(e, "inside a global batch", "resume it in that layout")
+
+
 def test_shuffling_is_seeded_per_epoch(built):
     one = [b["ids"] for b in take(stream(built, seed=0), 10)]
     assert one == [b["ids"] for b in take(stream(built, seed=0), 10)]
     assert one != [b["ids"] for b in take(stream(built, seed=1), 10)]
-    (ids,), s = epoch_ids(built, 0, 1, 0, epoch_count=2)
+    s = stream(built, micro_batch_size=16, canonical_streams=1)   # one stream: it reads every shard each epoch
+    per_stream, _ = read_epochs(s, counts_of(built), epochs=2)
+    (ids,) = per_stream.values()
     n = built["manifest"]["splits"]["train"]["samples"]
     e0, e1 = ids[:n], ids[n:]
     assert len(e0) == len(e1) == n and sorted(e0) == sorted(e1) and e0 != e1
-    assert s.worker_shards(0, 0) != s.worker_shards(1, 0)
+    assert s.orders[0].share(0, 0) != s.orders[0].share(0, 1)
     # samples are shuffled, not just shards: few neighbours in the stream are neighbours in a shard
     pos = [tuple(map(int, i.split("-")[1:])) for i in e0]
     adjacent = sum(a[0] == b[0] and b[1] == a[1] + 1 for a, b in zip(pos, pos[1:]))
@@ -274,6 +304,34 @@ def test_validation_batches_are_fixed_and_equal_per_rank(built):
     assert len(ids) >= len(ordered) and ids == (ordered * 2)[: len(ids)]
     capped = list(stream(built, dp_rank=1, dp_world=2).val_batches(max_batches=3))
     assert [b["ids"] for b in capped] == [b["ids"] for b in runs[1][:3]]
+
+
+def legacy_state(consumed, **layout):
+    """A data state as checkpoints wrote it before canonical streams (tests/data/pre_redesign has a real one)."""
+    return {"consumed_batches": consumed, **dict(dp_rank=0, dp_world=2, num_workers=2, micro_batch_size=B,
+                                                 seq_len=SEQ, seed=0, mix_shards=4), **layout}
+
+
+def test_an_old_data_state_resumes_the_old_order_in_its_own_layout_only(built):
+    kw = dict(dp_rank=1, dp_world=2, num_workers=2)
+    straight = stream(built, **kw)
+    straight.load_state_dict(legacy_state(0, dp_rank=1))
+    batches = take(straight, 12)
+    assert straight.legacy_order and straight.state_dict()["consumed_batches"] == 12
+    # the old order: rank 1 of 2 reads shards[1::2] of each epoch's list, its worker w those [w::2], a batch each
+    order = list(straight.train)
+    random.Random("0/0").shuffle(order)
+    first_worker = {n[:-4] for n, _ in order[1::2][0::2][:4]}
+    assert {i.rsplit("-", 1)[0] for i in batches[0]["ids"]} <= first_worker
+    again = stream(built, **kw)
+    again.load_state_dict(json.loads(json.dumps(legacy_state(5, dp_rank=1))))
+    assert [b["ids"] for b in take(again, 7)] == [b["ids"] for b in batches[5:]]
+    for change, value in (("dp_world", 4), ("num_workers", 1), ("micro_batch_size", 8)):
+        kw = dict(dict(dp_rank=0, dp_world=2, num_workers=2), **{change: value})
+        with pytest.raises(DataError) as e:
+            stream(built, **kw).load_state_dict(legacy_state(3))
+        one_line(e, f"{change}={legacy_state(3)[change]}", f"{change}={value}", "before canonical streams",
+                 "checkpoint.relayout=true")
 
 
 # ---- errors: DataError, one line, naming the path or value ----
@@ -320,8 +378,13 @@ def test_seq_len_vocab_and_shard_count_errors(built):
     one_line(e, f"vocab_size={VOCAB}", "model.vocab_size=300", "tokenizer.model", "rebuild the shards")
     n = len(built["manifest"]["splits"]["train"]["shards"])
     with pytest.raises(DataError) as e:
-        TokenStream(built["dir"], B, SEQ, dp_rank=0, dp_world=n, num_workers=2)
-    one_line(e, built["dir"], f"{n} train shards", f"dp_world={n}", "num_workers=2", f"{2 * n}")
+        TokenStream(built["dir"], B, SEQ, global_batch_size=16, canonical_streams=3)
+    one_line(e, "data.canonical_streams=3 must divide train.global_batch_size=16")
+    with pytest.raises(DataError) as e:
+        TokenStream(built["dir"], 1, SEQ, dp_rank=0, dp_world=8, global_batch_size=32, canonical_streams=4)
+    one_line(e, "data.canonical_streams=4 is not divisible by the data-parallel size 8")
+    s = TokenStream(built["dir"], 1, SEQ, dp_world=2, num_workers=8, global_batch_size=8, canonical_streams=8)
+    assert s.workers == 4 and "4 workers read them" in s.notes[0]   # a worker needs a stream of its own
 
 
 def test_no_val_shards(built, tmp_path):
@@ -336,15 +399,14 @@ def test_no_val_shards(built, tmp_path):
     one_line(e, d, "split 'val'")
 
 
-def test_resume_refuses_a_different_layout(built):
-    saved = stream(built, dp_rank=0, dp_world=2, num_workers=2)
+def test_a_data_state_refuses_another_order(built):
+    saved = stream(built, dp_world=2, num_workers=2, global_batch_size=16)
     take(saved, 3)
     state = saved.state_dict()
-    for change, value in (("dp_world", 4), ("num_workers", 1), ("micro_batch_size", 8)):
-        kw = dict(dict(dp_rank=0, dp_world=2, num_workers=2), **{change: value})
+    for change, value, key in (("canonical_streams", 8, "data.canonical_streams=16"), ("seed", 5, "data.seed=0")):
         with pytest.raises(DataError) as e:
-            stream(built, **kw).load_state_dict(state)
-        one_line(e, f"{change}={state[change]}", f"{change}={value}", "remap")
+            stream(built, global_batch_size=16, **{change: value}).load_state_dict(state)
+        one_line(e, key, str(value), "the samples of every global batch depend on it")
 
 
 # ---- bad shards: named, then fatal or skipped (data.bad_shards) ----
@@ -387,8 +449,8 @@ def test_bad_shard_size_fails_or_is_skipped_at_construction(built, tmp_path, how
     s = TokenStream(d, B, SEQ, bad_shards="skip")
     assert s.skipped_shards == [(path, e.value.args[0].split(f"{path} ")[1].split(":")[0])]
     assert name not in dict(s.train) and len(s.train) == len(built["manifest"]["splits"]["train"]["shards"]) - 1
-    counts = dict(s.train)
-    (ids,), batches = read_epochs(s, counts)
+    per_stream, batches = read_epochs(s, dict(s.train))
+    ids = [i for stream_ids in per_stream.values() for i in stream_ids]
     expect = split_ids(built, "train", exclude={name})
     assert len(ids) == len(expect) and set(ids) == set(expect)  # one epoch: every other shard's samples, once
     assert all(b["skipped_shards"] == [] for b in batches)  # dropped at construction: nothing found while reading
@@ -418,18 +480,34 @@ def test_corrupt_shard_fails_or_is_skipped_while_reading(built, tmp_path, capfd,
                              ["content hash", f"xxh3_128:{got}", f"manifest.json says xxh3_128:{want}"]),
                  "data.bad_shards=skip")
     capfd.readouterr()
-    s = TokenStream(d, B, SEQ, num_workers=2, bad_shards="skip", verify=verify)
-    per_worker, batches = read_epochs(s, dict(counts, **{name: 0}))
+    settings = dict(bad_shards="skip", global_batch_size=16, canonical_streams=8, verify=verify)
+    s = TokenStream(d, B, SEQ, num_workers=2, **settings)
+    per_stream, batches = read_epochs(s, dict(counts, **{name: 0}))
     err = capfd.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     # once per worker dealt the shard (a worker may be read ahead: prefetched batches are not taken)
     assert warnings and all(path in line for line in warnings)
     reported = [p for b in batches for p in b["skipped_shards"]]
     assert set(reported) == {path} and len(reported) <= len(warnings)
-    ids = [i for w in per_worker for i in w]
+    ids = [i for stream_ids in per_stream.values() for i in stream_ids]
     expect = split_ids(built, "train", exclude={name})
     assert len(ids) == len(expect) and set(ids) == set(expect)
     assert not any(i.startswith(name[: -len(".tar")]) for b in batches for i in b["ids"])  # nor in the next epoch
+    # the position records the shard found bad: a resume after it is exact, in the same layout and in another
+    A, k = s.grad_accum, len(batches) // s.grad_accum - 3
+    first = TokenStream(d, B, SEQ, num_workers=2, **settings)
+    take(first, k * A)
+    state = first.state_dict()
+    assert state["bad_read"] == [[name]]
+    straight = [([i for b in batches[g * A:(g + 1) * A] for i in b["ids"]],
+                 torch.cat([b["tokens"] for b in batches[g * A:(g + 1) * A]]).tolist()) for g in range(k, k + 3)]
+    again = TokenStream(d, B, SEQ, num_workers=2, **settings)
+    again.load_state_dict(state)
+    assert global_batches([again], 3) == straight
+    ranks = [TokenStream(d, B, SEQ, dp_rank=r, dp_world=2, num_workers=1, **settings) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(merged_state([state]))
+    assert global_batches(ranks, 3) == straight
 
 
 def test_a_flipped_token_is_found_by_the_hash_not_by_the_size(built, tmp_path):
@@ -472,14 +550,14 @@ def test_resume_is_exact_with_a_shard_found_bad_while_reading(built, tmp_path, f
     kw = dict(num_workers=2, bad_shards="skip")
     s = TokenStream(d, B, SEQ, **kw)
     counts = dict((x["name"], x["samples"]) for x in built["manifest"]["splits"]["train"]["shards"])
-    (w0, w1), straight = read_epochs(s, dict(counts, **{os.path.basename(path): 0}), epoch_count=2)
+    _, straight = read_epochs(s, dict(counts, **{os.path.basename(path): 0}), epochs=2)
     reported = next(j for j, b in enumerate(straight) if b["skipped_shards"])
-    assert straight[reported]["skipped_shards"] == [path] and s.bad_shards_read == {os.path.basename(path)}
+    assert straight[reported]["skipped_shards"] == [path] and s.state_dict()["bad_read"] == [[os.path.basename(path)]]
     cut = len(straight) - 20 if found == "after" else max(1, reported - 2)   # "after": in the next epoch
     first = TokenStream(d, B, SEQ, **kw)
     take(first, cut)
     state = json.loads(json.dumps(first.state_dict()))
-    assert state["bad_shards_read"] == ([os.path.basename(path)] if found == "after" else [])
+    assert state["bad_read"] == [[os.path.basename(path)] if found == "after" else []]
     again = TokenStream(d, B, SEQ, **kw)
     again.load_state_dict(state)
     got = take(again, len(straight) - cut)
@@ -530,9 +608,15 @@ def test_too_many_skipped_shards_and_bad_setting(built, tmp_path):
     shards = built["manifest"]["splits"]["train"]["shards"]
     for shard in shards[2:]:
         open(d / shard["name"], "wb").close()
+    # two good shards still feed 8 streams (each one epoch after another, whatever their count): 4 workers read them
+    s = TokenStream(str(d), B, SEQ, num_workers=4, bad_shards="skip", global_batch_size=8)
+    ids = {i.rsplit("-", 1)[0] for b in take(s, 30) for i in b["ids"]}
+    assert ids == {shard["name"][:-4] for shard in shards[:2]} and s.canonical_streams == 8
+    for shard in shards[:2]:
+        open(d / shard["name"], "wb").close()
     with pytest.raises(DataError) as e:
-        TokenStream(str(d), B, SEQ, num_workers=4, bad_shards="skip")
-    one_line(e, f"has 2 train shards ({len(shards) - 2} skipped as bad)", "num_workers=4")
+        TokenStream(str(d), B, SEQ, bad_shards="skip")
+    one_line(e, f"every train shard in {d} is bad (skipped: data.bad_shards=skip)")
     with pytest.raises(DataError) as e:
         TokenStream(built["dir"], B, SEQ, bad_shards="maybe")
     one_line(e, "bad_shards", "fail, skip", "'maybe'")

@@ -174,7 +174,7 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     os.truncate(truncated, os.path.getsize(truncated) // 2)
     seed = DataSection(shard_dir=str(bad)).seed   # the default of data.seed, as the run below uses it
     stream = TokenStream(str(bad), 4, 32, dp_rank=0, dp_world=2, seed=seed, bad_shards="skip")
-    first_read = stream.worker_shards(0, 0)[0]   # rank 0 reads it first
+    first_read = stream.upcoming_shards()[0]   # rank 0 reads it first
     corrupt(bad / first_read)
 
     run = tmp_path / "skip"
@@ -195,7 +195,7 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     assert r.returncode == 2 and errors and f"shard {truncated} is empty (0 bytes)" in errors[0], r.stderr[-3000:]
     assert "data.bad_shards=skip" in errors[0] and "Traceback" not in r.stderr
     truncated.write_bytes((Path(shards) / truncated.name).read_bytes())   # only corrupt content is left
-    first_read = TokenStream(str(bad), 4, 32, dp_rank=0, dp_world=2, seed=seed).worker_shards(0, 0)[0]
+    first_read = TokenStream(str(bad), 4, 32, dp_rank=0, dp_world=2, seed=seed).upcoming_shards()[0]
     corrupt(bad / first_read)
     r = launch(cfg, 2, check=False, launcher=True)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]

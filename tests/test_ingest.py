@@ -324,12 +324,12 @@ def test_format1_shards_load_and_resume_checking_sizes(tmp_path):
 
 
 def test_format1_checkpoint_state_without_bad_shards_read_loads():
-    """A data position saved by the code before format 2 (no "bad_shards_read") resumes as it did."""
+    """A data position saved by the code before format 2 and canonical streams (a count of micro-batches, no shards
+    found bad while reading) resumes in the old order, on format-1 shards."""
     s = TokenStream(FORMAT1, 2, 16)
-    state = s.state_dict()
-    del state["bad_shards_read"]
-    s.load_state_dict(state)
-    assert s.bad_shards_read == set() and next(iter(s))["tokens"].shape == (2, 17)
+    s.load_state_dict({"consumed_batches": 3, "dp_rank": 0, "dp_world": 1, "num_workers": 0, "micro_batch_size": 2,
+                       "seq_len": 16, "seed": 0, "mix_shards": 4})
+    assert s.legacy_order and next(iter(s))["tokens"].shape == (2, 17)
 
 
 # ---- a whole run with a Hugging Face tokenizer ----

@@ -51,8 +51,9 @@ def val(s):
 
 
 def first_read(s, k):
-    """The first k shards this rank's worker reads: their faults come back within the first batches."""
-    return s.worker_shards(0, 0)[:k]
+    """k of the shards this rank's worker fetches first (the first group of each of its streams, in turn): their
+    faults come back within the first batches."""
+    return s.upcoming_shards()[:k]
 
 
 def test_http_shards_give_the_local_batches_through_dropped_connections_and_503s(few_shards):
@@ -66,8 +67,8 @@ def test_http_shards_give_the_local_batches_through_dropped_connections_and_503s
             assert got == batches(local[rank])[0]
             assert retries == 4 and all(srv.gets[n] == 2 for n in drop + busy)   # one failed GET, one retry each
             assert val(s) == val(local[rank]) and s.state_dict() == local[rank].state_dict()
-        resumed = stream(srv.url, 1)   # exact resume: batches 6-8 of a new stream told it has consumed 5
-        resumed.load_state_dict(local[1].state_dict() | {"consumed_batches": 5})
+        resumed = stream(srv.url, 1)   # exact resume: batches 6-8 of a new stream told that 5 global batches are done
+        resumed.start_at(5)
         assert batches(resumed, 3)[0] == batches(stream(few_shards, 1), 8)[0][5:]
 
 
@@ -151,7 +152,7 @@ def test_make_shards_writes_through_a_pipe_command_the_files_it_writes_to_a_dire
 def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):
     """The first shard each DataLoader worker of each rank reads in tests/runs.py's reference run."""
     return [TokenStream(shards, batch, SEQ, dp_rank=r, dp_world=ranks, num_workers=workers, seed=seed)
-            .worker_shards(0, w)[0] for r in range(ranks) for w in range(workers)]
+            .upcoming_shards(w)[0] for r in range(ranks) for w in range(workers)]
 
 
 @pytest.mark.slow

@@ -4,8 +4,12 @@
     shards.py       the shard format and its manifest, written by tools/make_shards.py; the checks of a shard set
                     against a model (vocabulary, sequence length)
     shard_files.py  fetching, verifying (data.verify) and parsing one shard; what a bad one does
+    sources.py      the sources of a stream (one shard set, or several blended by weight) and the rules between them
+    order.py        the train order: canonical streams and the blend, a function of the data settings and seed alone
+    reading.py      what the readers (DataLoader workers) do: groups of shards fetched ahead, pooled, shuffled
     stream.py       TokenStream: the resumable, deterministic train batches of one data-parallel rank, and its
                     validation batches
+    legacy.py       the order of runs started before canonical streams, for their checkpoints
     corpus.py       reading a corpus: text (a document a line), JSONL, Parquet, Hugging Face datasets (a record a
                     document, newlines kept); bad records
     tokenizer.py    the tokenizer of a shard set: sentencepiece or Hugging Face, one interface for every reader

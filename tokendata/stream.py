@@ -1,199 +1,79 @@
-"""Streaming, resumable token batches from the WebDataset shards that tools/make_shards.py writes.
+"""Streaming, resumable token batches from the WebDataset shards that tools/make_shards.py writes, from one shard set
+or several blended by weight.
 
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
-    TokenStream(shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
-                bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, verify="hash")
-                            decide(fn): fn's result as one rank computed it, on every rank, for the size check
-                            (the trainer's pretrain.distributed.from_rank0; None: this process checks alone)
-        iter(stream)        endless train batches {"tokens": LongTensor (B, n+1), "ids": [B sample-id strings],
-                            "skipped_shards": [URLs of shards found bad while this batch was read; usually []],
-                            "retries": fetches retried (network faults) while this batch was read; usually 0}
+    TokenStream(sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
+                bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
+                canonical_streams=None, verify="hash")
+                            sources: a shard location (data.shard_dir) or a list of Source / {"name", "path",
+                            "weight"} (data.sources, tokendata/sources.py); global_batch_size: G, the samples of one
+                            optimizer step over all ranks (default micro_batch_size × dp_world); canonical_streams: C
+                            (default tokendata.order.default_streams(G)); decide(fn): fn's result as one rank computed
+                            it, on every rank, for the size check (the trainer's pretrain.distributed.from_rank0)
+        iter(stream)        endless train micro-batches {"tokens": LongTensor (B, n+1), "ids": [B sample ids,
+                            "<source name>/<key>" for a named source], "skipped_shards": [URLs of shards found bad
+                            while this batch was read; usually []], "retries": fetches retried (network faults)}; each
+                            G / (B × dp_world) of them in a row are this rank's share of one global batch
         skipped_shards      [(URL, reason)]: the train and val shards dropped at construction (bad_shards="skip")
-        notes               [lines for the log]: what the reading does differently from what was asked (format-1
-                            shards have no content hashes: verify="hash" checks their sizes only)
-        verify              "hash" | "size" | "none": what is checked of each shard (tokendata/shard_files.py)
-        bad_shards_read     names of the shards that the handed-out batches reported bad (kept in state_dict)
         retries             fetches retried in this process (size checks, validation); the workers' ride on batches
-        state_dict(), load_state_dict(sd)      Stateful: the batches this rank has consumed, plus the settings they
-                                               depend on; a new iterator continues exactly where the saved one was
-        val_batches(max_batches=None)          finite, the same batches on every call, the same count on every rank
-        worker_shards(epoch, worker) -> [names]    the train shards one DataLoader worker of this rank reads in an epoch
+        notes               what the stream decided that a log should say (workers left idle; format-1 shards,
+                            which have no content hashes, checked by size only), as lines
+        verify              "hash" | "size" | "none": what is checked of each shard (tokendata/shard_files.py)
+        state_dict(), load_state_dict(sd)      Stateful: the position, in any layout (below)
+        start_at(step)      the position after `step` global batches (a checkpoint without a data position)
+        progress()          per source: samples and tokens read by all ranks so far, and epochs (fractional)
+        val_batches(max_batches=None, split="val", source=0)   finite, the same batches on every call and count on
+                            every rank, of one source (an index)
+        worker_streams(worker), upcoming_shards(worker=0, source=0)    the canonical streams a DataLoader worker of
+                            this rank serves, and the shards it fetches first from the position
 
-Order of the train stream, a function of (manifest, seed, dp_world, num_workers, B, mix_shards) only:
-    epoch e:  shards = the train shards shuffled by Random(f"{seed}/{e}"), the same list on every rank;
-              rank r takes shards[r::dp_world] (the node splitter, by the data-parallel rank we are given: webdataset's
-              split_by_node would use torch.distributed's global rank, wrong under tensor/pipeline parallelism);
-              worker w of W takes those[w::W] (the worker splitter);
-              the worker reads its shards in groups of mix_shards and pools and shuffles each group's samples with
-              Random(f"{seed}/{e}/{r}/{w}/{group index}") (a shard is consecutive text: mixing a few varies a batch).
-    A worker's samples run on from epoch to epoch without end and are cut into batches of B. The DataLoader
-    (batch_size=None: batches are made in the workers) hands out batch j of the rank from worker j % W; since no
-    worker's stream ends, that round robin is never broken and every rank can always take one more step.
-Resume: after k consumed batches logical worker w has produced len(range(w, k, W)) of them. A new iterator's DataLoader
-serves its physical worker 0 first, so physical worker p plays logical worker (p + k) % W, and each worker skips its
-count x B samples: whole groups (and epochs) by the manifest's counts without opening them, then the head of one group,
-read as bytes but not decoded. Changing dp_world, num_workers, B, seq_len, seed or mix_shards changes the order, so
-load_state_dict refuses it: resuming under a new layout needs an explicit remap of the position.
+Order (tokendata/order.py): a function of the data settings (sources and weights, C, seed, mix_shards, seq_len) and
+the manifests alone. Global batch g is the same G samples, in the same order, whatever dp_world, num_workers,
+micro_batch_size or accumulation read it; rank r's share is that of its C/dp_world canonical streams, which its
+workers split (a worker left without a stream is not started: `notes`). The position is per stream: the slots taken
+and each source's count, plus the shards found bad while reading; it is the same on every rank. A stream resumed in
+another layout goes on at the next global batch; one stopped inside a global batch (never the trainer, which saves
+between steps) resumes only in its own layout. Checkpoints written before canonical streams hold the old position
+(a count of micro-batches): loading one switches the stream to the old order (tokendata/legacy.py), in its layout.
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
-Where shards are: shard_dir is a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec
-schemes; tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network
-fault (resumed at the byte it reached) hands out each sample once; the order above never depends on where the bytes came
-from, so the same sample ids and exact resume hold for every source. A worker fetches its next group of shards in a
-thread while it hands out the current one. cache_dir (optional) keeps local copies keyed by shard name and size.
+Where shards are: a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec schemes;
+tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network fault
+hands out each sample once; the order never depends on where the bytes came from. Each train shard is fetched once an
+epoch, by the one reader whose stream it is dealt to, while the group before it is handed out. cache_dir (optional)
+keeps local copies keyed by shard name and size.
 
 Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), or is left out (bad_shards="skip").
-    At construction, without opening a shard: a missing file (HTTP 404, 403…), an empty one, or a size other than
-    the manifest's "bytes" (when recorded; older manifests lack it; a pipe: command cannot tell) makes a shard bad. With "skip" it is dropped from its split before any order
-    is computed and listed in stream.skipped_shards, so the same files give the same order and resume stays exact.
-    While reading, a shard whose content hash differs from the manifest's (twice: verify="hash"), that tarfile cannot
-    parse, or whose sample count or sample sizes differ from the manifest, is bad: with "skip" its samples are
-    dropped, a warning naming it goes to stderr (from the DataLoader worker) and the next batch lists its path in
-    "skipped_shards" (workers are other processes: the batch is how the trainer learns of it); each worker of an
-    iterator reports a shard once and does not reopen it, so the trainer should count distinct paths.
-    The same after a resume: a shard found bad while reading gives no samples, in this epoch and every later one,
-    wherever it is dealt; the stream keeps the names of those that the batches it handed out reported
-    (state_dict()["bad_shards_read"]), and a resumed stream counts them as empty shards when it finds its position
-    and does not open them again. So the resumed batches are the uninterrupted run's batches, sample for sample, also
-    when the bad shard was found before the checkpoint (a shard that was not reported by then lies after the
-    position: the resumed run finds it as the uninterrupted one did).
+    At construction, without opening a shard: a missing file (HTTP 404, 403…), an empty one, or a size other than the
+    manifest's "bytes" makes a shard bad. With "skip" it is dropped from its split before any order is computed and
+    listed in stream.skipped_shards, so the same files give the same order in every layout.
+    While reading, a shard whose content hash differs from the manifest's (twice, the second time past cache_dir:
+    verify="hash"), that tarfile cannot parse, or whose sample count or sample sizes differ from the manifest, is bad: with "skip" its samples are dropped, a warning naming it goes to stderr (from the DataLoader worker) and
+    the batch that takes its stream's next sample lists its path in "skipped_shards" (count distinct paths). Which
+    stream reads a shard does not depend on the layout, so global batches stay the same in every layout; the position
+    records the shards found bad, so a resume in the same layout is exact, and in another layout too when the position
+    of every rank is merged (`merged_state`: the universal checkpoint does it).
 """
+from __future__ import annotations
 
-import functools
 import itertools
 import math
-import random
-import threading
-from concurrent.futures import Future
 
 import numpy as np
 import torch
-import webdataset as wds
 
-from tokendata import remote
-from tokendata.shard_files import ShardFiles, ShardReader, fix
-from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need, read_manifest
+from tokendata import legacy
+from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, rank_streams
+from tokendata.reading import Part, Plan, RankPieces, as_is, collate
+from tokendata.shard_files import ShardReader
+from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need
+from tokendata.sources import as_sources, good_shards, open_sources
 
-# Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".
-STATE_KEYS = ("dp_rank", "dp_world", "num_workers", "micro_batch_size", "seq_len", "seed", "mix_shards")
+ORDER = "canonical streams"
 BAD_SHARDS = ("fail", "skip")
-
-
-# ---- pipeline stages (module level, so DataLoader workers can pickle them under any start method) ----
-
-def split_by_dp_rank(src, rank, world):
-    """Node splitter: this data-parallel rank's share of one epoch's shard list."""
-    return itertools.islice(src, rank, None, world)
-
-
-def split_by_loader_worker(src, worker, workers):
-    """Worker splitter: one DataLoader worker's share of its rank's shards."""
-    return itertools.islice(src, worker, None, workers)
-
-
-def _worker():
-    info = torch.utils.data.get_worker_info()
-    return (info.id, info.num_workers) if info is not None else (0, 1)
-
-
-class EpochShards(torch.utils.data.IterableDataset):
-    """Pipeline source: what one (rank, worker) reads, epoch after epoch without end, starting `skip_batches` in.
-
-    Yields groups of up to `mix` consecutive shards of the worker's epoch list, as {"names", "skip", "order_seed"}: a group's samples are pooled and shuffled together, because one shard holds consecutive text and a
-    batch drawn from one shard alone would be one passage. The first group may start part-way (skip > 0).
-    """
-
-    def __init__(self, shards, seed, nodesplitter, mix, skip_batches, batch_size):
-        self.shards, self.seed = shards, seed  # shards: [(name, samples)] sorted by name
-        self.nodesplitter, self.mix, self.skip_batches, self.batch_size = nodesplitter, mix, skip_batches, batch_size
-        self.rank = nodesplitter.keywords["rank"]
-
-    def shards_for(self, epoch, worker, workers):
-        order = list(self.shards)
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)  # the same permutation on every rank and worker
-        return list(split_by_loader_worker(self.nodesplitter(order), worker, workers))
-
-    def groups(self, epoch, worker, workers):
-        mine = self.shards_for(epoch, worker, workers)
-        return [mine[i : i + self.mix] for i in range(0, len(mine), self.mix)]
-
-    def start(self, worker, workers):
-        """(epoch, group index, samples to skip in that group) of this worker's next sample: manifest counts only."""
-        skip = len(range(worker, self.skip_batches, workers)) * self.batch_size
-        epoch = 0
-        while True:
-            for i, group in enumerate(self.groups(epoch, worker, workers)):
-                n = sum(count for _, count in group)
-                if skip < n:
-                    return epoch, i, skip
-                skip -= n
-            epoch += 1
-
-    def __iter__(self):
-        physical, workers = _worker()
-        # A new DataLoader serves its worker 0 first, but after k batches the next one is logical worker k % W's: so
-        # physical worker p plays logical worker (p + k) % W, and the round robin goes on exactly as before.
-        worker = (physical + self.skip_batches) % workers
-        epoch, first, skip = self.start(worker, workers)
-        while True:
-            groups = self.groups(epoch, worker, workers)
-            for i in range(first, len(groups)):
-                yield {"names": [name for name, _ in groups[i]], "skip": skip,
-                       "order_seed": f"{self.seed}/{epoch}/{self.rank}/{worker}/{i}"}
-                skip = 0
-            epoch, first = epoch + 1, 0
-
-
-def shuffled_samples(src, counts, files, fmt, bad_shards, known_bad=()):
-    """Each group's samples pooled in a seeded random order, minus the first `skip` of it (still bytes, not decoded).
-    A bad shard (bad_shards="skip") adds no samples: the group is smaller, its order still a function of the seed.
-    The next group's shards are fetched by a thread while this one's samples are handed out: over a network the
-    worker does not wait a whole download at each group boundary (memory: two groups of shards)."""
-    reader = ShardReader(files, fmt, bad_shards, "train", len(counts), known_bad)
-    fetch = lambda group: [reader.fetch(name, counts[name]) for name in group["names"]]  # noqa: E731
-    groups = iter(src)
-    group = next(groups)
-    fetched = in_background(fetch, group)
-    while True:
-        results = fetched.result()
-        upcoming = next(groups)   # endless
-        fetched = in_background(fetch, upcoming)
-        samples = [s for name, r in zip(group["names"], results) for s in reader.accept(name, r)]
-        order = list(range(len(samples)))
-        random.Random(group["order_seed"]).shuffle(order)
-        for j in order[group["skip"]:]:
-            yield reader.tag(samples[j])
-        group = upcoming
-
-
-def in_background(fn, *args) -> Future:
-    """fn(*args) in a daemon thread: a process that is done exits without waiting for a fetch it no longer needs."""
-    future = Future()
-
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # handed to whoever waits for the result
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="shard-prefetch").start()
-    return future
-
-
-def collate(samples, dtype, member):
-    """A batch whose tokens are a numpy array, not yet a tensor: a DataLoader worker sends it pickled through its pipe.
-    A tensor would travel as a shared-memory file descriptor served by a thread of the worker, and a rank killed in
-    mid-handover (kill -9) would leave that thread printing a ConnectionResetError traceback."""
-    rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
-    return {"tokens": np.stack(rows).astype(np.int64), "ids": [s["__key__"] for s in samples],
-            "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())],
-            "retries": sum(s.get("__retries__", 0) for s in samples)}
-
-
-def as_is(batch):
-    """The DataLoader's collate_fn: its default would turn the numpy tokens into a tensor inside the worker."""
-    return batch
+SETTING_KEYS = {"canonical_streams": "data.canonical_streams", "seed": "data.seed", "mix_shards": "mix_shards",
+                "seq_len": "model.max_seq_len"}
 
 
 def _one_line(e):
@@ -202,101 +82,83 @@ def _one_line(e):
     return DataError(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
+def merged_state(states: list[dict]) -> dict | None:
+    """One position for a run in any layout from its ranks' data states (each knows the shards its own streams found
+    bad), or None where they are not of the canonical order or one stopped inside a global batch."""
+    if not states or any(legacy.is_legacy(s) or s.get("micro_batches") for s in states):
+        return None
+    bad = [sorted(set().union(*(s["bad_read"][i] for s in states))) for i in range(len(states[0]["bad_read"]))]
+    return dict(states[0], bad_read=bad)
+
+
 class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
-    def __init__(self, shard_dir, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, verify="hash"):
+    def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
+                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None,
+                 global_batch_size=None, canonical_streams=None, verify="hash"):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
-        self.manifest = m = read_manifest(shard_dir)
-        check_seq_len(m, seq_len, training=True)   # a sample holds exactly seq_len + 1 tokens
-        self.shard_dir, self.micro_batch_size, self.seq_len = shard_dir, micro_batch_size, seq_len
-        self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
-        self.mix_shards = mix_shards
         need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
-        self.bad_shards = bad_shards
+        G = global_batch_size or micro_batch_size * dp_world
+        need(G % (micro_batch_size * dp_world) == 0, f"global_batch_size={G} is not divisible by micro_batch_size × "
+                                                     f"dp_world = {micro_batch_size} × {dp_world}")
+        self.canonical_streams = C = canonical_streams or default_streams(G)
+        check_streams(C, G, dp_world)
+        self.parts, self.verify = open_sources(as_sources(sources), cache_dir, verify), verify
+        self.manifest = m = self.parts[0].manifest
+        check_seq_len(m, seq_len, training=True)   # a sample holds exactly seq_len + 1 tokens
+        self.shard_dir, self.micro_batch_size, self.seq_len = self.parts[0].source.path, micro_batch_size, seq_len
+        self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
+        self.mix_shards, self.bad_shards, self.global_batch_size = mix_shards, bad_shards, G
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
-        self.files = ShardFiles(shard_dir, m, cache_dir, verify)
-        self.verify = verify
-        self.notes = [f"the shards in {shard_dir} are of manifest format 1, without content hashes: checking their "
-                      f"sizes only (data.verify=size); rebuild them with {MAKE} to have them hashed"
-                      ] if verify == "hash" and not self.files.hashing else []
-        self.bad_shards_read: set[str] = set()   # names of shards the handed-out batches reported bad
-        self._names = {self.files.url(name): name for name in self.files.records}
         self.retries = 0   # fetches retried in this process (size checks, validation); train batches carry theirs
-        # the good shards of each split and (URL, reason) of those the size check dropped. decide(fn): fn's result as
-        # one rank computed it, on every rank (the trainer's: all train on one list, checked by one rank's requests)
+        # the good shards of each source's splits, and (URL, reason) of those the size check dropped. decide(fn): fn's
+        # result as one rank computed it, on every rank (all train on one list, checked by one rank's requests)
         self.shards, self.skipped_shards = (decide or (lambda fn: fn()))(self._check_shards)
-        self.train = self._split("train")
-        needed = dp_world * max(1, num_workers)
-        dropped = len(m["splits"]["train"]["shards"]) - len(self.train)
-        need(len(self.train) >= needed,
-              f"{shard_dir} has {len(self.train)} train shards" + (f" ({dropped} skipped as bad)" if dropped else "")
-              + f" but dp_world={dp_world} x num_workers={num_workers} "
-              f"needs at least {needed}: rebuild with a smaller --samples-per-shard or use fewer data workers")
-        self._consumed = 0  # batches handed to the trainer: the whole resumable position
+        self.orders = [SourceOrder(self._split(i, "train"), self._key(p.source), C, mix_shards)
+                       for i, p in enumerate(self.parts)]
+        self.train = self.shards[0]["train"]
+        self.blend = Blend([p.source.weight for p in self.parts], C)
+        self.streams = rank_streams(C, dp_rank, dp_world)
+        self.per_stream, self.grad_accum = G // C, G // (micro_batch_size * dp_world)
+        self.workers = min(num_workers, len(self.streams))   # 0: read in this process
+        self.notes = [f"data.num_workers={num_workers}, but each rank serves {len(self.streams)} of the "
+                      f"{C} canonical streams (data.canonical_streams): {self.workers} workers read them"
+                      ] if num_workers > self.workers else []
+        self.notes += [f"the shards in {p.source.path} are of manifest format 1, without content hashes: checking their "
+                       f"sizes only (data.verify=size); rebuild them with {MAKE} to have them hashed"
+                       for p in self.parts if verify == "hash" and not p.files.hashing]
+        self._urls = {p.files.url(name): (i, name)   # a train shard's URL -> (source, name)
+                      for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
+        self._pos, self._into = self.blend.start(), 0   # the position, and micro-batches into its next global batch
+        self._bad = [set() for _ in self.parts]
+        self._legacy = None   # micro-batches consumed in the old order, once an old data state is loaded
         self._live = 0  # id of the one live iterator
 
     def _check_shards(self):
-        """({split: [(name, samples)] sorted by name}, [(URL, reason) skipped]): every listed shard less
-        those that are missing or whose size shows damage: "fail" refuses them, "skip" drops them here, before any
-        order is computed. Only sizes are read (remote ones by parallel HEAD requests or their store's size call): no
-        shard is opened."""
-        listed = {split: s["shards"] for split, s in self.manifest["splits"].items()}
-        urls = [self.files.url(s["name"]) for shards in listed.values() for s in shards]
-        sizes, retries = remote.sizes(urls) if self.verify != "none" else (dict.fromkeys(urls), 0)
+        good, skipped, retries = good_shards(self.parts, self.bad_shards)
         self.retries += retries
-        good, skipped = {split: [] for split in listed}, []
-        for split, shards in listed.items():
-            for s in shards:
-                path = self.files.url(s["name"])
-                size = sizes[path]   # None: the source cannot tell (a pipe: command); checked when read
-                if isinstance(size, remote.Missing):
-                    reason = ("is missing (listed in manifest.json)" if size == "not found" else
-                              f"cannot be read: {size}")
-                elif size == 0:
-                    reason = "is empty (0 bytes)"
-                elif size is not None and s.get("bytes", size) != size:
-                    reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
-                        " (truncated?)" if size < s["bytes"] else " (overwritten?)")
-                else:
-                    good[split].append((s["name"], s["samples"]))
-                    continue
-                need(self.bad_shards == "skip", f"shard {path} {reason}: {fix(self.shard_dir)}")
-                skipped.append((path, reason))
-        return {split: sorted(shards) for split, shards in good.items()}, skipped
+        return good, skipped
 
-    def _split(self, split):
-        shards = self.shards.get(split, [])
-        if not shards and self.manifest["splits"].get(split, {}).get("shards"):
-            raise DataError(f"every {split} shard in {self.shard_dir} is bad (skipped: data.bad_shards=skip): "
+    def _key(self, source):
+        """The seed string of a source's shuffles: the seed, and the name of a named source."""
+        return f"{self.seed}/{source.name}" if source.name else str(self.seed)
+
+    def _split(self, i, split):
+        shards, source = self.shards[i].get(split, []), self.parts[i].source
+        if not shards and self.parts[i].manifest["splits"].get(split, {}).get("shards"):
+            raise DataError(f"every {split} shard in {source.label} is bad (skipped: data.bad_shards=skip): "
                             f"rebuild it with {MAKE}")
-        need(shards, f"no shards for split '{split}' in {self.shard_dir} (manifest.json lists none): rebuild it with "
+        need(shards, f"no shards for split '{split}' in {source.label} (manifest.json lists none): rebuild it with "
                       f"{MAKE}" + (" --val-fraction > 0" if split == "val" else ""))
         return shards
 
     # ---- train stream ----
-
-    def _source(self, skip_batches):
-        """The order; a shard found bad while reading counts as empty (it gives no samples wherever it is read)."""
-        nodesplitter = functools.partial(split_by_dp_rank, rank=self.dp_rank, world=self.dp_world)
-        shards = [(name, 0 if name in self.bad_shards_read else count) for name, count in self.train]
-        return EpochShards(shards, self.seed, nodesplitter, self.mix_shards, skip_batches, self.micro_batch_size)
-
-    def _loader(self, skip_batches):
-        pipeline = wds.DataPipeline(
-            self._source(skip_batches),
-            wds.pipelinefilter(shuffled_samples)(dict(self.train), self.files, self.fmt, self.bad_shards,
-                                                 sorted(self.bad_shards_read)),
-            wds.batched(self.micro_batch_size, partial=False, collation_fn=self._collate),
-        )
-        return torch.utils.data.DataLoader(pipeline, batch_size=None, collate_fn=as_is,
-                                           num_workers=self.num_workers, prefetch_factor=2 if self.num_workers else None)
 
     def __iter__(self):
         self._live += 1
@@ -304,67 +166,157 @@ class TokenStream:
 
     def _batches(self, me):
         try:
-            for batch in self._loader(skip_batches=self._consumed):
-                if me != self._live:
-                    raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
-                self._consumed += 1  # counted when handed over, so prefetched batches are not part of the position
-                self.bad_shards_read.update(self._names[url] for url in batch["skipped_shards"])
-                yield self._as_tensors(batch)
+            if self._legacy is not None:
+                yield from self._legacy_batches(me)   # endless
+            loader = torch.utils.data.DataLoader(RankPieces(self._plan()), batch_size=None, collate_fn=as_is,
+                                                 num_workers=self.workers,
+                                                 prefetch_factor=2 if self.workers else None)
+            pieces, B, skip = iter(loader), self.micro_batch_size, self._into
+            while True:
+                share = self._share([next(pieces) for _ in range(max(1, self.workers))])
+                for k in range(skip, self.grad_accum):
+                    self._check_live(me)
+                    first = k == skip   # what the readers learned rides on the step's first micro-batch
+                    batch = {"tokens": share["tokens"][k * B:(k + 1) * B], "ids": share["ids"][k * B:(k + 1) * B],
+                             "skipped_shards": share["skipped_shards"] if first else [],
+                             "retries": share["retries"] if first else 0}
+                    if first:
+                        for url in batch["skipped_shards"]:
+                            source, name = self._urls[url]
+                            self._bad[source].add(name)
+                    self._into = k + 1   # counted when handed over, so prefetched batches are not part of the position
+                    if self._into == self.grad_accum:
+                        self.blend.advance(self._pos, self.global_batch_size)
+                        self._into = 0
+                    yield self._as_tensors(batch)
+                skip = 0
         except DataError as e:
             raise _one_line(e) from None
 
-    def _collate(self, samples):
+    def _legacy_batches(self, me):
+        for batch in legacy.loader(self, self._legacy):
+            self._check_live(me)
+            self._legacy += 1
+            yield self._as_tensors(batch)
+
+    def _check_live(self, me):
+        if me != self._live:
+            raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
+
+    def _plan(self) -> Plan:
+        parts = [Part(order, p.files, dict(order.shards), p.source.name, frozenset(bad))
+                 for order, p, bad in zip(self.orders, self.parts, self._bad)]
+        return Plan(parts, self.blend, self.streams, self.global_batch_size, self._pos.copy(), self.fmt, self.dtype,
+                    self.member, self.bad_shards)
+
+    def _share(self, pieces):
+        """This rank's share of one global batch, in stream order, from one piece of each worker."""
+        L, tokens, ids = self.per_stream, {}, {}
+        for piece in pieces:   # each stream gives G/C samples to a global batch
+            for j, c in enumerate(piece["streams"]):
+                tokens[c], ids[c] = piece["tokens"][j * L:(j + 1) * L], piece["ids"][j * L:(j + 1) * L]
+        return {"tokens": np.concatenate([tokens[c] for c in self.streams]),
+                "ids": [i for c in self.streams for i in ids[c]],
+                "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
+                "retries": sum(piece["retries"] for piece in pieces)}
+
+    def collate(self, samples):
         return collate(samples, self.dtype, self.member)
 
     def _as_tensors(self, batch):
         tokens = torch.from_numpy(batch["tokens"])
         return dict(batch, tokens=tokens.pin_memory() if self.pin_memory else tokens)
 
-    def worker_shards(self, epoch, worker):
-        return [name for name, _ in self._source(0).shards_for(epoch, worker, max(1, self.num_workers))]
+    @property
+    def legacy_order(self):
+        """Whether this stream reads in the order of a run started before canonical streams (tokendata/legacy.py)."""
+        return self._legacy is not None
+
+    def worker_streams(self, worker):
+        return self.streams[worker::max(1, self.workers)]
+
+    def upcoming_shards(self, worker=0, source=0):
+        order, bad = self.orders[source], frozenset(self._bad[source])
+        return [name for c in self.worker_streams(worker)
+                for name in next(order.walk(c, self._pos.streams[c][source], bad))["names"]]
+
+    def progress(self):
+        """Per source {"name", "samples", "tokens", "epochs"}: what all ranks have read of it so far."""
+        out = []
+        for i, p in enumerate(self.parts):
+            n = self._pos.counts[i] if self._legacy is None else self._legacy * self.micro_batch_size * self.dp_world
+            total = sum(count for _, count in self.orders[i].shards)
+            out.append({"name": p.source.name, "samples": n, "tokens": n * self.seq_len, "epochs": n / total})
+        return out
 
     # ---- Stateful ----
 
     def state_dict(self):
-        src, workers = self._source(self._consumed), max(1, self.num_workers)
-        position = []  # for people reading a checkpoint; only consumed_batches is used to resume
-        for w in range(workers):
-            epoch, i, skip = src.start(w, workers)
-            group = [name for name, _ in src.groups(epoch, w, workers)[i]]
-            position.append({"worker": w, "epoch": epoch, "shards": group, "sample": skip})
-        return {"consumed_batches": self._consumed, **{k: getattr(self, k) for k in STATE_KEYS}, "position": position,
-                "bad_shards_read": sorted(self.bad_shards_read)}
+        if self._legacy is not None:
+            return legacy.state_dict(self, self._legacy)
+        return {"order": ORDER, "samples": self._pos.samples, "counts": list(self._pos.counts),
+                "stream_counts": [list(c) for c in self._pos.streams], "micro_batches": self._into,
+                **{key: getattr(self, key) for key in SETTING_KEYS}, "sources": self._fingerprint(),
+                "bad_read": [sorted(bad) for bad in self._bad],
+                "layout": {"dp_rank": self.dp_rank, "dp_world": self.dp_world,
+                           "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size},
+                "position": self.progress()}   # for people reading a checkpoint
+
+    def _fingerprint(self):
+        return [{"name": p.source.name, "weight": p.source.weight, "train_samples":
+                 p.manifest["splits"]["train"]["samples"]} for p in self.parts]
 
     def load_state_dict(self, sd):
-        for key in ("consumed_batches",) + STATE_KEYS:
-            need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
-        for key in STATE_KEYS:
-            need(sd[key] == getattr(self, key),
-                  f"cannot resume the data stream: the checkpoint has {key}={sd[key]} but this run has "
-                  f"{key}={getattr(self, key)}; the sample order depends on it, so an explicit remap of the data "
-                  f"position is needed (not supported): run with {key}={sd[key]}")
-        self._consumed = int(sd["consumed_batches"])
-        self.bad_shards_read = set(sd.get("bad_shards_read", ()))   # absent in checkpoints of older code
         self._live += 1  # an iterator made before this no longer matches the position
+        if legacy.is_legacy(sd):
+            self._legacy = legacy.check_state(self, sd)
+            return
+        for key in ("samples", "counts", "stream_counts", "micro_batches", "sources", "bad_read", "layout",
+                    *SETTING_KEYS):
+            need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
+        for key, where in SETTING_KEYS.items():
+            need(sd[key] == getattr(self, key),
+                 f"cannot resume the data stream: its order has {where}={sd[key]}, this run has "
+                 f"{getattr(self, key)}; the samples of every global batch depend on it: run with {where}={sd[key]}")
+        theirs, ours = sd["sources"], self._fingerprint()
+        describe = lambda sources: ", ".join(f"{s['name'] or 'data.shard_dir'} (weight {s['weight']:g}, "  # noqa
+                                             f"{s['train_samples']} train samples)" for s in sources)
+        need(theirs == ours, f"cannot resume the data stream: it read {describe(theirs)}, this run reads "
+                             f"{describe(ours)}; a blend cannot change within a run: set data.sources back, or start "
+                             f"a new run from a release of this one (train.init_from)")
+        if sd["micro_batches"]:
+            need(sd["layout"] == self.state_dict()["layout"],
+                 f"cannot resume the data stream: it stopped inside a global batch, in the layout {sd['layout']}; "
+                 f"resume it in that layout")
+        self._pos = Position(int(sd["samples"]), list(sd["counts"]), [list(c) for c in sd["stream_counts"]])
+        self._into = int(sd["micro_batches"])
+        self._bad, self._legacy = [set(bad) for bad in sd["bad_read"]], None
+
+    def start_at(self, step):
+        """The position after `step` global batches of this global batch size, from the start."""
+        self._live += 1
+        self._pos, self._into, self._legacy = self.blend.position_at(step, self.global_batch_size), 0, None
+        self._bad = [set() for _ in self.parts]
 
     # ---- validation ----
 
-    def val_batches(self, max_batches=None, split="val"):
+    def val_batches(self, max_batches=None, split="val", source=0):
         """The same batches on every call. Rank r takes the block of K = ceil(ceil(total / dp_world) / B) batches that
         starts at sample r*K*B in manifest order (the last rank wraps round to the start), so every rank runs the same
         number of batches, the blocks are disjoint until the wrap, and max_batches takes a prefix of each block."""
-        shards = self._split(split)  # checked here, not at the first next(): errors surface where the call is
+        shards = self._split(source, split)  # checked here, not at the first next(): errors surface where the call is
         total = sum(c for _, c in shards)
         full = math.ceil(math.ceil(total / self.dp_world) / self.micro_batch_size)
         n_batches = full if max_batches is None else min(full, max_batches)
-        samples = self._samples_from(split, shards, self.dp_rank * full * self.micro_batch_size % total)
-        return (self._as_tensors(self._collate(list(itertools.islice(samples, self.micro_batch_size))))
+        samples = self._samples_from(source, split, shards, self.dp_rank * full * self.micro_batch_size % total)
+        return (self._as_tensors(self.collate(list(itertools.islice(samples, self.micro_batch_size))))
                 for _ in range(n_batches))
 
-    def _samples_from(self, split, shards, start):
+    def _samples_from(self, source, split, shards, start):
         """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened. A
         shard found bad here (bad_shards="skip") is passed over, so the rest of the split moves up."""
-        reader = ShardReader(self.files, self.fmt, self.bad_shards, split, len(shards))
+        reader, prefix = ShardReader(self.parts[source].files, self.fmt, self.bad_shards, split, len(shards)), \
+            self.parts[source].source.name
         i = 0
         while start >= shards[i][1]:
             start -= shards[i][1]
@@ -373,6 +325,6 @@ class TokenStream:
             name, count = shards[i]
             samples = reader.read(name, count)[start:]
             self.retries, reader.retries = self.retries + reader.retries, 0   # read in this process: counted here
-            for sample in samples:
-                yield reader.tag(sample)
+            for sample in map(reader.tag, samples):
+                yield dict(sample, __key__=f"{prefix}/{sample['__key__']}") if prefix else sample
             i, start = (i + 1) % len(shards), 0

@@ -162,8 +162,9 @@ class Checkpointer:
 
     def _load_universal(self, path: str) -> int:
         """Weights and AdamW's moments in this run's layout, through DeepSpeed's universal loader (the engine was
-        built with `checkpoint.load_universal`); the step and the loss guard from the trainer's state. The data
-        position follows from the step (the trainer skips that many batches); the RNG streams start from the seed."""
+        built with `checkpoint.load_universal`); the step, the loss guard and the data position from the trainer's
+        state (a universal checkpoint without one, of a run in the old order: the trainer positions the data at the
+        step); the RNG streams start from the seed."""
         with tempfile.TemporaryDirectory() as tmp:
             view = universal.view_for(path, self.engine.module, tmp)
             with torch.no_grad():
@@ -173,7 +174,8 @@ class Checkpointer:
         universal.restore_frozen(path, self.engine.module)
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.restored = {"engine", "universal"}
-        if state.get("guard") and "guard" in self.stateful:
-            self.stateful["guard"].load_state_dict(state["guard"])
-            self.restored.add("guard")
+        for name in ("guard", "data"):   # the data position of every rank merged: layout-free
+            if state.get(name) and name in self.stateful:
+                self.stateful[name].load_state_dict(state[name])
+                self.restored.add(name)
         return state["step"]

@@ -15,8 +15,9 @@ layout. What this module adds, and why:
   read the same checkpoint; a resuming rank sees it through a view named by its own parameters (`view_for`);
 - frozen tensors (random_fixed's R is in no optimizer, so in no ZeRO fragment): written whole, restored by
   `restore_frozen`;
-- the trainer's own state (`trainer_state.pt`): the step, from which the resumed run sets its LR schedule and data
-  position, and the loss guard's window.
+- the trainer's own state (`trainer_state.pt`): the step, from which the resumed run sets its LR schedule, the loss
+  guard's window, and the data position of every rank merged into one (tokendata.stream.merged_state: the same
+  global batches go on in any layout; none for a run in the order of before canonical streams, whose step sets it).
 
 Layout: `<dir>/universal_step_00000100/` beside the run's `step_*` checkpoints (`latest_universal` names it), with
 `zero/`, DeepSpeed's `mp_rank_*_model_states.pt` (LR schedule), `config.yaml`, `tokenizer.model`,
@@ -41,8 +42,13 @@ from model.accounting import parameters
 from model.release import TOKENIZER_FILES
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.ds_checkpoint import canonical_names, read_config, read_weights, step_of
+from tokendata.stream import merged_state
 
 PREFIX = "universal_"
+
+
+def _rank_of(path: str) -> int:
+    return int(re.search(r"trainer_rank(\d+)\.pt$", path).group(1))
 
 
 def universal_info(split_dims: dict[str, int | None], tied: list[str]) -> dict:
@@ -94,9 +100,11 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     for name in ("config.yaml",) + TOKENIZER_FILES:
         if os.path.exists(os.path.join(tag_dir, name)):
             shutil.copy(os.path.join(tag_dir, name), partial)
-    trainer = torch.load(os.path.join(tag_dir, "trainer_rank0.pt"), weights_only=False) \
-        if os.path.exists(os.path.join(tag_dir, "trainer_rank0.pt")) else {"stateful": {}}
-    torch.save({"step": step, "guard": trainer["stateful"].get("guard")}, os.path.join(partial, "trainer_state.pt"))
+    ranks = [torch.load(path, weights_only=False)["stateful"]   # rank 0 first: trainer_rank0.pt … sorted by rank
+             for path in sorted(glob.glob(os.path.join(tag_dir, "trainer_rank*.pt")), key=_rank_of)]
+    data = merged_state([r["data"] for r in ranks if "data" in r])   # the data position, the same in any layout
+    torch.save({"step": step, "guard": ranks[0].get("guard") if ranks else None, "data": data},
+               os.path.join(partial, "trainer_state.pt"))
     publish(partial, final, os.path.join(out_dir, "latest_universal"), step)
     return final
 

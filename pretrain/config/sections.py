@@ -7,23 +7,37 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_keys, check_types, described, need
-from tokendata import remote
+from tokendata.shards import DataError
+from tokendata.sources import Source, as_sources
 
 
 @dataclass(kw_only=True)
 class DataSection:
     """Where the token shards are and how they are read."""
-    shard_dir: str = described("where the shards written by tools/make_shards.py are (beside their manifest.json): a "
-                        "directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file name (pipe:aws "
-                        "s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its backend installed)")
+    shard_dir: str | None = described("where the shards written by tools/make_shards.py are (beside their "
+                        "manifest.json): a directory, or a URL: http(s)://host/path, pipe:COMMAND with {} for the file "
+                        "name (pipe:aws s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its "
+                        "backend installed); the one source of a run (or data.sources)", None)
+    sources: list | None = described("several shard sets blended by weight, instead of shard_dir: a list of {name, "
+                        "path, weight}; path: as shard_dir; weight: a proportion > 0 (0.5, 0.3, 0.2, or 5, 3, 2); "
+                        "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
+                        "one tokenizer, vocabulary, seq_len and eos", None)
+    canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
+                        "global batch g holds the same samples for every data-parallel size, worker count and micro-"
+                        "batch that divide it. It must divide train.global_batch_size and be a multiple of every data-"
+                        "parallel size the run will use; it cannot change within a run. Each DataLoader worker holds "
+                        "two groups of shards of every stream and source it reads. null = the largest divisor of the "
+                        "global batch up to 64", None)
     tokenizer: str | None = described("path or URL of the tokenizer (a sentencepiece tokenizer.model, or a Hugging "
                                "Face tokenizer.json with its tokenizer_config.json beside it); default the one beside "
-                               "the shards that their manifest.json names", None)
+                               "the shards (of the first source) that their manifest.json names", None)
     cache_dir: str | None = described("a local folder that keeps a copy of each shard read from a URL (keyed by name "
                                "and size), so later epochs and relaunches read the disk; default none", None)
-    num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process)", 2)
+    num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process; at most "
+                                 "as many as the rank's canonical streams are used)", 2)
     seed: int = described("seed of the shard/sample order", 1234)
-    val_batches: int = described("validation micro-batches per evaluation (the same batches every time)", 20)
+    val_batches: int = described("validation micro-batches per evaluation, of each source (the same batches every "
+                                 "time)", 20)
     bad_shards: str = described("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
                          "(train without it; logged and counted)", "fail")
     verify: str = described("what is checked of each shard: 'hash' (its size before training, its content hash "
@@ -32,11 +46,28 @@ class DataSection:
 
     def __post_init__(self):
         check_types(self, "data")
-        need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
+        if self.shard_dir is None and self.sources is None:
+            raise ConfigError("missing required config key 'data.shard_dir' (one shard set) or 'data.sources' (a "
+                              "blend: [{name, path, weight}])")
+        if self.shard_dir is not None and self.sources is not None:
+            raise ConfigError("set data.shard_dir (one shard set) or data.sources (a blend), not both")
+        if self.shard_dir is not None:
+            need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
+        else:
+            try:
+                self.sources = [{"name": s.name, "path": s.path, "weight": s.weight} for s in as_sources(self.sources)]
+            except DataError as e:
+                raise ConfigError(str(e)) from None
+        need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",
+             self.canonical_streams, "null or ≥ 1")
         need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
         need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
+
+    def source_list(self) -> str | list[Source]:
+        """What tokendata reads: the shard_dir, or the sources (tokendata/sources.py)."""
+        return self.shard_dir if self.sources is None else [Source(**s) for s in self.sources]
 
 
 @dataclass(kw_only=True)

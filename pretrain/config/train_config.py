@@ -20,6 +20,8 @@ from model.release import FORMAT, is_release
 from pretrain.config import files
 from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.sections import CheckpointSection, DataSection, LoggingSection, ParallelSection, TrainSection
+from tokendata.order import check_streams, default_streams
+from tokendata.shards import DataError
 
 
 class Runtime(NamedTuple):
@@ -61,6 +63,10 @@ class TrainConfig:
             return self.train.max_steps
         return min(self.train.max_steps, math.ceil(self.train.max_tokens / self.tokens_per_step))
 
+    def canonical_streams(self) -> int:
+        """data.canonical_streams, or its default for this global batch (tokendata/order.py)."""
+        return self.data.canonical_streams or default_streams(self.train.global_batch_size)
+
     def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:
         """Checks across sections and against the launch; call on every rank before any process group starts.
         `cuda` defaults to what this machine has (see `cuda_available`)."""
@@ -80,6 +86,10 @@ class TrainConfig:
             raise ConfigError(f"train.master_weights='bf16' needs parallel.zero_stage 1 or 2 (it is {p.zero_stage}); "
                               "set parallel.zero_stage=1")
         grad_accum = self.train.grad_accum(dp)
+        try:
+            check_streams(self.canonical_streams(), self.train.global_batch_size, dp)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
         if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):
             raise ConfigError("train.precision='fp16' needs CUDA (DeepSpeed refuses fp16 on CPU); use bf16 or fp32")
         if self.checkpoint.resume not in ("auto", "none") and not Path(self.checkpoint.resume).exists():

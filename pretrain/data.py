@@ -1,0 +1,104 @@
+"""The trainer's data: this rank's train stream from the config (one shard set, or sources blended by weight), its
+validation (per source, and combined with the sources' weights), and what the log says of the data as it is read
+(tokens of each source, its epochs, a line when a source starts its next one)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pretrain import distributed
+from pretrain.config import TrainConfig
+from pretrain.distributed import Layout
+from tokendata.stream import TokenStream
+
+
+def train_stream(cfg: TrainConfig, lay: Layout) -> TokenStream:
+    """This rank's TokenStream; the shards' sizes are checked by global rank 0 alone, its verdict broadcast."""
+    return TokenStream(cfg.data.source_list(), cfg.train.micro_batch_size, cfg.model.max_seq_len,
+                       dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers, seed=cfg.data.seed,
+                       bad_shards=cfg.data.bad_shards, pin_memory=lay.device.type == "cuda",
+                       cache_dir=cfg.data.cache_dir, decide=lambda check: distributed.from_rank0(check, lay),
+                       global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.canonical_streams(),
+                       verify=cfg.data.verify)
+
+
+def named(stream: TokenStream) -> bool:
+    """Whether the run reads data.sources (named, blended) rather than one data.shard_dir."""
+    return stream.parts[0].source.name is not None
+
+
+def data_words(stream: TokenStream) -> list[str]:
+    """What the log says of the data when a run starts."""
+    order = (f"{stream.canonical_streams} canonical streams (data.canonical_streams), {len(stream.streams)} on this "
+             f"rank: the same global batches on any data-parallel size dividing {stream.canonical_streams}"
+             if not stream.legacy_order else "the order of a run started before canonical streams, bound to its "
+             "layout (a relayout starts the canonical order at its step)")
+    blend = ", ".join(f"{p.source.name} {w:.3g}" for p, w in zip(stream.parts, stream.blend.w))
+    return ([f"data: sources blended by weight: {blend}" if named(stream) else f"data: {stream.shard_dir}"] +
+            [f"data order: {order}"] + stream.notes)
+
+
+class DataLog:
+    """Per source: the tokens trained on and the epochs read (fractional), for TensorBoard and metrics.jsonl, and a line
+    when a source begins its next epoch (a source that runs out starts it on its own)."""
+
+    def __init__(self, stream: TokenStream):
+        self.stream = stream
+        self.epochs = [math.floor(p["epochs"]) for p in stream.progress()]
+
+    def values(self) -> dict:
+        out = {}
+        for p in self.stream.progress():
+            prefix = f"data/{p['name']}" if p["name"] else "data"
+            out.update({f"{prefix}/tokens": p["tokens"], f"{prefix}/epochs": p["epochs"]})
+        return out
+
+    def news(self, step: int) -> list[str]:
+        lines = []
+        for i, p in enumerate(self.stream.progress()):
+            if math.floor(p["epochs"]) > self.epochs[i]:
+                self.epochs[i] = math.floor(p["epochs"])
+                what = f"source {p['name']}" if p["name"] else "the data"
+                lines.append(f"data: {what} is in its epoch {self.epochs[i] + 1} by step {step} ({p['samples']} "
+                             f"samples read: {p['epochs']:.2f} epochs)")
+        return lines
+
+
+def validation(stream: TokenStream, val_loss, cfg: TrainConfig, lay: Layout, log, step: int, read) -> dict:
+    """Every source's validation loss (the same samples every time) and, for a blend, their combination weighted by the
+    sources' weights as val/loss; logged to TensorBoard and metrics.jsonl with a description, and said in one line.
+    `val_loss(batches)`: the mean loss over DP ranks on the device; `read`: the trainer's one way to the host."""
+    dev, B = lay.device, cfg.train.micro_batch_size
+    losses, covered = [], []
+    for i in range(len(stream.parts)):
+        val = [(b["tokens"][:, :-1].to(dev), b["tokens"][:, 1:].to(dev))
+               for b in stream.val_batches(cfg.data.val_batches, source=i)]
+        losses.append(val_loss(val).reshape(1))
+        total = stream.parts[i].manifest["splits"]["val"]["samples"]
+        covered.append((min(total, len(val) * B * lay.dp), total))
+    losses = read(torch.cat(losses))   # one wait for the device
+    loss = sum(w * x for w, x in zip(stream.blend.w, losses))
+    result = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50))}
+    how = f"(data.val_batches={cfg.data.val_batches} × micro-batch {B} × {lay.dp} data-parallel ranks)"
+    if not named(stream):
+        (n, total), = covered
+        what = f"over {n} of the {total} validation samples {how}"
+        log.scalars(step, result, {tag: f"{tag} {what}, the same samples every time" for tag in result})
+        log.info(f"validation at step {step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f} {what}")
+        return result
+    described = {tag: f"{tag}: the sources' validation losses weighted by their data.sources weights "
+                      f"({', '.join(f'{w:.3g} × {p.source.name}' for p, w in zip(stream.parts, stream.blend.w))}), "
+                      f"the same samples every time" for tag in result}
+    for p, x, (n, total) in zip(stream.parts, losses, covered):
+        name = p.source.name
+        mine = {f"val/{name}/loss": x, f"val/{name}/ppl": math.exp(min(x, 50))}
+        result.update(mine)
+        described.update({tag: f"{tag} over {n} of the {total} validation samples of source {name} {how}, the same "
+                               f"samples every time" for tag in mine})
+    log.scalars(step, result, described)
+    each = ", ".join(f"{p.source.name} {x:.4f} (weight {w:.3g})" for p, x, w in zip(stream.parts, losses,
+                                                                                 stream.blend.w))
+    log.info(f"validation at step {step}: loss {loss:.4f}, perplexity {result['val/ppl']:.2f}, the sources' losses "
+             f"weighted by their data.sources weights: {each} {how}")
+    return result

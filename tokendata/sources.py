@@ -1,0 +1,134 @@
+"""The sources of a train stream: one shard set (data.shard_dir) or several blended by weight (data.sources), each
+with its manifest, where its files are, and which of its shards are good; and the rules between them.
+
+    Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
+    as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
+    open_sources(sources, cache_dir, verify)  [Opened]: manifests read, checked against each other (`check_agree`)
+    good_shards(opened, bad_shards)       the size check before training, every source's shards at once
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+
+from tokendata import remote
+from tokendata.shard_files import ShardFiles, fix
+from tokendata.shards import MAKE, DataError, need, read_manifest
+
+# What every source of one run must share: the model reads them all with one tokenizer and one length.
+SHARED = (("tokenizer_sha256", "tokenizer"), ("vocab_size", "vocabulary size"), ("seq_len", "seq_len"),
+          ("eos_id", "eos id"), ("dtype", "token dtype"))
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # it names metrics (val/<name>/loss) and prefixes sample ids
+SOURCE_KEYS = ("name", "path", "weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    path: str
+    weight: float = 1.0
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"source '{self.name}' ({self.path})" if self.name else self.path
+
+
+def as_sources(spec) -> list[Source]:
+    """[Source] from a location (one unnamed source) or a list of Source or {"name", "path", "weight"} (data.sources:
+    each one-line error names the entry and the key)."""
+    if isinstance(spec, str):
+        return [Source(spec)]
+    need(isinstance(spec, (list, tuple)) and spec, f"data.sources must be a non-empty list of {{name, path, weight}}, "
+                                                   f"got {spec!r}")
+    out = []
+    for i, entry in enumerate(spec):
+        where = f"data.sources[{i}]"
+        if isinstance(entry, dict):
+            for key in entry:
+                close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1)
+                need(key in SOURCE_KEYS, f"unknown config key '{where}.{key}'; " + (
+                    f"did you mean '{where}.{close[0]}'?" if close else f"a source has {', '.join(SOURCE_KEYS)}"))
+            for key in SOURCE_KEYS:
+                need(key in entry, f"{where} has no '{key}': a source is {{name, path, weight}}")
+            entry = Source(entry["path"], entry["weight"], entry["name"])
+        need(isinstance(entry, Source), f"{where} must be a mapping {{name, path, weight}}, got {entry!r}")
+        need(isinstance(entry.name, str) and bool(NAME.match(entry.name)),
+             f"{where}.name={entry.name!r} must be letters, digits, '_', '-' or '.' (it names val/<name>/loss)")
+        need(isinstance(entry.path, str) and bool(entry.path), f"{where}.path={entry.path!r} must be a shard "
+                                                               f"directory or URL")
+        need(isinstance(entry.weight, (int, float)) and not isinstance(entry.weight, bool) and entry.weight > 0,
+             f"{where}.weight={entry.weight!r} must be a number > 0 (weights are proportions: 0.5, 0.3, 0.2 or 5, "
+             f"3, 2)")
+        need(entry.name not in [s.name for s in out], f"{where}.name={entry.name!r} is used twice: names must differ")
+        out.append(Source(entry.path, float(entry.weight), entry.name))
+    return out
+
+
+@dataclasses.dataclass
+class Opened:
+    """A source with its manifest and where its files are (picklable: DataLoader workers fetch for themselves)."""
+    source: Source
+    manifest: dict
+    files: ShardFiles
+
+
+def open_sources(sources: list[Source], cache_dir: str | None = None, verify: str = "hash") -> list[Opened]:
+    """Every source's manifest read and checked; then `check_agree`. `verify`: what is checked of each shard
+    (tokendata/shard_files.py VERIFY)."""
+    opened = []
+    for s in sources:
+        try:
+            m = read_manifest(s.path)
+        except DataError as e:
+            raise DataError(f"source '{s.name}': {e}" if s.name else str(e)) from None
+        opened.append(Opened(s, m, ShardFiles(s.path, m, cache_dir, verify)))
+        need(m["splits"]["train"]["shards"], f"{s.label} has no train shards (its manifest.json lists none): "
+                                             f"rebuild it with {MAKE}")
+    check_agree(opened)
+    return opened
+
+
+def check_agree(opened: list[Opened]) -> None:
+    """One line naming the source and the key where a source's manifest differs from the first source's in what the
+    model shares (SHARED). A key one of the two manifests lacks (older ones have no eos_id) is not compared."""
+    first = opened[0]
+    for other in opened[1:]:
+        for key, what in SHARED:
+            a, b = first.manifest.get(key), other.manifest.get(key)
+            need(a is None or b is None or a == b,
+                 f"data.sources: {other.source.label} has {key}={b!r} but {first.source.label} has {key}={a!r}: "
+                 f"every source must share one {what} (rebuild it with {MAKE} and the same tokenizer and --seq-len)")
+
+
+def good_shards(opened: list[Opened], bad_shards: str) -> tuple[list[dict], list, int]:
+    """([per source {split: [(name, samples)] sorted by name}], [(URL, reason) skipped], retries): every listed
+    shard less those missing or whose size shows damage: "fail" refuses them, "skip" drops them here, before any order
+    is computed. Only sizes are read (remote ones by parallel HEAD requests or their store's size call), of every
+    source at once: no shard is opened."""
+    listed = [{split: s["shards"] for split, s in o.manifest["splits"].items()} for o in opened]
+    urls = [o.files.url(s["name"]) for o, splits in zip(opened, listed) for shards in splits.values() for s in shards]
+    checked = opened[0].files.verify != "none"   # data.verify=none: no size check either
+    sizes, retries = remote.sizes(urls) if checked else (dict.fromkeys(urls), 0)
+    good, skipped = [], []
+    for o, splits in zip(opened, listed):
+        mine = {split: [] for split in splits}
+        for split, shards in splits.items():
+            for s in shards:
+                path = o.files.url(s["name"])
+                size = sizes[path]   # None: the source cannot tell (a pipe: command); checked when read
+                if isinstance(size, remote.Missing):
+                    reason = ("is missing (listed in manifest.json)" if size == "not found" else
+                              f"cannot be read: {size}")
+                elif size == 0:
+                    reason = "is empty (0 bytes)"
+                elif size is not None and s.get("bytes", size) != size:
+                    reason = f"has {size} bytes, manifest.json says {s['bytes']}" + (
+                        " (truncated?)" if size < s["bytes"] else " (overwritten?)")
+                else:
+                    mine[split].append((s["name"], s["samples"]))
+                    continue
+                need(bad_shards == "skip", f"shard {path} {reason}: {fix(o.source.path)}")
+                skipped.append((path, reason))
+        good.append({split: sorted(shards) for split, shards in mine.items()})
+    return good, skipped, retries

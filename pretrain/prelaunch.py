@@ -20,6 +20,7 @@ from pretrain.checkpoints import universal
 from pretrain.checkpoints.resume import architecture_problem, layout_problem, resume_point
 from pretrain.config import Runtime, TrainConfig, load_config
 from pretrain.engine import deepspeed_config
+from tokendata import remote
 from tokendata.shards import check_seq_len, check_vocab, read_manifest
 
 
@@ -28,6 +29,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     `relayout`: this is the one process before the launch (launch/pretrain.sh), which converts a checkpoint of
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
+    remote.configure(cfg.data.ca_bundle, cfg.data.http_headers_from_env)   # of every HTTP(S) request from here on
     manifest = read_manifest(cfg.data.shard_dir)
     check_vocab(manifest, cfg.model.vocab_size)
     check_seq_len(manifest, cfg.model.max_seq_len, training=True)

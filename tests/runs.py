@@ -213,3 +213,13 @@ def metric_rows(run_dir, replayed: bool = False) -> list[dict]:
 
 def id_rows(run_dir, rank, replayed: bool = False) -> list[dict]:
     return jsonl(os.path.join(run_dir, "sample_ids", f"rank{rank}{'.replayed' if replayed else ''}.jsonl"))
+
+
+def tensorboard_scalars(run_dir, tag) -> dict[int, float]:
+    """{step: value} of a scalar as TensorBoard's own reader finds it in the run's event files (every file of the
+    run: a resumed run adds one; a step written again after a resume counts as TensorBoard shows it, the last)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}

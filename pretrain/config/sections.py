@@ -25,6 +25,13 @@ class DataSection:
     val_batches: int = described("validation micro-batches per evaluation (the same batches every time)", 20)
     bad_shards: str = described("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
                          "(train without it; logged and counted)", "fail")
+    ca_bundle: str | None = described("PEM file of the CA certificates that https:// shard servers are verified against "
+                               "(the size check, shards, manifest, tokenizer); default the system's (which honours "
+                               "SSL_CERT_FILE). Verification is never switched off", None)
+    http_headers_from_env: dict | None = described("headers sent with every http(s):// request, each value read from "
+                                            "an environment variable, e.g. {Authorization: SHARDS_TOKEN} with "
+                                            "SHARDS_TOKEN='Bearer …' exported: only the variable's name is kept "
+                                            "(config, run directory, checkpoints, logs)", None)
 
     def __post_init__(self):
         check_types(self, "data")
@@ -34,6 +41,9 @@ class DataSection:
         need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
+        need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()
+                 for k, v in (self.http_headers_from_env or {}).items()), "data.http_headers_from_env",
+             self.http_headers_from_env, "{header: NAME of an environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
 
 
 @dataclass(kw_only=True)

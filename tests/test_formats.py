@@ -49,10 +49,33 @@ def test_hugging_face_export_gives_the_logits_it_gave(tmp_path):
     settings = yaml.safe_load(train_config.read_text())
     settings["data"]["shard_dir"] = str(tmp_path / "gone")
     train_config.write_text(yaml.safe_dump(settings))
-    r = subprocess.run([PY, "tools/generate.py", str(export), "--max-new-tokens", "4", "--quiet"], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = generate(export, "--max-new-tokens", "4")
     assert "prompt 'The': a generic prompt: no shards of" in r.stderr, r.stderr
+    assert decoding(r) == "full recompute: the model's code predates incremental decoding (a Hugging Face export made "\
+                          "before it)", r.stderr
+
+
+def generate(checkpoint, *args):
+    r = subprocess.run([PY, "tools/generate.py", str(checkpoint), *args], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return r
+
+
+def decoding(r) -> str:
+    """How generate.py says it decoded: its timing line's "(… tokens/s, HOW) from …"."""
+    line = next(line for line in r.stderr.splitlines() if " tokens/s, " in line)
+    return line.split(" tokens/s, ", 1)[1].rsplit(") from ", 1)[0]
+
+
+def test_generate_says_how_it_decoded():
+    """Today's model code in a release decodes incrementally, up to max_seq_len (32) and by recomputing the sliding
+    window past it; --no-cache recomputes. (The pre-redesign export's full recompute: the test above.)"""
+    release = os.path.join(DATA, "release")
+    assert decoding(generate(release, "--max-new-tokens", "4")) == "incremental"
+    assert decoding(generate(release, "--max-new-tokens", "4", "--no-cache")) == "full recompute: the cache is disabled"
+    # prompt "The" is 2 positions with its eos: the model is called on 2 … 41 tokens; the 9 calls on 33-41 slide
+    assert decoding(generate(release, "--max-new-tokens", "40", "--prompt", "The")) == \
+        "incremental up to max_seq_len=32, then 9 full recomputes of the sliding window"
 
 
 @pytest.mark.slow

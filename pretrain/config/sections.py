@@ -114,6 +114,11 @@ class TrainSection:
     run_dir: str = described("output directory of the run; checkpoints and TensorBoard go under it by default")
     max_wall_minutes: float | None = described("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
                                         "time-limited jobs; relaunch to continue", None)
+    hang_timeout: float | None = described("seconds without progress (a finished step, validation, checkpoint save or "
+                                    "compilation) after which each rank writes its threads' stacks to "
+                                    "<run_dir>/hang/rank<k>.txt and exits non-zero, for launch/pretrain.sh "
+                                    "--max-restarts to relaunch; above the slowest save or validation; null: never",
+                                    None)
     preempt_signals: tuple[str, ...] = described("signals that stop the run cleanly after the current step with a "
                                           "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
                                           ("SIGTERM", "SIGUSR1"))
@@ -152,6 +157,8 @@ class TrainSection:
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")
+        need(self.hang_timeout is None or self.hang_timeout > 0, "train.hang_timeout", self.hang_timeout,
+             "null or > 0 (seconds)")
         need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
               "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
         need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,

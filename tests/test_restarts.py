@@ -1,0 +1,95 @@
+"""A run that looks after itself (pretrain/supervision.py): a rank that hangs is found within train.hang_timeout and
+leaves the stacks of its threads; launch/pretrain.sh --max-restarts relaunches after a hang and after a kill -9 and the
+run ends as one never interrupted does, bit for bit; a run that keeps failing stops after N restarts with one line."""
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pretrain.supervision import HANG_EXIT
+from tests.runs import (PY, ROOT, finish, free_local_port, logged_step, metric_rows, record, reference_config, start,
+                        tensorboard_scalars, trainer_ranks)
+
+HANG_TIMEOUT = 15
+# SYNTHFORMER_HANG_TRIALS=N: N hangs at random steps and ranks in the run, each found and restarted (default 1)
+TRIALS = int(os.environ.get("SYNTHFORMER_HANG_TRIALS", 1))
+KILL_AT = 6   # the kill -9 of rank 0, before the hangs
+
+
+def wait_for(what, timeout, proc, interval=0.05):
+    deadline = time.time() + timeout
+    while not what():
+        assert proc.poll() is None, finish(proc).stderr[-3000:]
+        assert time.time() < deadline, f"waited {timeout} s"
+        time.sleep(interval)
+    return time.time()
+
+
+@pytest.mark.slow
+def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrupted_run(shards, tmp_path,
+                                                                                        reference_run):
+    """tests/runs.py's reference run under launch/pretrain.sh --max-restarts: rank 0 is killed (-9) after step 6, and
+    a rank hangs at a later step (SYNTHFORMER_FAULTS hang@STEP@RANK, which fires once per run). Each hang is found
+    within hang_timeout + 10 s of the step before it; every rank wrote its threads' stacks, the hung one's in
+    faults.py's `hang`; the launcher relaunched by itself, each restart logged with its cause (metrics.jsonl,
+    TensorBoard); every loss and sample id the run logged equals the uninterrupted run's."""
+    rng = random.Random(5)
+    hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 3, 40), TRIALS))
+    run, cfg = tmp_path / "run", reference_config(tmp_path, shards, "run", train={"hang_timeout": HANG_TIMEOUT})
+    proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
+        "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "1",
+        "SYNTHFORMER_FAULTS": ",".join(f"hang@{step}@{rank}" for step, rank in hangs)})
+    wait_for(lambda: logged_step(run) >= KILL_AT, 300, proc)
+    os.kill(trainer_ranks(proc.pid)[0].pid, signal.SIGKILL)
+    hang_dir = run / "hang"
+    for step, rank in hangs:
+        last_beat = wait_for(lambda: logged_step(run) >= step - 1, 300, proc)
+        found = wait_for(lambda: all((hang_dir / f"rank{r}.txt").exists() for r in (0, 1)), HANG_TIMEOUT + 60, proc)
+        assert found - last_beat <= HANG_TIMEOUT + 10, (step, found - last_beat)
+        time.sleep(0.5)   # the files are written whole before the rank's line and exit
+        stacks = (hang_dir / f"rank{rank}.txt").read_text()
+        assert stacks.startswith(f"rank {rank} (pid ") and f"after finishing step {step - 1}," in stacks, stacks[:300]
+        assert f'pretrain{os.sep}faults.py", line' in stacks and " in hang\n" in stacks, stacks
+        hang_dir.rename(run / f"hang-{step}")   # the next hang writes anew
+    r = finish(proc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(f"hangs (step, rank): {hangs}")
+    for step, rank in hangs:   # a rank's one line: rank, last finished step, file
+        assert any(line.startswith("error: rank ") and f"made no progress for " in line and
+                   f"after finishing step {step - 1}: stopped; the stacks of its threads are in {run}" in line
+                   for line in r.stderr.splitlines()), r.stderr[-3000:]
+    restarts = [row for row in metric_rows(run) + metric_rows(run, replayed=True) if "run/restarts" in row]
+    causes = {row["run/restarts"]: row["run/restart_cause"] for row in restarts}
+    assert sorted(causes) == list(range(1, TRIALS + 2)), causes
+    assert causes[1].startswith("lost rank 0 ") and all("made no progress" in causes[k] for k in causes if k > 1)
+    assert sorted(set(tensorboard_scalars(run, "run/restarts").values())) == list(range(1, TRIALS + 2))
+    reference = record(reference_run)
+    assert record(run) == reference
+
+
+def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path):
+    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision.py) around a launch that fails
+    each time as a hung rank's does: N relaunches, each told its number and the cause; then one line, the exit status
+    kept. A config error (exit 2) is not relaunched: the same command fails the same way."""
+    attempts = tmp_path / "attempts"
+    fail = (f"import os, sys; open({str(attempts)!r}, 'a').write(os.environ['SYNTHFORMER_RESTARTS'] + ' ' + "
+            f"os.environ.get('SYNTHFORMER_RESTART_CAUSE', '-') + '\\n'); "
+            f"print('error: rank 1 made no progress for 16 s', file=sys.stderr); sys.exit({HANG_EXIT})")
+    relaunch = [PY, "-m", "pretrain.supervision", "--max-restarts", "2", "--backoff", "0.1", "--", PY, "-c"]
+    run = lambda command: subprocess.run(relaunch + [command], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                         env={**os.environ, "PYTHONPATH": ROOT})   # noqa: E731
+    r = run(fail)
+    assert r.returncode == HANG_EXIT, r.stderr
+    assert attempts.read_text().splitlines() == ["0 -"] + ["%d rank 1 made no progress for 16 s" % k for k in (1, 2)]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == ("error: the run failed 3 times (launch/pretrain.sh --max-restarts 2); not restarting again. The "
+                    "last failure: rank 1 made no progress for 16 s"), r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("restart ")] == [
+        "restart 1 of at most 2 in 0.1 s, from the newest checkpoint, after: rank 1 made no progress for 16 s",
+        "restart 2 of at most 2 in 0.2 s, from the newest checkpoint, after: rank 1 made no progress for 16 s"]
+    attempts.unlink()
+    r = run(fail.replace(f"sys.exit({HANG_EXIT})", "sys.exit(2)"))
+    assert r.returncode == 2 and attempts.read_text().splitlines() == ["0 -"], r.stderr

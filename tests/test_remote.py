@@ -5,6 +5,7 @@ sample for sample, whatever the network did."""
 import os
 import shutil
 import ssl
+import subprocess
 
 import pytest
 import trustme
@@ -251,3 +252,38 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     assert all(srv.gets[n] == 2 for n in firsts)
     listed = [s["name"] for split in read_manifest(shards)["splits"].values() for s in split["shards"]]
     assert sorted(srv.heads) == sorted(listed) and set(srv.heads.values()) == {1}
+
+
+@pytest.mark.slow
+def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_across_a_kill(few_shards, tls, tmp_path):
+    """A real run on 2 ranks from a server that wants a bearer token, over TLS with the test's CA (data.ca_bundle,
+    data.http_headers_from_env: {Authorization: SHARDS_TOKEN}), one train shard answered 404 under
+    data.bad_shards=skip; rank 1 is killed (SIGKILL, in the save of step 6) and the run relaunched. data/skipped_shards
+    is 1 at every step before and after the kill, in metrics.jsonl and in TensorBoard; every request carried the token
+    (manifest, size checks, shards, tokenizer); the token's value is in no file of the run directory (grep -r) and in
+    nothing the run printed."""
+    context, pem = tls
+    name = first_read(stream(few_shards), 3)[1]
+    run = tmp_path / "run"
+    with ShardServer(few_shards, tls=context, token=TOKEN) as srv:
+        srv.missing.add(name)
+        cfg = write_config(tmp_path / "c.yaml", srv.url, run, train={"max_steps": 9}, checkpoint={"every": 3},
+                           data={"bad_shards": "skip", "ca_bundle": pem,
+                                 "http_headers_from_env": {"Authorization": "SHARDS_TOKEN"}})
+        token = {"SHARDS_TOKEN": f"Bearer {TOKEN}"}
+        killed = launch(cfg, 2, check=False, env={**token, "SYNTHFORMER_FAULTS": "kill-save-begin@6@1"})
+        assert killed.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_00000003"
+        resumed = launch(cfg, 2, env=token)
+    assert "resumed at step 3" in resumed.stdout and "done: validation perplexity" in resumed.stdout
+    for r in (killed, resumed):
+        assert (f"skipping 1 bad shards (data.bad_shards=skip): {srv.url}/{name} (cannot be read: HTTP 404 Not "
+                "Found)") in r.stdout, r.stdout[-3000:]
+    skipped = [(row["step"], row["data/skipped_shards"]) for row in metric_rows(run) + metric_rows(run, replayed=True)
+               if "data/skipped_shards" in row]
+    assert sorted(skipped) == sorted([(s, 1) for s in range(1, 10)] + [(4, 1), (5, 1), (6, 1)]), skipped   # 4-6 twice
+    assert tensorboard_scalars(run, "data/skipped_shards") == {s: 1 for s in range(1, 10)}
+    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and srv.heads
+    grep = lambda text: subprocess.run(["grep", "-r", "-l", text, str(run)], capture_output=True, text=True)  # noqa
+    assert grep("SHARDS_TOKEN").returncode == 0   # the copies of the config name the variable: grep reads them
+    assert grep(TOKEN).returncode == 1, grep(TOKEN).stdout
+    assert TOKEN not in killed.stdout + killed.stderr + resumed.stdout + resumed.stderr

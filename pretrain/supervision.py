@@ -43,12 +43,13 @@ class Watchdog:
     def __init__(self, timeout: float, run_dir: str, rank: int, finished_step):
         self.timeout, self.rank, self.finished_step = timeout, rank, finished_step
         self.path = os.path.join(run_dir, "hang", f"rank{rank}.txt")
-        self.last = time.monotonic()
+        self.last, self.stopped, self.undo = time.monotonic(), False, []
         self.thread = threading.Thread(target=self.run, name="hang-watchdog", daemon=True)
 
-    def beat(self) -> None:
-        self.last = time.monotonic()
-        faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True)   # re-armed: the backstop
+    def beat(self, *_) -> None:
+        if not self.stopped:
+            self.last = time.monotonic()
+            faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True)   # re-armed: the backstop
 
     def after(self, method):
         """`method`, followed by a heartbeat when it returns."""
@@ -59,12 +60,28 @@ class Watchdog:
             return result
         return beating
 
+    def on_compilation(self) -> None:
+        """The start and the end of every torch.compile compilation are heartbeats (a first one may take minutes)."""
+        from torch._dynamo import callback
+
+        callback.on_compile_start(self.beat)
+        callback.on_compile_end(self.beat)
+        self.undo += [lambda: callback.callback_handler.remove_start_callback(self.beat),
+                      lambda: callback.callback_handler.remove_end_callback(self.beat)]
+
     def start(self) -> None:
         self.beat()
         self.thread.start()
 
+    def stop(self) -> None:
+        """No more watching (the process goes on without it)."""
+        self.stopped = True
+        faulthandler.cancel_dump_traceback_later()
+        for undo in self.undo:
+            undo()
+
     def run(self) -> None:
-        while True:
+        while not self.stopped:
             idle = time.monotonic() - self.last
             if idle > self.timeout:
                 self.expire(idle)
@@ -96,11 +113,8 @@ def supervise(trainer) -> Watchdog | None:
     for owner, name in ((trainer, "train_step"), (trainer, "validate"), (trainer, "log_samples"),
                         (trainer.checkpointer, "save"), (trainer, "train")):   # train: then the way out
         setattr(owner, name, dog.after(getattr(owner, name)))
-    if trainer.cfg.train.compile:   # a first compilation may take minutes: its start and end are heartbeats
-        from torch._dynamo import callback
-
-        callback.on_compile_start(lambda _: dog.beat())
-        callback.on_compile_end(lambda _: dog.beat())
+    if trainer.cfg.train.compile:
+        dog.on_compilation()
     dog.start()
     return dog
 

@@ -7,9 +7,12 @@ import signal
 import subprocess
 import time
 
-import pytest
+from types import SimpleNamespace
 
-from pretrain.supervision import HANG_EXIT
+import pytest
+import torch
+
+from pretrain.supervision import HANG_EXIT, RESTARTS, supervise
 from tests.runs import (PY, ROOT, finish, free_local_port, logged_step, metric_rows, record, reference_config, start,
                         tensorboard_scalars, trainer_ranks)
 
@@ -93,3 +96,47 @@ def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path)
     attempts.unlink()
     r = run(fail.replace(f"sys.exit({HANG_EXIT})", "sys.exit(2)"))
     assert r.returncode == 2 and attempts.read_text().splitlines() == ["0 -"], r.stderr
+
+
+def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(tmp_path, monkeypatch):
+    """supervise() wraps the trainer's steps, validation, images, checkpoint saves and its loop from outside, and
+    hears torch.compile start and end: each is a heartbeat (the trainer here is the smallest object with those)."""
+    monkeypatch.delenv(RESTARTS, raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    done = []
+    work = lambda name: lambda *args: done.append(name) or name   # noqa: E731
+    trainer = SimpleNamespace(step=4, log=None, layout=SimpleNamespace(rank=0),
+                              cfg=SimpleNamespace(train=SimpleNamespace(hang_timeout=600.0, run_dir=str(tmp_path),
+                                                                        compile=True)),
+                              checkpointer=SimpleNamespace(save=work("save")), train_step=work("train_step"),
+                              validate=work("validate"), log_samples=work("log_samples"), train=work("train"))
+    dog = supervise(trainer)
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    try:
+        for name, call in (("a step", trainer.train_step), ("validation", trainer.validate),
+                           ("images", trainer.log_samples), ("a save", lambda: trainer.checkpointer.save(5)),
+                           ("the loop", trainer.train), ("a compilation", lambda: compiled(torch.ones(3)))):
+            dog.last = before = 0.0
+            call()
+            assert dog.last > before, f"no heartbeat after {name}"
+        assert done == ["train_step", "validate", "log_samples", "save", "train"]   # each ran, once
+    finally:
+        dog.stop()
+    assert not (tmp_path / "hang").exists()
+
+
+def test_a_rank_that_makes_no_progress_dumps_its_stacks_and_exits_in_one_line(tmp_path):
+    """The watchdog alone, in a process stuck in a function of its own: within hang_timeout (+ a poll) it writes every
+    thread's stack, names the stuck frame, prints one line (rank, last finished step, file) and exits HANG_EXIT."""
+    script = (f"import time\nfrom pretrain.supervision import Watchdog\n"
+              f"Watchdog(1.0, {str(tmp_path)!r}, 3, lambda: 7).start()\n"
+              f"def stuck_here():\n    time.sleep(120)\nstuck_here()\n")
+    t0 = time.time()
+    r = subprocess.run([PY, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == HANG_EXIT and time.time() - t0 < 1.0 + 10, (r.returncode, time.time() - t0, r.stderr)
+    path = tmp_path / "hang" / "rank3.txt"
+    assert r.stderr.strip().splitlines() == [f"error: rank 3 made no progress for 1 s (train.hang_timeout=1) after "
+                                             f"finishing step 7: stopped; the stacks of its threads are in {path}"]
+    stacks = path.read_text()
+    assert "line 5 in stuck_here" in stacks and "in expire" in stacks, stacks   # the main thread's, the watchdog's

@@ -2,10 +2,13 @@
 drops connections, answers 503 and 404, honours Range requests or not; over HTTPS with a certificate made in the test
 and a bearer token; through a `pipe:` command; through fsspec. The batches must be those of the local directory,
 sample for sample, whatever the network did."""
+import contextlib
+import http.server
 import os
 import shutil
 import ssl
 import subprocess
+import threading
 
 import pytest
 import trustme
@@ -148,6 +151,31 @@ def test_a_bearer_token_comes_from_the_environment_and_is_never_shown(few_shards
         monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
         assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 1
         assert TOKEN not in os.environ[remote.HTTP_SETTINGS]   # what workers inherit names the variable only
+        with redirecting_to(srv.url) as elsewhere:   # a server that sends the client on: the token does not follow
+            with pytest.raises(DataError) as e:
+                remote.fetch(f"{elsewhere}/manifest.json")
+        assert "HTTP 401 Unauthorized" in str(e.value) and srv.refused == 2, e.value
+
+
+@contextlib.contextmanager
+def redirecting_to(target):
+    """An HTTP server on 127.0.0.1 that answers every GET with a redirect (302) to the same path on `target`."""
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", target + self.path)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_fault_that_does_not_pass_is_one_line_after_the_retries(few_shards, monkeypatch):

@@ -19,9 +19,9 @@ never switched off.
 HTTP(S) trust and credentials (`configure`, from data.ca_bundle and data.http_headers_from_env): every http(s)://
 request of this module (the size check, the shards, the manifest, the tokenizer) verifies the server against the CA
 bundle (default: the system's, which honours SSL_CERT_FILE) and carries the configured headers, whose values are read
-from environment variables at each request: they are kept in no file, no config, no message. They are not sent on to
-where a server redirects (urllib's unredirected headers), so a token never leaves the host it was meant for. fsspec
-URLs use their backend's own settings, pipe: commands their own.
+from environment variables at each request: they are kept in no file, no config, no message. They are not sent on
+when a server redirects (urllib's unredirected headers), so a token goes to no other host than data.shard_dir's.
+fsspec URLs use their backend's own settings, pipe: commands their own.
 """
 from __future__ import annotations
 
@@ -113,9 +113,8 @@ def _http(url: str, method: str = "GET", offset: int = 0):
     request = urllib.request.Request(url, method=method, headers={"Range": f"bytes={offset}-"} if offset else {})
     for header, variable in settings["headers_from_env"].items():
         request.add_unredirected_header(header, _header_value(header, variable))
-    tls = _tls(settings["ca_bundle"]) if url.startswith("https://") else None
-    try:
-        return urllib.request.urlopen(request, timeout=TIMEOUT_S, context=tls)
+    try:   # the context also for http://: a server may redirect to https://
+        return urllib.request.urlopen(request, timeout=TIMEOUT_S, context=_tls(settings["ca_bundle"]))
     except urllib.error.HTTPError as e:
         e.close()
         if e.code in TRANSIENT_HTTP:

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import ssl
+import sys
 import threading
 from functools import partial
 
@@ -83,6 +84,10 @@ class PlannedServer(Server):
     """Server with the plan's state; with `tls` (a server-side ssl.SSLContext) each accepted connection is counted
     and its TLS handshake done before it is served (a client that rejects the certificate ends there)."""
     tls: ssl.SSLContext | None = None
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):   # a client killed mid-read
+            super().handle_error(request, client_address)
 
     def get_request(self):
         sock, address = super().get_request()

@@ -2,7 +2,7 @@
 # Pretrain with the DeepSpeed launcher:   launch/pretrain.sh [--max-restarts N] CONFIG [section.key=value ...]
 #
 # --max-restarts N: after a failure (a hung rank ended by train.hang_timeout, a lost rank, a crash; not a config or
-# data error) wait (RESTART_BACKOFF s, doubling) and relaunch, at most N times; each relaunch resumes from the newest
+# data error) wait (RESTART_BACKOFF s, doubled per failure in a row) and relaunch, at most N times; each resumes from the newest
 # checkpoint and is logged as run/restarts with its cause (pretrain/supervision.py). Under SLURM's srun restart the
 # job instead (launch/slurm.sbatch requeues it).
 #

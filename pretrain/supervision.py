@@ -13,7 +13,8 @@ own C thread dumps the stacks to stderr and ends the rank BACKSTOP_S later.
 
 Restarts. `python -m pretrain.supervision --max-restarts N -- COMMAND…` runs the launch command and, when it fails (a
 hang, a lost rank, any exit but 0 and 2: a config or data error that a relaunch cannot fix), waits with exponential
-backoff (--backoff, doubling, at most MAX_BACKOFF_S) and runs it again, up to N times; the trainer resumes from the
+backoff (--backoff, doubling with each failure in a row, at most MAX_BACKOFF_S; a launch that ran STABLE_S before
+failing starts again from --backoff) and runs it again, up to N times in all; the trainer resumes from the
 newest checkpoint by itself. The relaunch is told its number and cause (SYNTHFORMER_RESTARTS and
 SYNTHFORMER_RESTART_CAUSE, or SLURM_RESTART_COUNT under SLURM's requeue), which the trainer logs at the step it resumed
 (`run/restarts` and its cause in metrics.jsonl; TensorBoard's run/restarts scalar and run/restart_cause text).
@@ -34,6 +35,7 @@ HANG_EXIT = 3                 # a rank ended by its watchdog
 NO_RESTART_EXIT = 2           # a config or data error (pretrain/train.py main): the same command fails the same way
 BACKSTOP_S = 60               # faulthandler's dump and exit, after hang_timeout, where the Python watchdog cannot run
 MAX_BACKOFF_S = 300
+STABLE_S = 600                # a launch that ran this long before failing starts the backoff again from --backoff
 RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
 
 
@@ -167,20 +169,22 @@ def run_once(command: list[str], env: dict, stopping: list) -> tuple[int, list[s
 
 def relaunch(command: list[str], max_restarts: int, backoff: float) -> int:
     """Run `command`; after a failure wait and run it again, at most `max_restarts` times. Its exit status."""
-    env, restarts, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run; no restart after one
+    env, restarts, in_a_row, stopping = dict(os.environ), 0, 0, []   # stopping: signals to stop the run
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):   # also while it waits to relaunch
         signal.signal(s, lambda signum, frame: stopping.append(signum))
     while True:
+        started = time.monotonic()
         code, errors = run_once(command, {**env, RESTARTS: str(restarts)}, stopping)
         if code == 0 or code == NO_RESTART_EXIT or stopping:
             return code
+        in_a_row = 0 if time.monotonic() - started >= STABLE_S else in_a_row   # it ran a while: a new failure
         cause = errors[0].removeprefix("error:").strip() if errors else f"the launch ended with exit status {code}"
         if restarts == max_restarts:
             print(f"error: the run failed {restarts + 1} times (launch/pretrain.sh --max-restarts {max_restarts}); "
                   f"not restarting again. The last failure: {cause}", file=sys.stderr, flush=True)
             return code
-        wait = min(MAX_BACKOFF_S, backoff * 2 ** restarts)
-        restarts += 1
+        wait = min(MAX_BACKOFF_S, backoff * 2 ** in_a_row)
+        restarts, in_a_row = restarts + 1, in_a_row + 1
         print(f"restart {restarts} of at most {max_restarts} in {wait:g} s, from the newest checkpoint, after: "
               f"{cause}", file=sys.stderr, flush=True)
         time.sleep(wait)
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "--max-restarts N runs the DeepSpeed launcher under it.")
     p.add_argument("--max-restarts", type=int, required=True, help="relaunches at most (torchrun's --max-restarts)")
     p.add_argument("--backoff", type=float, default=10.0, help="seconds before the first relaunch, doubled for each "
-                                                               f"next one, at most {MAX_BACKOFF_S} (default 10)")
+                                                               f"failure in a row, at most {MAX_BACKOFF_S} (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command and its arguments")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -43,7 +43,7 @@ def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrup
     hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 3, 40), TRIALS))
     run, cfg = tmp_path / "run", reference_config(tmp_path, shards, "run", train={"hang_timeout": HANG_TIMEOUT})
     proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
-        "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "1",
+        "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "0.05",
         "SYNTHFORMER_FAULTS": ",".join(f"hang@{step}@{rank}" for step, rank in hangs)})
     wait_for(lambda: logged_step(run) >= KILL_AT, 300, proc)
     os.kill(trainer_ranks(proc.pid)[0].pid, signal.SIGKILL)

@@ -2,9 +2,9 @@
 # Pretrain with the DeepSpeed launcher:   launch/pretrain.sh [--max-restarts N] CONFIG [section.key=value ...]
 #
 # --max-restarts N: after a failure (a hung rank ended by train.hang_timeout, a lost rank, a crash; not a config or
-# data error) wait (RESTART_BACKOFF s, doubled per failure in a row) and relaunch, at most N times; each resumes from the newest
-# checkpoint and is logged as run/restarts with its cause (pretrain/supervision.py). Under SLURM's srun restart the
-# job instead (launch/slurm.sbatch requeues it).
+# data error) wait (RESTART_BACKOFF s, doubled per failure in a row) and relaunch, at most N times; each relaunch
+# resumes from the newest checkpoint and is logged as run/restarts with its cause (pretrain/supervision.py). Under
+# SLURM's srun restart the job instead (launch/slurm.sbatch requeues it).
 #
 # Single machine: one process per GPU, or NPROC CPU processes when there is no GPU (default 2).
 # Multi-node, ssh:   HOSTFILE=hostfile launch/pretrain.sh CONFIG        (hostfile lines: "node1 slots=8")

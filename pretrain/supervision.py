@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "it after a failure (a hang, a lost rank), with backoff: launch/pretrain.sh "
                                 "--max-restarts N runs the DeepSpeed launcher under it.")
     p.add_argument("--max-restarts", type=int, required=True, help="relaunches at most (torchrun's --max-restarts)")
-    p.add_argument("--backoff", type=float, default=10.0, help="seconds before the first relaunch, doubled for each "
-                                                               f"failure in a row, at most {MAX_BACKOFF_S} (default 10)")
+    p.add_argument("--backoff", type=float, default=10.0,
+                   help=f"seconds before the first relaunch, doubled per failure in a row, at most {MAX_BACKOFF_S} "
+                        "(default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command and its arguments")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -38,7 +38,7 @@ def few_shards(shards, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
-    monkeypatch.setenv(remote.HTTP_SETTINGS, "")   # the system's CAs, no headers: what remote.configure() sets is undone
+    monkeypatch.setenv(remote.HTTP_SETTINGS, "")   # the system's CAs, no headers; what remote.configure() sets: undone
 
 
 @pytest.fixture(scope="module")

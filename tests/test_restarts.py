@@ -68,7 +68,8 @@ def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrup
     causes = {row["run/restarts"]: row["run/restart_cause"] for row in restarts}
     assert sorted(causes) == list(range(1, TRIALS + 2)), causes
     assert causes[1].startswith("lost rank 0 ") and all("made no progress" in causes[k] for k in causes if k > 1)
-    assert sorted(set(tensorboard_scalars(run, "run/restarts").values())) == list(range(1, TRIALS + 2))
+    shown = tensorboard_scalars(run, "run/restarts")   # one point a step: a later restart at a step replaces one
+    assert shown[max(shown)] == TRIALS + 1 and set(shown.values()) <= set(causes), shown   # before it (TensorBoard)
     reference = record(reference_run)
     assert record(run) == reference
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from pretrain.supervision import HANG_EXIT, RESTARTS, supervise
-from tests.runs import (PY, ROOT, finish, free_local_port, logged_step, metric_rows, record, reference_config, start,
-                        tensorboard_scalars, trainer_ranks)
+from tests.runs import (PY, ROOT, finish, free_local_port, launch, logged_step, metric_rows, record, start,
+                        tensorboard_scalars, trainer_ranks, write_config)
 
 HANG_TIMEOUT = 15
 # SYNTHFORMER_HANG_TRIALS=N: N hangs at random steps and ranks in the run, each found and restarted (default 1)
 TRIALS = int(os.environ.get("SYNTHFORMER_HANG_TRIALS", 1))
-KILL_AT = 6   # the kill -9 of rank 0, before the hangs
+KILL_AT = 4                            # the kill -9 of rank 0, before the hangs
+STEPS = KILL_AT + 4 + max(4, 3 * TRIALS)   # a hang at each of TRIALS steps after it, among 3 × TRIALS
 
 
 def wait_for(what, timeout, proc, interval=0.05):
@@ -31,17 +32,25 @@ def wait_for(what, timeout, proc, interval=0.05):
     return time.time()
 
 
+def config(tmp_path, shards, name):
+    """A short run of 2 ranks (one data worker each), a checkpoint every 3 steps, sample ids recorded."""
+    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name, data={"num_workers": 1},
+                        train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT}, checkpoint={"every": 3, "keep": 2},
+                        logging={"sample_ids": True})
+
+
 @pytest.mark.slow
-def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrupted_run(shards, tmp_path,
-                                                                                        reference_run):
-    """tests/runs.py's reference run under launch/pretrain.sh --max-restarts: rank 0 is killed (-9) after step 6, and
-    a rank hangs at a later step (SYNTHFORMER_FAULTS hang@STEP@RANK, which fires once per run). Each hang is found
-    within hang_timeout + 10 s of the step before it; every rank wrote its threads' stacks, the hung one's in
-    faults.py's `hang`; the launcher relaunched by itself, each restart logged with its cause (metrics.jsonl,
-    TensorBoard); every loss and sample id the run logged equals the uninterrupted run's."""
+def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrupted_run(shards, tmp_path):
+    """A run under launch/pretrain.sh --max-restarts: rank 0 is killed (-9) after step 4, and a rank hangs at a later
+    step (SYNTHFORMER_FAULTS hang@STEP@RANK, which fires once per run). Each hang is found within hang_timeout + 10 s
+    of the step before it; every rank wrote its threads' stacks, the hung one's in faults.py's `hang`; the launcher
+    relaunched by itself, each restart logged with its cause (metrics.jsonl, TensorBoard); every loss and sample id the
+    run logged equals those of the same run uninterrupted. (A run of its own, shorter than tests/runs.py's reference
+    run: three launches of that one took three times as long.)"""
     rng = random.Random(5)
-    hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 3, 40), TRIALS))
-    run, cfg = tmp_path / "run", reference_config(tmp_path, shards, "run", train={"hang_timeout": HANG_TIMEOUT})
+    hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 4, STEPS), TRIALS))
+    launch(config(tmp_path, shards, "straight"), 2)
+    run, cfg = tmp_path / "run", config(tmp_path, shards, "run")
     proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
         "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "0.05",
         "SYNTHFORMER_FAULTS": ",".join(f"hang@{step}@{rank}" for step, rank in hangs)})
@@ -70,8 +79,7 @@ def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrup
     assert causes[1].startswith("lost rank 0 ") and all("made no progress" in causes[k] for k in causes if k > 1)
     shown = tensorboard_scalars(run, "run/restarts")   # one point a step: a later restart at a step replaces one
     assert shown[max(shown)] == TRIALS + 1 and set(shown.values()) <= set(causes), shown   # before it (TensorBoard)
-    reference = record(reference_run)
-    assert record(run) == reference
+    assert record(run) == record(tmp_path / "straight")
 
 
 def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path):

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Pretrain with the DeepSpeed launcher:   launch/pretrain.sh CONFIG [section.key=value ...]
+# Pretrain with the DeepSpeed launcher:   launch/pretrain.sh [--max-restarts N] CONFIG [section.key=value ...]
+#
+# --max-restarts N: after a failure (a hung rank ended by train.hang_timeout, a lost rank, a crash; not a config or
+# data error) wait (RESTART_BACKOFF s, doubled per failure in a row) and relaunch, at most N times; each relaunch
+# resumes from the newest checkpoint and is logged as run/restarts with its cause (pretrain/supervision.py). Under
+# SLURM's srun restart the job instead (launch/slurm.sbatch requeues it).
 #
 # Single machine: one process per GPU, or NPROC CPU processes when there is no GPU (default 2).
 # Multi-node, ssh:   HOSTFILE=hostfile launch/pretrain.sh CONFIG        (hostfile lines: "node1 slots=8")
@@ -9,15 +14,30 @@
 #   deepspeed --no_python launch/pretrain.sh CONFIG ...
 #
 # Environment (defaults): NPROC (GPUs on this node, else 2), HOSTFILE, NNODES (1), NODE_RANK (0),
-# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), PYTHON (.venv/bin/python if present, else python3).
+# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), PYTHON (.venv/bin/python if present, else python3),
+# RESTART_BACKOFF (10).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+MAX_RESTARTS=0 ARGS=()
+while [ $# -gt 0 ]; do   # --max-restarts N, anywhere: the rest goes to the trainer
+  case "$1" in
+    --max-restarts) MAX_RESTARTS="${2:-}"; shift $(( $# > 1 ? 2 : 1 )) ;;
+    --max-restarts=*) MAX_RESTARTS="${1#*=}"; shift ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "error: --max-restarts '$MAX_RESTARTS' must be a whole number of relaunches (0: none)" >&2
+  exit 2
+fi
+
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'
   exit $([ $# -lt 1 ] && echo 2 || echo 0)
 fi
 if [ ! -f "$1" ]; then
@@ -25,8 +45,11 @@ if [ ! -f "$1" ]; then
   exit 2
 fi
 
-# Already one rank of a launched job: run the trainer in this process.
+# Already one rank of a launched job: run the trainer in this process (restarts are the job's launcher's).
 if [ -n "${RANK:-}" ] && [ -n "${LOCAL_RANK:-}" ]; then
+  if [ "$MAX_RESTARTS" -gt 0 ] && [ "$RANK" = 0 ]; then
+    echo "note: --max-restarts is ignored in a rank started by a scheduler: restart the job there" >&2
+  fi
   exec "$PYTHON" -m pretrain.train "$@"
 fi
 
@@ -50,4 +73,8 @@ else
 fi
 # Check the config for this world size once, before any process starts (one-line errors, exit 2).
 "$PYTHON" -m pretrain.config "$@" --world-size $(( ${NNODES:-1} * NPROC )) > /dev/null || exit 2
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+  exec "$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}" -- \
+    "${DS[@]}" --module pretrain.train "$@"
+fi
 "${DS[@]}" --module pretrain.train "$@"

@@ -84,7 +84,7 @@ class CachedLM:
 
     def __init__(self, model: SynthesizerLM, use_cache: bool = True, on_call=None):
         self.model, self.cfg, self.on_call = model, model.cfg, on_call
-        self.reason = None if use_cache else "disabled"
+        self.reason = None if use_cache else "the cache is disabled"
         if use_cache and not decodes_incrementally(model):
             self.reason = "the model's code predates incremental decoding (a Hugging Face export made before it)"
         self.decoder = None if self.reason else IncrementalDecoder(model)
@@ -104,3 +104,14 @@ class CachedLM:
         logits = self.decoder(tokens[:, t:])
         self.seen = tokens
         return logits
+
+    def describe(self) -> str:
+        """What the calls so far did, in words: "incremental"; "incremental up to max_seq_len=L, then k full
+        recomputes of the sliding window"; or "full recompute: <reason>" (no cache at all)."""
+        if self.reason:
+            return f"full recompute: {self.reason}"
+        slid = self.recomputes - 1   # the first call's prefill is not one
+        if slid <= 0:
+            return "incremental"
+        return (f"incremental up to max_seq_len={self.cfg.max_seq_len}, then {slid} full recompute"
+                f"{'s' if slid > 1 else ''} of the sliding window")

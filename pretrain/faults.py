@@ -10,39 +10,75 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           engine   (DeepSpeed's files written, the trainer's not yet)
                           written  (every rank's files written, not yet committed)
                           renamed  (the directory has its final name, `latest` still names the previous one)
+    hang@5@1              rank 1 stops in step 5 (after its forward) and never goes on, as a rank stuck in a
+                          collective or on storage would: the other ranks wait for it in the next collective
+                          (train.hang_timeout finds them all, pretrain/supervision.py)
+
+Each fault fires once per run: before it fires it leaves a marker, <run_dir>/faults/KIND@STEP@RANK, and a relaunch of
+the run (by hand, or launch/pretrain.sh --max-restarts) with the same SYNTHFORMER_FAULTS does not fire it again.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 SAVE_PHASES = ("begin", "engine", "written", "renamed")
 
 
 class Faults:
-    """The faults armed for this rank, as {(kind, step)}; empty (the default) means every hook returns at once."""
+    """The faults armed for this rank, as {(kind, step)}; empty (the default) means every hook returns at once.
+    `run_dir`: where the markers of fired faults go (None: no markers, each fires whenever its step comes)."""
 
-    def __init__(self, spec: str = "", rank: int = 0):
-        self.armed = set()
+    def __init__(self, spec: str = "", rank: int = 0, run_dir: str | None = None):
+        self.armed, self.rank, self.run_dir = set(), rank, run_dir
+        self.firing: set[tuple[str, int]] = set()   # fired in this process: a step's every micro-batch alike
         for item in filter(None, spec.split(",")):
             kind, step, *who = item.strip().split("@")
             if int(who[0] if who else 0) == rank:
                 self.armed.add((kind, int(step)))
 
     @classmethod
-    def from_environment(cls, rank: int) -> "Faults":
-        return cls(os.environ.get("SYNTHFORMER_FAULTS", ""), rank)
+    def from_environment(cls, rank: int, run_dir: str | None = None) -> "Faults":
+        return cls(os.environ.get("SYNTHFORMER_FAULTS", ""), rank, run_dir)
+
+    def fires(self, kind: str, step: int) -> bool:
+        """Whether the fault (kind, step) is armed here and has not fired in an earlier launch of the run; the first
+        time it fires, its marker is written (before the fault happens: a killed rank leaves it too)."""
+        if (kind, step) not in self.armed:
+            return False
+        if (kind, step) in self.firing:
+            return True
+        if self.run_dir is not None:
+            marker = os.path.join(self.run_dir, "faults", f"{kind}@{step}@{self.rank}")
+            if os.path.exists(marker):
+                self.armed.discard((kind, step))
+                return False
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(marker, "w") as f:
+                f.write(f"fired at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.firing.add((kind, step))
+        return True
 
     def loss(self, loss, step: int):
-        """The loss of `step`, or NaN times it where a `nan` fault is armed; SIGTERM where a `term` fault is."""
-        if ("term", step) in self.armed:
+        """The loss of `step`, or NaN times it where a `nan` fault is armed; SIGTERM where a `term` fault is; never
+        returns where a `hang` is."""
+        if self.fires("term", step):
             os.kill(os.getpid(), signal.SIGTERM)
-        return loss * float("nan") if ("nan", step) in self.armed else loss
+        if self.fires("hang", step):
+            hang()
+        return loss * float("nan") if self.fires("nan", step) else loss
 
     def saving(self, phase: str, step: int) -> None:
         """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""
-        if (f"kill-save-{phase}", step) in self.armed:
+        if self.fires(f"kill-save-{phase}", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang() -> None:
+    """Never return (the frame a hung rank's stack dump shows)."""
+    while True:
+        time.sleep(60)
 
 
 NO_FAULTS = Faults()

@@ -163,6 +163,18 @@ class Logger:
         if self.wandb:
             self.wandb.scalars(step, values)
 
+    def event(self, step: int, values: dict, texts: dict) -> None:
+        """Something that happened to the run (a restart): `values` as scalars and `texts` (tag: text) as TensorBoard
+        text, all in one row of metrics.jsonl."""
+        if self.enabled:
+            for tag, v in values.items():
+                self.writer.add_scalar(tag, v, step)
+            for tag, text in texts.items():
+                self.writer.add_text(tag, text, step)
+            self.jsonl.write(json.dumps({"step": step, **values, **texts}) + "\n")
+            self.jsonl.flush()
+            self.writer.flush()
+
     def attention(self, step: int, layers: list[tuple]) -> None:
         """One image per layer, `attention/layer_NN`: every head's map, labelled (attention_figure)."""
         if self.enabled:

@@ -23,6 +23,7 @@ from pretrain.config import Runtime, TrainConfig, load_config
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import parse_size, report
 from pretrain.monitor import requirements
+from tokendata import remote
 from tokendata.shards import check_seq_len, check_vocab
 from tokendata.sources import as_sources, open_sources
 
@@ -33,6 +34,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
     requirements(cfg)   # logging.wandb, logging.eval_tasks: their optional packages installed
+    remote.configure(cfg.data.ca_bundle, cfg.data.http_headers_from_env)   # of every HTTP(S) request from here on
     for source in open_sources(as_sources(cfg.data.source_list())):   # every source's manifest, checked together
         check_vocab(source.manifest, cfg.model.vocab_size)
         check_seq_len(source.manifest, cfg.model.max_seq_len, training=True)

@@ -31,6 +31,7 @@ from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
+from pretrain.supervision import supervise
 from tokendata import tokenizer as tokenizers
 from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
 
@@ -62,7 +63,7 @@ class Trainer:
                                                 if self.pipeline else (self.plain_forward_backward, self.plain_val_loss))
         self.host_reads = 0   # device values the trainer has waited for (one per step outside logging steps)
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
-        self.faults = Faults.from_environment(lay.rank)   # the fault-tolerance tests' hooks; none by default
+        self.faults = Faults.from_environment(lay.rank, cfg.train.run_dir)   # the fault tests' hooks; none by default
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
                                          lay.rank, lay.world, self.faults)
@@ -103,6 +104,7 @@ class Trainer:
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
         for line in data_words(self.stream):
             self.log.info(line)
+        self.watchdog = supervise(self)   # a restart logged; hang_timeout's watchdog (pretrain/supervision.py)
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""

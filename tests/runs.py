@@ -232,3 +232,35 @@ def metric_rows(run_dir, replayed: bool = False) -> list[dict]:
 
 def id_rows(run_dir, rank, replayed: bool = False) -> list[dict]:
     return jsonl(os.path.join(run_dir, "sample_ids", f"rank{rank}{'.replayed' if replayed else ''}.jsonl"))
+
+
+def tensorboard_scalars(run_dir, tag) -> dict[int, float]:
+    """{step: value} of a scalar as TensorBoard's own reader finds it in the run's event files (every file of the
+    run: a resumed run adds one; a step written again after a resume counts as TensorBoard shows it, the last)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
+
+
+def record(run):
+    """Every logged loss and every read batch of a run, those a resume replaced included; a step run twice (before
+    and after a crash) must have given the same both times, and the run's own files hold each step once."""
+    loss, ids = {}, {0: {}, 1: {}}
+    steps = [r["step"] for r in metric_rows(run) if "train/loss" in r]
+    assert len(steps) == len(set(steps)), "metrics.jsonl holds a step twice"
+    for row in metric_rows(run) + metric_rows(run, replayed=True):
+        if "train/loss" in row:
+            assert loss.setdefault(row["step"], row["train/loss"]) == row["train/loss"], row
+    for rank in (0, 1):
+        steps = [r["step"] for r in id_rows(run, rank)]
+        assert len(steps) == len(set(steps)), f"sample_ids/rank{rank}.jsonl holds a step twice"
+        for row in id_rows(run, rank) + id_rows(run, rank, replayed=True):
+            assert ids[rank].setdefault(row["step"], row["ids"]) == row["ids"], (rank, row)
+    return loss, ids
+
+
+def logged_step(run) -> int:
+    """The newest step with a logged loss."""
+    return max([r["step"] for r in metric_rows(run) if "train/loss" in r], default=0)

@@ -222,7 +222,12 @@ def test_generate_is_reproducible_per_seed(sp):
     three, again = run(seed=3, num_samples=3), run(seed=3, num_samples=3)
     assert three == again and len({s["text"] for s in three}) > 1
     assert run(seed=4, num_samples=1)[0] == three[1]                  # sample k uses seed + k
-    assert run(seed=3, num_samples=1, use_cache=False)[0] == three[0]
+    recomputed = run(seed=3, num_samples=1, use_cache=False)[0]
+    assert recomputed == {**three[0], "decoding": "full recompute: the cache is disabled"}   # the same sample
+    assert three[0]["decoding"] == "incremental"
+    t = len(prompt_ids(sp, "It was"))   # the model sees t … t+L+4 tokens: the t+4 calls on more than L slide
+    slid = generate.generate(model, sp, "It was", L + 5, temperature=0.0)[0]["decoding"]
+    assert slid == f"incremental up to max_seq_len={L}, then {t + 4} full recomputes of the sliding window"
     assert all(len(s["ids"]) == 12 for s in three)
 
 

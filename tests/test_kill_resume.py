@@ -4,6 +4,7 @@ the end every loss the run ever logged (before and after each crash) and every s
 that was never interrupted and read the local directory, bit for bit."""
 import os
 import random
+import shutil
 import signal
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from pretrain.faults import SAVE_PHASES
 from tests.http_shards import ShardServer
-from tests.runs import (finish, free_local_port, id_rows, launch, metric_rows, output, reference_config, start,
+from tests.runs import (finish, free_local_port, launch, logged_step, output, record, reference_config, start,
                         trainer_ranks)
 
 pytestmark = pytest.mark.slow
@@ -26,28 +27,6 @@ SAVE_KILLS = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine"
 def reference(reference_run):
     """The uninterrupted run: {step: loss}, and {rank: {step: ids}}."""
     return record(reference_run)
-
-
-def record(run):
-    """Every logged loss and every read batch of a run, those a resume replaced included; a step run twice (before
-    and after a crash) must have given the same both times, and the run's own files hold each step once."""
-    loss, ids = {}, {0: {}, 1: {}}
-    steps = [r["step"] for r in metric_rows(run) if "train/loss" in r]
-    assert len(steps) == len(set(steps)), "metrics.jsonl holds a step twice"
-    for row in metric_rows(run) + metric_rows(run, replayed=True):
-        if "train/loss" in row:
-            assert loss.setdefault(row["step"], row["train/loss"]) == row["train/loss"], row
-    for rank in (0, 1):
-        steps = [r["step"] for r in id_rows(run, rank)]
-        assert len(steps) == len(set(steps)), f"sample_ids/rank{rank}.jsonl holds a step twice"
-        for row in id_rows(run, rank) + id_rows(run, rank, replayed=True):
-            assert ids[rank].setdefault(row["step"], row["ids"]) == row["ids"], (rank, row)
-    return loss, ids
-
-
-def logged_step(run) -> int:
-    """The newest step with a logged loss."""
-    return max([r["step"] for r in metric_rows(run) if "train/loss" in r], default=0)
 
 
 def wait_until_started(proc):
@@ -111,6 +90,7 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp
     resume_at, kills = 0, []
     for phase, rank in trials:
         save = resume_at + EVERY * rng.randint(1, 2)
+        shutil.rmtree(run / "faults", ignore_errors=True)   # a new injection: a fault's marker stops it firing twice
         # the ranks started directly (the launcher's part, a one-line message, is test_kill_9's)
         r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"})
         assert r.returncode != 0

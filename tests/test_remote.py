@@ -1,10 +1,17 @@
 """Shards streamed from where clusters keep them (tokendata/remote.py): over HTTP from a real server on 127.0.0.1 that
-drops connections, answers 503 and 404; through a `pipe:` command; through fsspec. The batches must be those of the
-local directory, sample for sample, whatever the network did."""
+drops connections, answers 503 and 404, honours Range requests or not; over HTTPS with a certificate made in the test
+and a bearer token; through a `pipe:` command; through fsspec. The batches must be those of the local directory,
+sample for sample, whatever the network did."""
+import contextlib
+import http.server
 import os
 import shutil
+import ssl
+import subprocess
+import threading
 
 import pytest
+import trustme
 
 from tokendata import remote
 from pretrain.config import load_config
@@ -12,7 +19,8 @@ from tokendata.stream import TokenStream
 from pretrain.prelaunch import check_launch
 from tokendata.shards import DataError, read_manifest
 from tests.http_shards import ShardServer
-from tests.runs import built_once, launch, losses, ids_per_step, metric_rows, reference_config, tool, write_config
+from tests.runs import (built_once, launch, losses, ids_per_step, metric_rows, reference_config, tensorboard_scalars,
+                        tool, write_config)
 
 SEQ, B, BATCHES = 32, 4, 12
 
@@ -30,6 +38,20 @@ def few_shards(shards, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
     monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setenv(remote.HTTP_SETTINGS, "")   # the system's CAs, no headers; what remote.configure() sets: undone
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A CA made here, and a server context with a certificate it signed for 127.0.0.1: (context, the CA's PEM)."""
+    ca, pem = trustme.CA(), tmp_path_factory.mktemp("tls") / "ca.pem"
+    ca.cert_pem.write_to_path(str(pem))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return context, str(pem)
+
+
+TOKEN = "s3cr3t-8c1f0e2a9d"   # the bearer token of the private servers below: it must appear nowhere
 
 
 def stream(location, rank=0, **kw):
@@ -70,6 +92,91 @@ def test_http_shards_give_the_local_batches_through_dropped_connections_and_503s
         resumed = stream(srv.url, 1)   # exact resume: batches 6-8 of a new stream told that 5 global batches are done
         resumed.start_at(5)
         assert batches(resumed, 3)[0] == batches(stream(few_shards, 1), 8)[0][5:]
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_a_dropped_read_resumes_at_the_byte_it_reached_or_starts_over(few_shards, monkeypatch, ranges):
+    """A connection dropped half-way through a shard: the retry asks for the rest (`Range: bytes=k-`, k the bytes
+    delivered). A server that honours it (object stores) sends only the rest: no more than the file and one read chunk
+    in all; one that ignores it (tools/serve_shards.py) sends the whole file again, whose first k bytes are dropped.
+    The batches are the local directory's either way."""
+    monkeypatch.setattr(remote, "CHUNK", 1024)   # reads of 1 KiB: a shard is ~20 reads, half of one is ~10
+    local = stream(few_shards, num_workers=0)
+    name = first_read(local, 1)[0]
+    size = os.path.getsize(os.path.join(few_shards, name))
+    with ShardServer(few_shards, ranges=ranges) as srv:
+        srv.faults[name] = ["drop"]
+        got, retries = batches(stream(srv.url, num_workers=0), 3)
+        assert got == batches(local, 3)[0] and retries == 1
+    delivered = size // 2   # what the server sent before the connection went
+    assert srv.ranges[name] == [None, f"bytes={delivered}-"], srv.ranges[name]
+    if ranges:
+        assert srv.served[name] == size <= size + remote.CHUNK, (srv.served[name], size)
+    else:
+        assert srv.served[name] == delivered + size, (srv.served[name], size)
+
+
+def test_a_certificate_that_fails_verification_is_one_line_at_once_and_the_ca_bundle_makes_it_work(few_shards,
+                                                                                                   tls):
+    """HTTPS with a certificate of a CA made in the test: without data.ca_bundle the first request fails verification
+    and that is final (one connection, no retry, one line naming the URL and why); with the bundle the batches are the
+    local directory's."""
+    context, pem = tls
+    with ShardServer(few_shards, tls=context) as srv:
+        remote.configure()   # the system's CAs: they do not know this one
+        with pytest.raises(DataError) as e:
+            stream(srv.url)
+        assert srv.connections == 1 and not srv.gets, (srv.connections, srv.gets)   # no retry, not one request
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"manifest {srv.url}/manifest.json: TLS certificate verification "
+                                                   "failed (certificate verify failed"), msg
+        assert "data.ca_bundle" in msg, msg
+        with pytest.raises(remote.CertificateError):   # nor is it a missing shard that data.bad_shards=skip would skip
+            remote.sizes([f"{srv.url}/{first_read(stream(few_shards), 1)[0]}"])
+        remote.configure(ca_bundle=pem)
+        assert batches(stream(srv.url)) == batches(stream(few_shards))
+
+
+def test_a_bearer_token_comes_from_the_environment_and_is_never_shown(few_shards, tls, monkeypatch):
+    context, pem = tls
+    with ShardServer(few_shards, tls=context, token=TOKEN) as srv:
+        with pytest.raises(DataError) as e:   # the variable named in the config is not set
+            remote.configure(pem, {"Authorization": "SHARDS_TOKEN"})
+        assert str(e.value) == ("data.http_headers_from_env: the header Authorization comes from the environment "
+                                "variable SHARDS_TOKEN, which is not set: export it on every node before the launch")
+        monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}-old")   # a stale token: refused, in one line without it
+        remote.configure(pem, {"Authorization": "SHARDS_TOKEN"})
+        with pytest.raises(DataError) as e:
+            stream(srv.url)
+        assert "HTTP 401 Unauthorized" in str(e.value) and TOKEN not in str(e.value) and srv.refused == 1, e.value
+        monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
+        assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 1
+        assert TOKEN not in os.environ[remote.HTTP_SETTINGS]   # what workers inherit names the variable only
+        with redirecting_to(srv.url) as elsewhere:   # a server that sends the client on: the token does not follow
+            with pytest.raises(DataError) as e:
+                remote.fetch(f"{elsewhere}/manifest.json")
+        assert "HTTP 401 Unauthorized" in str(e.value) and srv.refused == 2, e.value
+
+
+@contextlib.contextmanager
+def redirecting_to(target):
+    """An HTTP server on 127.0.0.1 that answers every GET with a redirect (302) to the same path on `target`."""
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", target + self.path)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_fault_that_does_not_pass_is_one_line_after_the_retries(few_shards, monkeypatch):
@@ -159,8 +266,8 @@ def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):
 def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, reference_run, tmp_path):
     """tests/runs.py's reference run (2 ranks, 2 data workers each, 40 steps), its shards served over HTTP: the first
     shard of each worker has its connection dropped half-way or gets a 503. Same losses and sample ids, bit for bit,
-    as the run from the local directory; the four retries are counted in metrics.jsonl (and TensorBoard). The shards'
-    sizes are checked once, by one rank, for both."""
+    as the run from the local directory; the four retries are counted in metrics.jsonl and TensorBoard (its own
+    reader). The shards' sizes are checked once, by one rank, for both."""
     firsts = first_shards_of_each_worker(shards)
     with ShardServer(shards) as srv:
         srv.faults.update({name: [fault] for name, fault in zip(firsts, ["drop", "503", "503", "drop"])})
@@ -169,6 +276,43 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     assert losses(run) == losses(reference_run)
     assert all(ids_per_step(run, r) == ids_per_step(reference_run, r) for r in (0, 1))
     assert [r["data/retries"] for r in metric_rows(run) if "data/retries" in r][-1] == 4
+    retries = tensorboard_scalars(run, "data/retries")
+    assert sorted(retries) == list(range(1, 41)) and retries[40] == 4, retries
     assert all(srv.gets[n] == 2 for n in firsts)
     listed = [s["name"] for split in read_manifest(shards)["splits"].values() for s in split["shards"]]
     assert sorted(srv.heads) == sorted(listed) and set(srv.heads.values()) == {1}
+
+
+@pytest.mark.slow
+def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_across_a_kill(few_shards, tls, tmp_path):
+    """A real run on 2 ranks from a server that wants a bearer token, over TLS with the test's CA (data.ca_bundle,
+    data.http_headers_from_env: {Authorization: SHARDS_TOKEN}), one train shard answered 404 under
+    data.bad_shards=skip; rank 1 is killed (SIGKILL, in the save of step 6) and the run relaunched. data/skipped_shards
+    is 1 at every step before and after the kill, in metrics.jsonl and in TensorBoard; every request carried the token
+    (manifest, size checks, shards, tokenizer); the token's value is in no file of the run directory (grep -r) and in
+    nothing the run printed."""
+    context, pem = tls
+    name = first_read(stream(few_shards), 3)[1]
+    run = tmp_path / "run"
+    with ShardServer(few_shards, tls=context, token=TOKEN) as srv:
+        srv.missing.add(name)
+        cfg = write_config(tmp_path / "c.yaml", srv.url, run, train={"max_steps": 9}, checkpoint={"every": 3},
+                           data={"bad_shards": "skip", "ca_bundle": pem,
+                                 "http_headers_from_env": {"Authorization": "SHARDS_TOKEN"}})
+        token = {"SHARDS_TOKEN": f"Bearer {TOKEN}"}
+        killed = launch(cfg, 2, check=False, env={**token, "SYNTHFORMER_FAULTS": "kill-save-begin@6@1"})
+        assert killed.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_00000003"
+        resumed = launch(cfg, 2, env=token)
+    assert "resumed at step 3" in resumed.stdout and "done: validation perplexity" in resumed.stdout
+    for r in (killed, resumed):
+        assert (f"skipping 1 bad shards (data.bad_shards=skip): {srv.url}/{name} (cannot be read: HTTP 404 Not "
+                "Found)") in r.stdout, r.stdout[-3000:]
+    skipped = [(row["step"], row["data/skipped_shards"]) for row in metric_rows(run) + metric_rows(run, replayed=True)
+               if "data/skipped_shards" in row]
+    assert sorted(skipped) == sorted([(s, 1) for s in range(1, 10)] + [(4, 1), (5, 1), (6, 1)]), skipped   # 4-6 twice
+    assert tensorboard_scalars(run, "data/skipped_shards") == {s: 1 for s in range(1, 10)}
+    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and srv.heads
+    grep = lambda text: subprocess.run(["grep", "-r", "-l", text, str(run)], capture_output=True, text=True)  # noqa
+    assert grep("SHARDS_TOKEN").returncode == 0   # the copies of the config name the variable: grep reads them
+    assert grep(TOKEN).returncode == 1, grep(TOKEN).stdout
+    assert TOKEN not in killed.stdout + killed.stderr + resumed.stdout + resumed.stderr

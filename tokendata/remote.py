@@ -13,12 +13,24 @@ that exits non-zero (a command cannot say which it was). Each is retried up to R
 an HTTP read resumes at the byte it had reached (a Range request; from the start, discarding what was read, where the
 server ignores ranges), and a file is handed on only whole, so a retry never reads a sample twice or loses one.
 Permanent: HTTP 4xx other than those, a missing file or object: a DataError naming the URL and the status at once.
+A certificate that fails verification is permanent too (CertificateError): it is never retried, and verification is
+never switched off.
+
+HTTP(S) trust and credentials (`configure`, from data.ca_bundle and data.http_headers_from_env): every http(s)://
+request of this module (the size check, the shards, the manifest, the tokenizer) verifies the server against the CA
+bundle (default: the system's, which honours SSL_CERT_FILE) and carries the configured headers, whose values are read
+from environment variables at each request: they are kept in no file, no config, no message. They are not sent on
+when a server redirects (urllib's unredirected headers), so a token goes to no other host than data.shard_dir's.
+fsspec URLs use their backend's own settings, pipe: commands their own.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import re
+import ssl
 import subprocess
 import tempfile
 import time
@@ -42,6 +54,10 @@ class Transient(Exception):
     """A fault worth retrying (the message says what happened)."""
 
 
+class CertificateError(DataError):
+    """A server whose TLS certificate fails verification: permanent, never retried."""
+
+
 class Missing(str):
     """Why a file cannot be had at all: "HTTP 404 Not Found", "not found"…"""
 
@@ -56,17 +72,65 @@ def join(location: str, name: str) -> str:
     return f"{location.rstrip('/')}/{name}" if "://" in location else os.path.join(location, name)
 
 
+HTTP_SETTINGS = "SYNTHFORMER_HTTP"   # configure()'s settings, in the environment: DataLoader workers and child
+                                    # processes see them under any start method
+
+
+def configure(ca_bundle: str | None = None, headers_from_env: dict | None = None) -> None:
+    """Trust and credentials of every HTTP(S) request of this process and its children: `ca_bundle`, a PEM file of the
+    CAs to trust (None: the system's); `headers_from_env`, {header: name of the environment variable holding its
+    value} (e.g. {"Authorization": "SHARDS_TOKEN"}, the variable set to "Bearer …"). Only the names are kept; a
+    variable that is not set is a DataError naming it (never a value)."""
+    if ca_bundle is not None and not os.path.isfile(ca_bundle):
+        raise DataError(f"data.ca_bundle={ca_bundle}: no such file; give the PEM file of the CA certificates that "
+                        "signed the shard server's certificate")
+    headers = dict(headers_from_env or {})
+    for header, variable in headers.items():
+        _header_value(header, variable)
+    os.environ[HTTP_SETTINGS] = json.dumps({"ca_bundle": ca_bundle, "headers_from_env": headers})
+
+
+def _settings() -> dict:
+    return json.loads(os.environ.get(HTTP_SETTINGS) or '{"ca_bundle": null, "headers_from_env": {}}')
+
+
+def _header_value(header: str, variable: str) -> str:
+    value = os.environ.get(variable)
+    if value is None:
+        raise DataError(f"data.http_headers_from_env: the header {header} comes from the environment variable "
+                        f"{variable}, which is not set: export it on every node before the launch")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _tls(ca_bundle: str | None) -> ssl.SSLContext:
+    """Certificates and host names verified (ssl's defaults, never turned off), against ca_bundle or the system's."""
+    return ssl.create_default_context(cafile=ca_bundle)
+
+
 def _http(url: str, method: str = "GET", offset: int = 0):
-    headers = {"Range": f"bytes={offset}-"} if offset else {}
-    try:
-        return urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers), timeout=TIMEOUT_S)
+    settings = _settings()
+    request = urllib.request.Request(url, method=method, headers={"Range": f"bytes={offset}-"} if offset else {})
+    for header, variable in settings["headers_from_env"].items():
+        request.add_unredirected_header(header, _header_value(header, variable))
+    try:   # the context also for http://: a server may redirect to https://
+        return urllib.request.urlopen(request, timeout=TIMEOUT_S, context=_tls(settings["ca_bundle"]))
     except urllib.error.HTTPError as e:
         e.close()
         if e.code in TRANSIENT_HTTP:
             raise Transient(f"HTTP {e.code} {e.reason}") from None
+        if e.code in (401, 403):
+            raise PermissionError(f"HTTP {e.code} {e.reason} (are data.http_headers_from_env and its variables "
+                                  "right?)") from None
         raise FileNotFoundError(f"HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError, HTTPException) as e:
-        raise Transient(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            trusted = settings["ca_bundle"] or "the system's CAs"
+            raise CertificateError(f"TLS certificate verification failed (certificate verify failed: "
+                                   f"{reason.verify_message}; trusted: {trusted}): set data.ca_bundle to the PEM file "
+                                   "of the CA that signed the server's certificate") from None
+        raise Transient(f"{type(e).__name__}: {reason}") from None
 
 
 def _chunks(url: str, offset: int):
@@ -131,6 +195,8 @@ def retrying(what: str, url: str, attempt):
             retries += 1
         except (FileNotFoundError, PermissionError) as e:
             raise DataError(f"{what} {url}: {_reason(e)}") from None
+        except CertificateError as e:
+            raise CertificateError(f"{what} {url}: {e}") from None
 
 
 def _reason(e: OSError) -> str:
@@ -196,6 +262,8 @@ def sizes(urls: list[str]) -> tuple[dict, int]:
     def check(url):
         try:
             return retrying("shard", url, lambda _: _size(url))
+        except CertificateError:
+            raise   # the server, not this shard: no data.bad_shards=skip of every shard
         except DataError as e:
             return Missing(str(e).removeprefix(f"shard {url}: ")), 0
 

@@ -12,7 +12,9 @@ Decoding is incremental (model/decoding.py): every mixer keeps a cache of what l
 keys; SGU's normed gate inputs), so a step costs one position instead of the whole prefix, with the same logits
 (≤ 1e-5) and hence the same samples as the full recompute of model/generate.py. Past max_seq_len tokens the window
 slides, positions shift and each step is a full recompute of the last max_seq_len tokens. --no-cache recomputes
-always (for comparison). Errors are one line (exit 2).
+always (for comparison). A Hugging Face export made before cached decoding carries model code without a cache: it is
+decoded by full recompute. The timing line (and --json's "decoding") says which of these happened. Errors are one
+line (exit 2).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def check(args) -> None:
 def generate(model, sp, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, num_samples: int = 1, use_cache: bool = True,
              progress: bool = False) -> list[dict]:
-    """[{"seed", "prompt" (as decoded), "text" (the continuation), "ids" (its ids)}] for samples seed … seed+N−1."""
+    """[{"seed", "prompt" (as decoded), "text" (the continuation), "ids" (its ids), "decoding" (how it was decoded:
+    model/decoding.py CachedLM.describe)}] for samples seed … seed+N−1."""
     prompt_t = torch.tensor([prompt_ids(sp, prompt)], dtype=torch.int64)            # (1, t)
     out = []
     with tqdm(total=num_samples * max_new_tokens, unit="tok", desc="generating", disable=not progress,
@@ -57,7 +60,7 @@ def generate(model, sp, prompt: str, max_new_tokens: int, temperature: float = 1
             # Decoded together with the prompt: a first piece "▁word" keeps its space (alone it would lose it).
             head = decode(sp, prompt_t[0, 1:].tolist())
             text = decode(sp, prompt_t[0, 1:].tolist() + new)[len(head):]
-            out.append({"seed": seed + k, "prompt": head, "text": text, "ids": new})
+            out.append({"seed": seed + k, "prompt": head, "text": text, "ids": new, "decoding": lm.describe()})
     return out
 
 
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
             print(f"--- sample seed={s['seed']} ---\n{s['prompt']}{s['text']}")
     if not args.quiet:
         n = args.num_samples * args.max_new_tokens
-        mode = "full recompute" if args.no_cache else "incremental"
+        mode = "; ".join(dict.fromkeys(s["decoding"] for s in samples))   # what CachedLM did, not what was asked
         print(f"{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s, {mode}) from {info['source']} "
               f"(step {info['step']})", file=sys.stderr)
     return 0

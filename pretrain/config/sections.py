@@ -43,6 +43,13 @@ class DataSection:
     verify: str = described("what is checked of each shard: 'hash' (its size before training, its content hash "
                      "once fetched: a mismatch is fetched again past data.cache_dir, then is a bad shard), 'size' (the "
                      "sizes, and each shard's structure when read), 'none' (the structure only)", "hash")
+    ca_bundle: str | None = described("PEM file of the CA certificates that https:// shard servers are verified against "
+                               "(the size check, shards, manifest, tokenizer); default the system's (which honours "
+                               "SSL_CERT_FILE). Verification is never switched off", None)
+    http_headers_from_env: dict | None = described("headers sent with every http(s):// request, each value read from "
+                                            "an environment variable, e.g. {Authorization: SHARDS_TOKEN} with "
+                                            "SHARDS_TOKEN='Bearer …' exported: only the variable's name is kept "
+                                            "(config, run directory, checkpoints, logs)", None)
 
     def __post_init__(self):
         check_types(self, "data")
@@ -68,6 +75,9 @@ class DataSection:
     def source_list(self) -> str | list[Source]:
         """What tokendata reads: the shard_dir, or the sources (tokendata/sources.py)."""
         return self.shard_dir if self.sources is None else [Source(**s) for s in self.sources]
+        need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()
+                 for k, v in (self.http_headers_from_env or {}).items()), "data.http_headers_from_env",
+             self.http_headers_from_env, "{header: NAME of an environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
 
 
 @dataclass(kw_only=True)
@@ -138,6 +148,11 @@ class TrainSection:
     run_dir: str = described("output directory of the run; checkpoints and TensorBoard go under it by default")
     max_wall_minutes: float | None = described("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
                                         "time-limited jobs; relaunch to continue", None)
+    hang_timeout: float | None = described("seconds without progress (a finished step, validation, checkpoint save or "
+                                    "compilation) after which each rank writes its threads' stacks to "
+                                    "<run_dir>/hang/rank<k>.txt and exits non-zero, for launch/pretrain.sh "
+                                    "--max-restarts to relaunch; above the slowest save or validation; null: never",
+                                    None)
     preempt_signals: tuple[str, ...] = described("signals that stop the run cleanly after the current step with a "
                                           "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
                                           ("SIGTERM", "SIGUSR1"))
@@ -176,6 +191,8 @@ class TrainSection:
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")
+        need(self.hang_timeout is None or self.hang_timeout > 0, "train.hang_timeout", self.hang_timeout,
+             "null or > 0 (seconds)")
         need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
               "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
         need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,

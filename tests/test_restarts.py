@@ -1,0 +1,151 @@
+"""A run that looks after itself (pretrain/supervision.py): a rank that hangs is found within train.hang_timeout and
+leaves the stacks of its threads; launch/pretrain.sh --max-restarts relaunches after a hang and after a kill -9 and the
+run ends as one never interrupted does, bit for bit; a run that keeps failing stops after N restarts with one line."""
+import os
+import random
+import signal
+import subprocess
+import time
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pretrain.supervision import HANG_EXIT, RESTARTS, supervise
+from tests.runs import (PY, ROOT, finish, free_local_port, launch, logged_step, metric_rows, record, start,
+                        tensorboard_scalars, trainer_ranks, write_config)
+
+HANG_TIMEOUT = 15
+# SYNTHFORMER_HANG_TRIALS=N: N hangs at random steps and ranks in the run, each found and restarted (default 1)
+TRIALS = int(os.environ.get("SYNTHFORMER_HANG_TRIALS", 1))
+KILL_AT = 4                            # the kill -9 of rank 0, before the hangs
+STEPS = KILL_AT + 4 + max(4, 3 * TRIALS)   # a hang at each of TRIALS steps after it, among 3 × TRIALS
+
+
+def wait_for(what, timeout, proc, interval=0.05):
+    deadline = time.time() + timeout
+    while not what():
+        assert proc.poll() is None, finish(proc).stderr[-3000:]
+        assert time.time() < deadline, f"waited {timeout} s"
+        time.sleep(interval)
+    return time.time()
+
+
+def config(tmp_path, shards, name):
+    """A short run of 2 ranks (one data worker each), a checkpoint every 3 steps, sample ids recorded."""
+    return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name, data={"num_workers": 1},
+                        train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT}, checkpoint={"every": 3, "keep": 2},
+                        logging={"sample_ids": True})
+
+
+@pytest.mark.slow
+def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrupted_run(shards, tmp_path):
+    """A run under launch/pretrain.sh --max-restarts: rank 0 is killed (-9) after step 4, and a rank hangs at a later
+    step (SYNTHFORMER_FAULTS hang@STEP@RANK, which fires once per run). Each hang is found within hang_timeout + 10 s
+    of the step before it; every rank wrote its threads' stacks, the hung one's in faults.py's `hang`; the launcher
+    relaunched by itself, each restart logged with its cause (metrics.jsonl, TensorBoard); every loss and sample id the
+    run logged equals those of the same run uninterrupted. (A run of its own, shorter than tests/runs.py's reference
+    run: three launches of that one took three times as long.)"""
+    rng = random.Random(5)
+    hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 4, STEPS), TRIALS))
+    launch(config(tmp_path, shards, "straight"), 2)
+    run, cfg = tmp_path / "run", config(tmp_path, shards, "run")
+    proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
+        "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "0.05",
+        "SYNTHFORMER_FAULTS": ",".join(f"hang@{step}@{rank}" for step, rank in hangs)})
+    wait_for(lambda: logged_step(run) >= KILL_AT, 300, proc)
+    os.kill(trainer_ranks(proc.pid)[0].pid, signal.SIGKILL)
+    hang_dir = run / "hang"
+    for step, rank in hangs:
+        last_beat = wait_for(lambda: logged_step(run) >= step - 1, 300, proc)
+        found = wait_for(lambda: all((hang_dir / f"rank{r}.txt").exists() for r in (0, 1)), HANG_TIMEOUT + 60, proc)
+        assert found - last_beat <= HANG_TIMEOUT + 10, (step, found - last_beat)
+        time.sleep(0.5)   # the files are written whole before the rank's line and exit
+        stacks = (hang_dir / f"rank{rank}.txt").read_text()
+        assert stacks.startswith(f"rank {rank} (pid ") and f"after finishing step {step - 1}," in stacks, stacks[:300]
+        assert f'pretrain{os.sep}faults.py", line' in stacks and " in hang\n" in stacks, stacks
+        hang_dir.rename(run / f"hang-{step}")   # the next hang writes anew
+    r = finish(proc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(f"hangs (step, rank): {hangs}")
+    for step, rank in hangs:   # a rank's one line: rank, last finished step, file
+        assert any(line.startswith("error: rank ") and f"made no progress for " in line and
+                   f"after finishing step {step - 1}: stopped; the stacks of its threads are in {run}" in line
+                   for line in r.stderr.splitlines()), r.stderr[-3000:]
+    restarts = [row for row in metric_rows(run) + metric_rows(run, replayed=True) if "run/restarts" in row]
+    causes = {row["run/restarts"]: row["run/restart_cause"] for row in restarts}
+    assert sorted(causes) == list(range(1, TRIALS + 2)), causes
+    assert causes[1].startswith("lost rank 0 ") and all("made no progress" in causes[k] for k in causes if k > 1)
+    shown = tensorboard_scalars(run, "run/restarts")   # one point a step: a later restart at a step replaces one
+    assert shown[max(shown)] == TRIALS + 1 and set(shown.values()) <= set(causes), shown   # before it (TensorBoard)
+    assert record(run) == record(tmp_path / "straight")
+
+
+def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path):
+    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision.py) around a launch that fails
+    each time as a hung rank's does: N relaunches, each told its number and the cause; then one line, the exit status
+    kept. A config error (exit 2) is not relaunched: the same command fails the same way."""
+    attempts = tmp_path / "attempts"
+    fail = (f"import os, sys; open({str(attempts)!r}, 'a').write(os.environ['SYNTHFORMER_RESTARTS'] + ' ' + "
+            f"os.environ.get('SYNTHFORMER_RESTART_CAUSE', '-') + '\\n'); "
+            f"print('error: rank 1 made no progress for 16 s', file=sys.stderr); sys.exit({HANG_EXIT})")
+    relaunch = [PY, "-m", "pretrain.supervision", "--max-restarts", "2", "--backoff", "0.1", "--", PY, "-c"]
+    run = lambda command: subprocess.run(relaunch + [command], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                         env={**os.environ, "PYTHONPATH": ROOT})   # noqa: E731
+    r = run(fail)
+    assert r.returncode == HANG_EXIT, r.stderr
+    assert attempts.read_text().splitlines() == ["0 -"] + ["%d rank 1 made no progress for 16 s" % k for k in (1, 2)]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == ("error: the run failed 3 times (launch/pretrain.sh --max-restarts 2); not restarting again. The "
+                    "last failure: rank 1 made no progress for 16 s"), r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("restart ")] == [
+        "restart 1 of at most 2 in 0.1 s, from the newest checkpoint, after: rank 1 made no progress for 16 s",
+        "restart 2 of at most 2 in 0.2 s, from the newest checkpoint, after: rank 1 made no progress for 16 s"]
+    attempts.unlink()
+    r = run(fail.replace(f"sys.exit({HANG_EXIT})", "sys.exit(2)"))
+    assert r.returncode == 2 and attempts.read_text().splitlines() == ["0 -"], r.stderr
+
+
+def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(tmp_path, monkeypatch):
+    """supervise() wraps the trainer's steps, validation, images, checkpoint saves and its loop from outside, and
+    hears torch.compile start and end: each is a heartbeat (the trainer here is the smallest object with those)."""
+    monkeypatch.delenv(RESTARTS, raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    done = []
+    work = lambda name: lambda *args: done.append(name) or name   # noqa: E731
+    trainer = SimpleNamespace(step=4, log=None, layout=SimpleNamespace(rank=0),
+                              cfg=SimpleNamespace(train=SimpleNamespace(hang_timeout=600.0, run_dir=str(tmp_path),
+                                                                        compile=True)),
+                              checkpointer=SimpleNamespace(save=work("save")), train_step=work("train_step"),
+                              validate=work("validate"), log_samples=work("log_samples"), train=work("train"))
+    dog = supervise(trainer)
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    try:
+        for name, call in (("a step", trainer.train_step), ("validation", trainer.validate),
+                           ("images", trainer.log_samples), ("a save", lambda: trainer.checkpointer.save(5)),
+                           ("the loop", trainer.train), ("a compilation", lambda: compiled(torch.ones(3)))):
+            dog.last = before = 0.0
+            call()
+            assert dog.last > before, f"no heartbeat after {name}"
+        assert done == ["train_step", "validate", "log_samples", "save", "train"]   # each ran, once
+    finally:
+        dog.stop()
+    assert not (tmp_path / "hang").exists()
+
+
+def test_a_rank_that_makes_no_progress_dumps_its_stacks_and_exits_in_one_line(tmp_path):
+    """The watchdog alone, in a process stuck in a function of its own: within hang_timeout (+ a poll) it writes every
+    thread's stack, names the stuck frame, prints one line (rank, last finished step, file) and exits HANG_EXIT."""
+    script = (f"import time\nfrom pretrain.supervision import Watchdog\n"
+              f"Watchdog(1.0, {str(tmp_path)!r}, 3, lambda: 7).start()\n"
+              f"def stuck_here():\n    time.sleep(120)\nstuck_here()\n")
+    t0 = time.time()
+    r = subprocess.run([PY, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == HANG_EXIT and time.time() - t0 < 1.0 + 10, (r.returncode, time.time() - t0, r.stderr)
+    path = tmp_path / "hang" / "rank3.txt"
+    assert r.stderr.strip().splitlines() == [f"error: rank 3 made no progress for 1 s (train.hang_timeout=1) after "
+                                             f"finishing step 7: stopped; the stacks of its threads are in {path}"]
+    stacks = path.read_text()
+    assert "line 5 in stuck_here" in stacks and "in expire" in stacks, stacks   # the main thread's, the watchdog's

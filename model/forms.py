@@ -55,6 +55,8 @@ class Synthesizer(Protocol):
     input_dependent   whether S depends on the input x (if no member's does, the whole map is shared by the batch)
     cached            whether decoding caches what `keys(x, t0)` returns per position (then it has `keys`)
     projections()     the column-parallel linears it applies to x on the fused path ([] for none)
+    activations(B, n, mixed)  {what: elements} it keeps for backward itself, beyond the attention kernel's (model/
+                      memory.py's memory plan; `mixed`: a member of a mixture); {} for none
     fused(x, inputs)  S as one of the forms above, over all positions of x: the fused path; inputs[layer] = layer(x)
                       for each of `projections()`
     logits(x, t0, keys)  rows t0 … t0+m−1 of the materialized S, (B or 1, Hl, m, t0+m): the reference path, maps,
@@ -65,6 +67,8 @@ class Synthesizer(Protocol):
     cached: bool
 
     def projections(self) -> list[torch.nn.Module]: ...
+
+    def activations(self, B: int, n: int, mixed: bool = False) -> dict[str, int]: ...
 
     def fused(self, x: torch.Tensor, inputs: dict) -> Form: ...
 

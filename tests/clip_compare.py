@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 from pretrain import distributed
-from pretrain.checkpoint import deepspeed_clipped
+from pretrain.checkpoints.resume import deepspeed_clipped
 from pretrain.config import load_config
 from pretrain.engine import build_engine
 from pretrain.health import GuardedAdamW

@@ -35,6 +35,9 @@ class RelativeRandom(torch.nn.Module):
     def projections(self):   # no linear of x
         return []
 
+    def activations(self, B, n, mixed=False):   # r is a parameter: nothing of its own kept for backward
+        return {}
+
     def fused(self, x, inputs):
         return MapForm(self.rows(0, x.shape[1]))
 

@@ -35,6 +35,7 @@ GPU_GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "f
                 "random+dot": 5}
 GOAL_MFU_FLAGSHIP = 0.40
 LOSS_SLACK = 0.01   # a bf16-master run's loss over the bench steps within 1% of the fp32-master run's
+AUTOCAST = ["parallel.zero_stage=0", "train.autocast=true"]   # fp32 weights, bf16 through torch.autocast
 # Memory points measure live tensors, as CUDA's allocator counters do: on the CPU malloc returns freed blocks instead
 # of keeping them resident with what the heap fragments (the trainer's faster default), and a fixed mmap threshold
 # (glibc's own would rise up to 32 MB) serves every block over 64 kB from its own pages, returned when freed.
@@ -235,6 +236,10 @@ def plan_engine(a, p: Plan) -> None:
         p.entry(f"engine:loop:{mode}", "engine", f"plain loop ({mode})", loop, "step_s", "s")
         p.entry(f"engine:{mode}", "engine", f"DeepSpeed engine ({mode})", engine, "step_s", "s",
                 f"engine:loop:{mode}", goal_max=GOAL_ENGINE)
+        if cuda:   # the engine as the loop runs (fp32 weights, bf16 autocast, ZeRO-0); the CPU compares in fp32
+            p.entry(f"engine:autocast:{mode}", "engine", f"DeepSpeed engine, train.autocast ({mode})",
+                    p.point("train", config, over + AUTOCAST, compile=compiled), "step_s", "s",
+                    f"engine:loop:{mode}", goal_max=GOAL_ENGINE)
 
 
 def plan_gpu(a, p: Plan) -> None:
@@ -297,6 +302,10 @@ def plan_gpu_binding(a, p: Plan) -> None:
                 "tflops", "TFLOP/s", to_peak)
         p.entry(f"gpu-binding:{m}:bf16-master:compiled", "gpu-binding", f"synth-1.3b ({m}), bf16 master, compiled",
                 bf16, "tflops", "TFLOP/s", to_peak, goal_min=goal)
+        p.entry(f"gpu-binding:{m}:autocast:compiled", "gpu-binding",
+                f"synth-1.3b ({m}), fp32 master (train.autocast, ZeRO-0), compiled",
+                p.point("train", BIG, big_model(a, m) + AUTOCAST, compile=True), "tflops", "TFLOP/s", to_peak,
+                goal_min=goal)
         p.entry(f"gpu-binding:{m}:loss:fp32-master", "gpu loss", f"{m}, fp32 master, eager", fp32, "loss", "")
         p.entry(f"gpu-binding:{m}:loss:bf16-master", "gpu loss", f"{m}, bf16 master, compiled", bf16, "loss", "",
                 f"gpu-binding:{m}:loss:fp32-master", goal_min=1 - LOSS_SLACK, goal_max=1 + LOSS_SLACK)

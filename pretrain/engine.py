@@ -49,8 +49,9 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
     ZeRO-0 fp32: DeepSpeed has no such check. ZeRO-1/2 bf16: its check (`bf16.check_grad_overflow`) launches ~4
     kernels per gradient tensor and reads the result on the host, every step (1564 `abs` and 780 `isfinite` a
     step for synth-1.3b on an H100, tools/profile_step.py); it is turned off and one fused norm over the flat fp32
-    partition decides instead. Elsewhere (fp16's loss scaling, ZeRO-3, bf16 ZeRO-0) DeepSpeed's own check stays."""
-    zero, precision = cfg.parallel.zero_stage, cfg.train.precision
+    partition decides instead. train.autocast (ZeRO-0, fp32 weights): as ZeRO-0 fp32. Elsewhere (fp16's loss
+    scaling, ZeRO-3, bf16 ZeRO-0 with bf16 weights) DeepSpeed's own check stays."""
+    zero, precision = cfg.parallel.zero_stage, cfg.train.weights_precision()
     return (zero == 0 and precision == "fp32") or (zero in (1, 2) and precision == "bf16")
 
 
@@ -98,10 +99,12 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "zero_allow_untested_optimizer": guards_steps_itself(cfg),
         # master_weights=bf16: ZeRO keeps its flat weights and both AdamW moments in bf16 (DeepSpeed needs the two
         # flags together on a GPU), so the step neither reads fp32 copies nor casts them back to the model
-        "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": not guards_steps_itself(cfg),
+        "bf16": {"enabled": t.weights_precision() == "bf16", "check_grad_overflow": not guards_steps_itself(cfg),
                  "bf16_master_weights_and_grads": t.master_weights == "bf16",
                  "bf16_optimizer_states": t.master_weights == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
+        # train.autocast: fp32 weights, each forward under torch.autocast in bf16 (DeepSpeed enters it in forward)
+        "torch_autocast": {"enabled": t.autocast, "dtype": "bfloat16"},
         "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself
         # and times itself: DeepSpeed's throughput timer synchronizes the device at each forward and each step
@@ -196,6 +199,8 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_uni
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if isinstance(optimizer, GuardedAdamW) and cfg.parallel.zero_stage == 0:
         optimizer.count_once(counted_elsewhere(optimizer, lay))
+        if lay.dp == 1:   # DeepSpeed would still flatten, "all-reduce" and copy back every gradient over one rank
+            engine.enable_backward_allreduce = engine.pipeline_enable_backward_allreduce = False
     elif isinstance(optimizer, GuardedAdamW):   # ZeRO-1/2's norm of the step, set before it steps any group
         optimizer.take_norm_from(lambda: engine.optimizer._global_grad_norm)
     return engine

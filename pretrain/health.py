@@ -75,8 +75,15 @@ class GuardedAdamW(torch.optim.AdamW):
         return square - torch.linalg.vector_norm(p.grad.view(-1)[idx], dtype=torch.float32).square()
 
     def global_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        square = torch.stack([self.squared_norm(p) for p in params]).sum() if params else \
-            self.grad_norm.new_zeros(())
+        """Whole gradients in multi-tensor norms (torch's foreach kernels: a few launches for all of them, not two
+        a tensor): those this rank counts, and those another rank counts (× 0, which keeps a NaN); gradients counted
+        in part (`count_once` with indices) one by one."""
+        mine = [p.grad.float() for p in params if id(p) not in self.elsewhere]
+        theirs = [p.grad.float() for p in params if id(p) in self.elsewhere and self.elsewhere[id(p)] is None]
+        parts = [self.squared_norm(p) for p in params if self.elsewhere.get(id(p)) is not None]
+        parts += [torch.nn.utils.get_total_norm(mine).square()] if mine else []
+        parts += [torch.nn.utils.get_total_norm(theirs).square() * 0.0] if theirs else []
+        square = torch.stack(parts).sum() if parts else self.grad_norm.new_zeros(())
         return distributed.all_reduce(square.reshape(1), self.layout)[0].clamp(min=0.0).sqrt()
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ Per rank of each pipeline stage, in bytes (T trainable and F frozen parameters o
 TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the data-parallel ranks):
 
     model states at rest   weights w·(T+F) (ZeRO-3: w/dp of each parameter above DeepSpeed's persistence threshold,
-                           whole below it); master weights in fp32 where the weights are not (4·T; ZeRO ≥ 1: 4·T/dp),
+                           whole below it; train.autocast: fp32 weights, w = 4); master weights in fp32 where the
+                           weights are not (4·T; ZeRO ≥ 1: 4·T/dp),
                            also for fp32 ZeRO ≥ 1 (DeepSpeed's flat fp32 partition); AdamW's two moments 8·T (/dp for
                            ZeRO ≥ 1); train.master_weights=bf16 halves both (ZeRO-1/2); ZeRO-3 keeps its gradient
                            partition, 4·T/dp
@@ -17,7 +18,8 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
                            buffers are already gone: not counted (the H100 record's backward peak equals its forward
                            peak). ZeRO-3 gathers whole parameters for each layer: at most the stage's weights, capped by
                            stage3_prefetch_bucket_size + the largest layer, counted beside the activations
-    activations            model/memory.py: each layer's terms, the head's, the loss's chunk of logits; × the
+    activations            model/memory.py, in train.precision's bytes: each layer's terms, the head's, the loss's
+                           chunk of logits (train.autocast: and the weights' bf16 copies, 2·T); × the
                            micro-batches a pipeline stage holds at once in 1F1B (pp − stage, at most the micro-batches
                            of a step)
     the step               the optimizer step's gradients and temporaries above the states at rest: ZeRO-0 the
@@ -170,8 +172,8 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
     first, last = stage == 0, stage == lay.pp - 1
     params = rank_parameters(m, lay.tp, layers, first, last)
     T = sum(n for n, trainable in params if trainable)
-    w, gpu = bytes_of(t.precision), device == "cuda"
-    states = model_states(params, lay, t.precision, t.master_weights)
+    w, a, gpu = bytes_of(t.weights_precision()), bytes_of(t.precision), device == "cuda"   # weights, activations
+    states = model_states(params, lay, t.weights_precision(), t.master_weights)
     zero = ds.get("zero_optimization", {})
     bucket = int(zero.get("reduce_bucket_size", BUCKET))
     buffers, notes = [], []
@@ -192,8 +194,11 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
                     held * (output + (0 if first else w * N * m.d_model)))
     else:
         pipe = Term("no pipeline buffers", 0)
-    act = activations(m, micro, m.max_seq_len, lay.tp, w, cfg.parallel.activation_checkpointing, layers,
+    act = activations(m, micro, m.max_seq_len, lay.tp, a, cfg.parallel.activation_checkpointing, layers,
                       first, last, pipeline=lay.pp > 1, gpu=gpu)
+    if t.autocast:   # each weight's bf16 copy, made in forward, saved for backward
+        act = Activations(act.kept + [Term("autocast's bf16 copies of the weights, kept for backward", a * T)],
+                          act.transient)
     in_flight = max(1, min(lay.pp - stage, micro_batches))
     if lay.zero == 3:
         sizes = sorted(n for n, _ in params)
@@ -212,7 +217,7 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
         step = Term("the gradient partition's copies", (w + FP32) * T // lay.dp)
     if lay.zero == 1 and lay.pp > 1:   # DeepSpeed's ZeRO-1 under PP reduces through a bucket allocated at the step
         step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{cpu_note}", step.bytes + resident)
-    breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, w, gpu, layers)
+    breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers)
     return StagePlan(stage, (T, sum(n for n, tr in params if not tr)), states, buffers, pipe, act, in_flight,
                      backward_extra, step, breakdown, notes)
 
@@ -222,7 +227,8 @@ def plan(cfg: TrainConfig, lay: Layout, micro: int | None = None, device: str = 
     micro = micro or cfg.train.micro_batch_size
     stages = [stage_plan(cfg, lay, s, layers, micro, device, ds or {})
               for s, layers in enumerate(stage_layers(cfg.model, lay.pp, cfg.parallel.partition))]
-    return Plan(lay, micro, cfg.model.max_seq_len, cfg.train.precision, cfg.parallel.activation_checkpointing,
+    precision = cfg.train.precision + (" under autocast, fp32 weights" if cfg.train.autocast else "")
+    return Plan(lay, micro, cfg.model.max_seq_len, precision, cfg.parallel.activation_checkpointing,
                 device, stages)
 
 
@@ -265,7 +271,8 @@ def layouts(cfg: TrainConfig, world: int) -> list[Layout]:
             if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
                 continue
             for zero in (0, 1, 2, 3):
-                if pp > 1 and zero > 1 or (cfg.train.master_weights == "bf16" and zero not in (1, 2)):
+                if pp > 1 and zero > 1 or (cfg.train.master_weights == "bf16" and zero not in (1, 2)) or \
+                        (cfg.train.autocast and (zero, tp) != (0, 1)):
                     continue
                 out.append(Layout(tp, pp, dp, zero))
     return out

@@ -273,6 +273,37 @@ def test_bf16_master_weights_are_a_deepspeed_setting_with_one_line_errors():
                                                 "3); set parallel.zero_stage=1")
 
 
+def test_autocast_is_deepspeeds_torch_autocast_over_fp32_weights_with_one_line_errors():
+    """train.autocast: DeepSpeed's torch_autocast section in bf16, DeepSpeed's bf16 off (the weights stay fp32), and
+    the trainer's GuardedAdamW (it guards ZeRO-0 with fp32 weights); refused in one line outside bf16 with fp32
+    master weights, ZeRO-0 and TP=1."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = load_config(DEMO, ["train.precision=bf16", "train.autocast=true", "parallel.zero_stage=0"])
+    ds = deepspeed_config(cfg, cfg.check_runtime(1).dp)
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and ds["bf16"]["enabled"] is False
+    assert ds["gradient_clipping"] == 0.0 and ds["zero_allow_untested_optimizer"] is True   # GuardedAdamW clips
+    parsed = DeepSpeedConfig(ds)
+    assert parsed.torch_autocast_enabled and parsed.torch_autocast_dtype == torch.bfloat16
+    assert not parsed.bfloat16_config.enabled
+    assert deepspeed_config(load_config(DEMO, ["train.precision=bf16"]), 1)["torch_autocast"]["enabled"] is False
+    assert error_of(load_config, DEMO, ["train.autocast=true"]) == (
+        "train.autocast=true needs train.precision='bf16' and train.master_weights='fp32' (they are 'fp32', "
+        "'fp32'); set them, or train.autocast=false")
+    zero1 = load_config(DEMO, ["train.precision=bf16", "train.autocast=true", "parallel.zero_stage=1"])
+    assert error_of(zero1.check_runtime, 2).startswith("train.autocast=true needs parallel.zero_stage=0 (it is 1)")
+    tp2 = load_config(DEMO, ["train.precision=bf16", "train.autocast=true", "parallel.zero_stage=0", "parallel.tp=2"])
+    assert error_of(tp2.check_runtime, 2).startswith("train.autocast=true needs parallel.tp=1 (it is 2)")
+    # the memory plan: fp32 weights and moments (12 B a parameter at rest, no master copy), fp32 gradients in the
+    # step, and each weight's bf16 copy among the activations
+    from pretrain.memory_plan import layout_of, plan
+
+    stage = plan(cfg, layout_of(cfg, 1)).stages[0]
+    T = stage.params[0]
+    assert stage.states_bytes == 12 * T and stage.step.bytes == 4 * T
+    assert any(t.name.startswith("autocast's bf16 copies") and t.bytes == 2 * T for t in stage.activations.kept)
+
+
 # ---- schedule, serialization, CLI -----------------------------------------------------------------------------------
 def test_lr_lambda_warmup_cosine_floor():
     t = load_config(DEMO, ["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10",

@@ -25,7 +25,7 @@ OWNED = {
     "bf16": "train.precision (and train.master_weights)",
     "fp16": "train.precision",
     "amp": "train.precision",
-    "torch_autocast": "train.precision",
+    "torch_autocast": "train.autocast",
     "gradient_clipping": "train.grad_clip",
     "activation_checkpointing": "parallel.activation_checkpointing",
     "optimizer": "train.lr, train.betas, train.eps, train.weight_decay (the trainer's AdamW)",

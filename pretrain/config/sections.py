@@ -138,6 +138,11 @@ class TrainSection:
                                     "default), or 'bf16' for all of them (DeepSpeed's bf16_master_weights_and_grads: "
                                     "half the optimizer's memory traffic, but updates below bf16's resolution of a "
                                     "weight are lost)", "fp32")
+    autocast: bool = described("with precision bf16 and ZeRO-0: keep the weights, gradients and AdamW moments in "
+                               "fp32 and run the forward in bf16 through torch.autocast (DeepSpeed's torch_autocast), "
+                               "as a plain PyTorch loop does: no bf16 weights beside an fp32 master copy, so no cast "
+                               "of every weight after each step and none of ZeRO's per-gradient copies; for layouts "
+                               "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
                               "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
                               "eager); the first steps pay the compile", False)
@@ -165,6 +170,11 @@ class TrainSection:
                                "steps (null = no spike rule; not with parallel.pp > 1)", None)
     spike_window: int = described("steps in the window of the loss-spike rule", 100)
 
+    def weights_precision(self) -> str:
+        """The dtype the engine keeps the model's weights in: `precision`, except under `autocast`, where they stay
+        fp32 and only the forward's operations run in bf16."""
+        return "fp32" if self.autocast else self.precision
+
     def __post_init__(self):
         check_types(self, "train")
         need(self.lr > 0, "train.lr", self.lr, "> 0")
@@ -188,6 +198,9 @@ class TrainSection:
         if self.master_weights == "bf16" and self.precision != "bf16":
             raise ConfigError(f"train.master_weights='bf16' needs train.precision='bf16' (it is "
                               f"{self.precision!r}); set both, or master_weights=fp32")
+        if self.autocast and (self.precision != "bf16" or self.master_weights != "fp32"):
+            raise ConfigError(f"train.autocast=true needs train.precision='bf16' and train.master_weights='fp32' (they "
+                              f"are {self.precision!r}, {self.master_weights!r}); set them, or train.autocast=false")
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")

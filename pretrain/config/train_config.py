@@ -85,6 +85,14 @@ class TrainConfig:
         if self.train.master_weights == "bf16" and p.zero_stage not in (1, 2):   # DeepSpeed's ZeRO optimizer holds them
             raise ConfigError(f"train.master_weights='bf16' needs parallel.zero_stage 1 or 2 (it is {p.zero_stage}); "
                               "set parallel.zero_stage=1")
+        if self.train.autocast and p.zero_stage != 0:   # ZeRO would keep an fp32 master copy of fp32 weights
+            raise ConfigError(f"train.autocast=true needs parallel.zero_stage=0 (it is {p.zero_stage}): ZeRO-1/2 would "
+                              "keep a second fp32 copy of the fp32 weights; set parallel.zero_stage=0, or "
+                              "train.autocast=false to shard the optimizer")
+        if self.train.autocast and p.tp != 1:   # megatron's TP linears keep autocast in backward on CUDA only
+            raise ConfigError(f"train.autocast=true needs parallel.tp=1 (it is {p.tp}): megatron-core's tensor-parallel "
+                              "linears run their backward under autocast only on CUDA, a path not tested here; set "
+                              "train.autocast=false")
         grad_accum = self.train.grad_accum(dp)
         try:
             check_streams(self.canonical_streams(), self.train.global_batch_size, dp)

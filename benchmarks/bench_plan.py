@@ -276,20 +276,21 @@ def plan_gpu(a, p: Plan) -> None:
                 "tflops", "TFLOP/s", to_peak, goal_min=GOAL_MFU if peak else None)
 
 
-def plan_gpu_binding(a, p: Plan) -> None:
+def plan_gpu_binding(a, p: Plan, device: str | None = None) -> None:
     """The binding MFU points (GPU part 1): synth-1.3b's dot twin and the flagship under the engine as the goals are
-    configured (bf16 master weights, compiled blocks), each beside its fp32-master eager run, whose loss over the same
-    steps the bf16-master loss must stay within LOSS_SLACK of."""
+    configured (bf16 master weights, compiled blocks; fp32 master weights under train.autocast, compiled blocks), each
+    beside its fp32-master eager run, whose loss over the same steps the bf16-master loss must stay within LOSS_SLACK
+    of. `device`: the GPU's name (default: CUDA device 0's, where there is one)."""
     import torch
 
     from pretrain.config import load_config
     from pretrain.engine import peak_tflops_of
 
-    if not torch.cuda.is_available():
+    if device is None and not torch.cuda.is_available():
         p.entry("gpu-binding", "gpu-binding", "synth-1.3b", None, "tflops", "TFLOP/s",
                 skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
         return
-    name = torch.cuda.get_device_name(0)
+    name = device or torch.cuda.get_device_name(0)
     peak = peak_tflops_of(name, "bf16")
     p.entry("gpu-binding:peak", "gpu-binding", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
             skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")

@@ -168,6 +168,30 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
                                                   "ratio_to": f"gpu:memory:{v}:n=128", "field": "total_mb"}
 
 
+def test_gpu_part_1_plans_the_binding_points_as_configured():
+    """GPU part 1, planned for an H100 by name (measuring needs it): dot and the flagship under bf16 master weights
+    + compiled blocks and under train.autocast (fp32 master, ZeRO-0) + compiled blocks, each against the MFU goal, and
+    the bf16-master loss against the fp32-master eager run's."""
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_plan import GOAL_MFU, GOAL_MFU_FLAGSHIP, LOSS_SLACK, Plan, plan_gpu_binding
+
+    a = parse_args(["--quick", "--gpu-part", "1"])
+    p = Plan(a)
+    plan_gpu_binding(a, p, device="NVIDIA H100 80GB HBM3")
+    by_id = {e["id"]: e for e in p.entries}
+    for m, goal in (("dot", GOAL_MFU), ("dense+dot", GOAL_MFU_FLAGSHIP)):
+        for how, extra in (("bf16-master", ["train.master_weights=bf16"]),
+                           ("autocast", ["parallel.zero_stage=0", "train.autocast=true"])):
+            e = by_id[f"gpu-binding:{m}:{how}:compiled"]
+            point = p.points[e["point"]]
+            assert e["goal_min"] == goal and e["ratio_to"] == "gpu-binding:peak" and point["compile"], e
+            assert point["kind"] == "train" and f"model.mixer={m}" in point["overrides"]
+            assert all(o in point["overrides"] for o in ["train.precision=bf16", *extra]), point
+        loss = by_id[f"gpu-binding:{m}:loss:bf16-master"]
+        assert (loss["goal_min"], loss["goal_max"]) == (1 - LOSS_SLACK, 1 + LOSS_SLACK)
+    assert by_id["gpu-binding:peak"]["reps"] == [989.4]
+
+
 def test_a_point_whose_port_was_taken_is_started_again():
     """The rendezvous port is picked free, but another socket on the host may take it before the rank listens
     (EADDRINUSE): that point is started again, with a new port; any other failure is reported as it is."""

@@ -142,7 +142,8 @@ class TrainSection:
                                "fp32 and run the forward in bf16 through torch.autocast (DeepSpeed's torch_autocast), "
                                "as a plain PyTorch loop does: no bf16 weights beside an fp32 master copy, so no cast "
                                "of every weight after each step and none of ZeRO's per-gradient copies; for layouts "
-                               "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit", False)
+                               "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit "
+                               "(across ranks it all-reduces fp32 gradients)", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
                               "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
                               "eager); the first steps pay the compile", False)

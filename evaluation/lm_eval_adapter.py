@@ -36,7 +36,7 @@ from lm_eval.api.registry import register_model
 
 from model import ConfigError
 from pretrain.checkpoints import load_any
-from pretrain.downstream import LiveLM, cut_at_stop  # noqa: F401 -- cut_at_stop: part of this module's interface
+from pretrain.downstream import LiveLM
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -342,6 +342,10 @@ def report(cfg: TrainConfig, world: int, budget: int | None = None, device: str 
         for alt in layouts(cfg, world):
             alt_cfg = TrainConfig.from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"], "tp": alt.tp,
                                                                            "pp": alt.pp, "zero_stage": alt.zero}})
+            try:   # the launch's own checks (train.spike_z with PP, the data streams, …) beside the pre-filter's
+                alt_cfg.check_runtime(world, cuda=device == "cuda")
+            except ConfigError:
+                continue
             peak = plan(alt_cfg, alt, device=device, ds=deepspeed_config(alt_cfg, alt.dp)).peak
             if peak <= budget:
                 fitting.append((alt, peak))

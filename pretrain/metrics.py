@@ -164,8 +164,8 @@ class Logger:
             self.wandb.scalars(step, values)
 
     def event(self, step: int, values: dict, texts: dict) -> None:
-        """Something that happened to the run (a restart): `values` as scalars and `texts` (tag: text) as TensorBoard
-        text, all in one row of metrics.jsonl."""
+        """Something that happened to the run (a restart): `values` as scalars and `texts` (tag: text) as text, in
+        TensorBoard and W&B, all in one row of metrics.jsonl."""
         if self.enabled:
             for tag, v in values.items():
                 self.writer.add_scalar(tag, v, step)
@@ -174,6 +174,10 @@ class Logger:
             self.jsonl.write(json.dumps({"step": step, **values, **texts}) + "\n")
             self.jsonl.flush()
             self.writer.flush()
+            if self.wandb:
+                self.wandb.scalars(step, values)
+                for tag, text in texts.items():
+                    self.wandb.text(step, tag, text)
 
     def attention(self, step: int, layers: list[tuple]) -> None:
         """One image per layer, `attention/layer_NN`: every head's map, labelled (attention_figure)."""

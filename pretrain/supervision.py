@@ -106,14 +106,16 @@ class Watchdog:
 
 def supervise(trainer) -> Watchdog | None:
     """Log the restart that started this launch, if it is one; start the rank's hang watchdog where train.hang_timeout
-    is set, its heartbeats wrapped around the trainer's steps, validation, images and checkpoint saves."""
+    is set, its heartbeats wrapped around the trainer's steps, validation, images, downstream scores and checkpoint
+    saves."""
     log_restart(trainer.log, trainer.step)
     timeout = trainer.cfg.train.hang_timeout
     if timeout is None:
         return None
     dog = Watchdog(timeout, trainer.cfg.train.run_dir, trainer.layout.rank, lambda: trainer.step)
     for owner, name in ((trainer, "train_step"), (trainer, "validate"), (trainer, "log_samples"),
-                        (trainer.checkpointer, "save"), (trainer, "train")):   # train: then the way out
+                        (trainer, "log_scores"), (trainer.checkpointer, "save"),
+                        (trainer, "train")):   # train: then the way out
         setattr(owner, name, dog.after(getattr(owner, name)))
     if trainer.cfg.train.compile:
         dog.on_compilation()

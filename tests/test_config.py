@@ -304,6 +304,14 @@ def test_autocast_is_deepspeeds_torch_autocast_over_fp32_weights_with_one_line_e
     assert any(t.name.startswith("autocast's bf16 copies") and t.bytes == 2 * T for t in stage.activations.kept)
 
 
+def test_http_headers_from_env_names_environment_variables():
+    assert load_config(DEMO, ["data.http_headers_from_env={Authorization: TOKEN}"]).data.http_headers_from_env == {
+        "Authorization": "TOKEN"}
+    assert error_of(load_config, DEMO, ["data.http_headers_from_env={Authorization: 1bad}"]) == (
+        "data.http_headers_from_env={'Authorization': '1bad'} is out of range; allowed: {header: NAME of an "
+        "environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
+
+
 # ---- schedule, serialization, CLI -----------------------------------------------------------------------------------
 def test_lr_lambda_warmup_cosine_floor():
     t = load_config(DEMO, ["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10",

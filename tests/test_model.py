@@ -449,3 +449,14 @@ def test_factorized_dense_kernel_multi_block_matches_materialized():
     assert (fused - ref).abs().max() <= 1e-5
     for x, y in zip(grads, ref_grads):
         assert (x - y).abs().max() <= 1e-4 * max(1.0, y.abs().max().item())
+
+
+def test_rotary_positions_take_heads_of_odd_width():
+    """d_h 5 (d 15, 3 heads): the heads are views of the projection with an odd stride; RoPE turns the first 4
+    features of each head and leaves the fifth, also for heads that are views (the training path)."""
+    model = build_model(ModelConfig(vocab_size=64, d_model=15, n_heads=3, n_layers=1, max_seq_len=16, position="rope",
+                                    mixer="dot"))
+    x = torch.randint(64, (2, 16))
+    loss = model(x, x)
+    loss.backward()
+    assert torch.isfinite(loss)

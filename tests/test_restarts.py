@@ -108,8 +108,8 @@ def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path)
 
 
 def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(tmp_path, monkeypatch):
-    """supervise() wraps the trainer's steps, validation, images, checkpoint saves and its loop from outside, and
-    hears torch.compile start and end: each is a heartbeat (the trainer here is the smallest object with those)."""
+    """supervise() wraps the trainer's steps, validation, images, scores, checkpoint saves and its loop from outside,
+    and hears torch.compile start and end: each is a heartbeat (the trainer here is the smallest object with those)."""
     monkeypatch.delenv(RESTARTS, raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     done = []
@@ -118,17 +118,19 @@ def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(t
                               cfg=SimpleNamespace(train=SimpleNamespace(hang_timeout=600.0, run_dir=str(tmp_path),
                                                                         compile=True)),
                               checkpointer=SimpleNamespace(save=work("save")), train_step=work("train_step"),
-                              validate=work("validate"), log_samples=work("log_samples"), train=work("train"))
+                              validate=work("validate"), log_samples=work("log_samples"),
+                              log_scores=work("log_scores"), train=work("train"))
     dog = supervise(trainer)
     compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
     try:
         for name, call in (("a step", trainer.train_step), ("validation", trainer.validate),
-                           ("images", trainer.log_samples), ("a save", lambda: trainer.checkpointer.save(5)),
+                           ("images", trainer.log_samples), ("scores", trainer.log_scores),
+                           ("a save", lambda: trainer.checkpointer.save(5)),
                            ("the loop", trainer.train), ("a compilation", lambda: compiled(torch.ones(3)))):
             dog.last = before = 0.0
             call()
             assert dog.last > before, f"no heartbeat after {name}"
-        assert done == ["train_step", "validate", "log_samples", "save", "train"]   # each ran, once
+        assert done == ["train_step", "validate", "log_samples", "log_scores", "save", "train"]   # each ran, once
     finally:
         dog.stop()
     assert not (tmp_path / "hang").exists()

@@ -71,8 +71,8 @@ class SourceOrder:
     def epoch(self, e: int) -> list:
         """The shard list of epoch e, shuffled: the same on every rank and worker."""
         if e not in self._epochs:
-            if len(self._epochs) > 4:   # a position is found epoch after epoch: keep only the last few
-                self._epochs.clear()
+            if len(self._epochs) >= 64:   # each stream's position is found epoch after epoch from 0: keep them all
+                self._epochs.pop(next(iter(self._epochs)))   # up to 64 (lists of references), dropping the oldest
             order = list(self.shards)
             random.Random(f"{self.key}/{e}").shuffle(order)
             self._epochs[e] = order

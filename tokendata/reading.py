@@ -122,9 +122,7 @@ class RankPieces(torch.utils.data.IterableDataset):
         mine = p.streams[worker::workers]
         readers = []
         for part in p.parts:   # one reader a source: a shard it finds bad is reported once and not reopened
-            reader = ShardReader(part.files, p.fmt, p.bad_shards, "train", len(part.order.shards))
-            reader.bad.update(part.files.url(name) for name in part.bad)
-            readers.append(reader)
+            readers.append(ShardReader(part.files, p.fmt, p.bad_shards, "train", len(part.order.shards), part.bad))
         # (stream, source): its samples from the start position, every first fetch started now, side by side
         samples = {(stream, s): shuffled_samples(part.order.walk(stream, p.position.streams[stream][s], part.bad),
                                                  part.counts, readers[s], part.prefix)

@@ -32,10 +32,7 @@ def resolve(requirements: str, with_torch: bool) -> list[tuple[str, str]]:
                         report, TORCH, "-r", requirements, "setuptools", "wheel"], check=True)
         items = json.load(open(report))["install"]
     out = [(i["metadata"]["name"], i["metadata"]["version"]) for i in items]
-    keep = [(n, v) for n, v in out if with_torch or not n.lower().startswith(LEFT_OUT)]
-    if not with_torch:   # triton is in requirements.txt for the GPU kernels: a node's torch brings its own
-        keep = [(n, v) for n, v in keep if n.lower() != "triton"]
-    return keep
+    return [(n, v) for n, v in out if with_torch or not n.lower().startswith(LEFT_OUT)]
 
 
 def main(argv=None) -> int:

@@ -71,13 +71,13 @@ class DataSection:
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
         need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
+        need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()
+                 for k, v in (self.http_headers_from_env or {}).items()), "data.http_headers_from_env",
+             self.http_headers_from_env, "{header: NAME of an environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
 
     def source_list(self) -> str | list[Source]:
         """What tokendata reads: the shard_dir, or the sources (tokendata/sources.py)."""
         return self.shard_dir if self.sources is None else [Source(**s) for s in self.sources]
-        need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()
-                 for k, v in (self.http_headers_from_env or {}).items()), "data.http_headers_from_env",
-             self.http_headers_from_env, "{header: NAME of an environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
 
 
 @dataclass(kw_only=True)
@@ -154,8 +154,8 @@ class TrainSection:
     run_dir: str = described("output directory of the run; checkpoints and TensorBoard go under it by default")
     max_wall_minutes: float | None = described("stop cleanly (checkpoint, exit 0) once this much wall time has passed, for "
                                         "time-limited jobs; relaunch to continue", None)
-    hang_timeout: float | None = described("seconds without progress (a finished step, validation, checkpoint save or "
-                                    "compilation) after which each rank writes its threads' stacks to "
+    hang_timeout: float | None = described("seconds without progress (a finished step, validation, samples, downstream "
+                                    "scores, checkpoint save or compilation) after which each rank writes its threads' stacks to "
                                     "<run_dir>/hang/rank<k>.txt and exits non-zero, for launch/pretrain.sh "
                                     "--max-restarts to relaunch; above the slowest save or validation; null: never",
                                     None)

@@ -235,7 +235,6 @@ def test_resume_is_exact_in_its_own_layout_and_goes_on_in_another(built):
 def test_resume_across_an_epoch_boundary(built):
     settings = dict(dp_rank=1, dp_world=2, num_workers=2, global_batch_size=16, canonical_streams=8)
     s = stream(built, **settings)
-    counts = counts_of(built)
     # the global batch in which the first of this rank's streams runs into its epoch 1
     boundary = min(sum(count for _, count in s.orders[0].share(c, 0)) for c in s.streams) // s.per_stream
     straight = take(s, (boundary + 6) * s.grad_accum)
@@ -334,6 +333,28 @@ def test_an_old_data_state_resumes_the_old_order_in_its_own_layout_only(built):
                  "checkpoint.relayout=true")
 
 
+def test_an_old_data_state_resumes_exactly_past_a_shard_found_bad_while_reading(built, tmp_path):
+    """In the old order too, a shard found bad while reading (skip) is recorded in the data state and counted empty
+    when a resumed stream finds its position: the resumed stream gives the uninterrupted one's batches."""
+    d, path = damaged_copy(built, tmp_path, "flipped")
+    name = os.path.basename(path)
+    kw = dict(micro_batch_size=B, seq_len=SEQ, dp_rank=0, dp_world=1, num_workers=0, seed=0, bad_shards="skip")
+    old = legacy_state(0, dp_world=1, num_workers=0)
+    straight = TokenStream(d, **kw)
+    straight.load_state_dict(old)
+    n = sum(x["samples"] for x in built["manifest"]["splits"]["train"]["shards"]) // B
+    batches = take(straight, n)
+    found = next(j for j, b in enumerate(batches) if b["skipped_shards"])
+    first = TokenStream(d, **kw)
+    first.load_state_dict(old)
+    take(first, found + 2)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["bad_shards_read"] == [name] and state["consumed_batches"] == found + 2
+    again = TokenStream(d, **kw)
+    again.load_state_dict(state)
+    assert [b["ids"] for b in take(again, n - found - 2)] == [b["ids"] for b in batches[found + 2:]]
+
+
 # ---- errors: DataError, one line, naming the path or value ----
 
 def test_missing_and_empty_shard_dirs(tmp_path):
@@ -376,7 +397,6 @@ def test_seq_len_vocab_and_shard_count_errors(built):
     with pytest.raises(DataError) as e:
         check_vocab(built["manifest"], 300)
     one_line(e, f"vocab_size={VOCAB}", "model.vocab_size=300", "tokenizer.model", "rebuild the shards")
-    n = len(built["manifest"]["splits"]["train"]["shards"])
     with pytest.raises(DataError) as e:
         TokenStream(built["dir"], B, SEQ, global_batch_size=16, canonical_streams=3)
     one_line(e, "data.canonical_streams=3 must divide train.global_batch_size=16")

@@ -87,40 +87,44 @@ class EpochShards(torch.utils.data.IterableDataset):
             epoch, first = epoch + 1, 0
 
 
-def legacy_samples(src, counts, files, fmt, bad_shards):
-    return shuffled_samples(src, counts, ShardReader(files, fmt, bad_shards, "train", len(counts)))
+def legacy_samples(src, counts, files, fmt, bad_shards, known_bad):
+    return shuffled_samples(src, counts, ShardReader(files, fmt, bad_shards, "train", len(counts), known_bad))
 
 
-def source(stream, skip_batches: int) -> EpochShards:
+def source(stream, skip_batches: int, bad: set) -> EpochShards:
+    """Shards found bad while reading (`bad`, names) count as empty, as they did when the run found them."""
     nodesplitter = functools.partial(split_by_dp_rank, rank=stream.dp_rank, world=stream.dp_world)
-    return EpochShards(stream.train, stream.seed, nodesplitter, stream.mix_shards, skip_batches,
-                       stream.micro_batch_size)
+    shards = [(name, 0 if name in bad else count) for name, count in stream.train]
+    return EpochShards(shards, stream.seed, nodesplitter, stream.mix_shards, skip_batches, stream.micro_batch_size)
 
 
-def loader(stream, skip_batches: int):
-    """The DataLoader of micro-batches of a TokenStream in the old order, `skip_batches` in."""
+def loader(stream, skip_batches: int, bad: set):
+    """The DataLoader of micro-batches of a TokenStream in the old order, `skip_batches` in, with the shards found bad
+    while reading (`bad`, names) empty and not reported again."""
     part = stream.parts[0]
     pipeline = wds.DataPipeline(
-        source(stream, skip_batches),
-        wds.pipelinefilter(legacy_samples)(dict(stream.train), part.files, stream.fmt, stream.bad_shards),
+        source(stream, skip_batches, bad),
+        wds.pipelinefilter(legacy_samples)(dict(stream.train), part.files, stream.fmt, stream.bad_shards, sorted(bad)),
         wds.batched(stream.micro_batch_size, partial=False, collation_fn=stream.collate),
     )
     return torch.utils.data.DataLoader(pipeline, batch_size=None, collate_fn=as_is, num_workers=stream.num_workers,
                                        prefetch_factor=2 if stream.num_workers else None)
 
 
-def state_dict(stream, consumed: int) -> dict:
-    src, workers = source(stream, consumed), max(1, stream.num_workers)
+def state_dict(stream, consumed: int, bad: set) -> dict:
+    src, workers = source(stream, consumed, bad), max(1, stream.num_workers)
     position = []  # for people reading a checkpoint; only consumed_batches is used to resume
     for w in range(workers):
         epoch, i, skip = src.start(w, workers)
         group = [name for name, _ in src.groups(epoch, w, workers)[i]]
         position.append({"worker": w, "epoch": epoch, "shards": group, "sample": skip})
-    return {"consumed_batches": consumed, **{k: getattr(stream, k) for k in STATE_KEYS}, "position": position}
+    return {"consumed_batches": consumed, **{k: getattr(stream, k) for k in STATE_KEYS}, "position": position,
+            "bad_shards_read": sorted(bad)}
 
 
-def check_state(stream, sd: dict) -> int:
-    """The batches consumed of an old-order data state, after checking that this stream reads in its layout."""
+def check_state(stream, sd: dict) -> tuple[int, set]:
+    """The batches consumed of an old-order data state and the shards found bad while reading (absent in the states
+    of code before shard hashes), after checking that this stream reads in its layout."""
     for key in ("consumed_batches",) + STATE_KEYS:
         need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
     need(len(stream.parts) == 1 and stream.parts[0].source.name is None,
@@ -132,4 +136,4 @@ def check_state(stream, sd: dict) -> int:
              f"{key}={getattr(stream, key)}; it was written before canonical streams, and its sample order depends "
              f"on it: run with {key}={sd[key]}, or change the layout with checkpoint.relayout=true (the data order "
              f"then starts anew at that step)")
-    return int(sd["consumed_batches"])
+    return int(sd["consumed_batches"]), set(sd.get("bad_shards_read", ()))

@@ -194,9 +194,10 @@ class TokenStream:
             raise _one_line(e) from None
 
     def _legacy_batches(self, me):
-        for batch in legacy.loader(self, self._legacy):
+        for batch in legacy.loader(self, self._legacy, self._bad[0]):
             self._check_live(me)
             self._legacy += 1
+            self._bad[0].update(self._urls[url][1] for url in batch["skipped_shards"])
             yield self._as_tensors(batch)
 
     def _check_live(self, me):
@@ -253,7 +254,7 @@ class TokenStream:
 
     def state_dict(self):
         if self._legacy is not None:
-            return legacy.state_dict(self, self._legacy)
+            return legacy.state_dict(self, self._legacy, self._bad[0])
         return {"order": ORDER, "samples": self._pos.samples, "counts": list(self._pos.counts),
                 "stream_counts": [list(c) for c in self._pos.streams], "micro_batches": self._into,
                 **{key: getattr(self, key) for key in SETTING_KEYS}, "sources": self._fingerprint(),
@@ -269,7 +270,8 @@ class TokenStream:
     def load_state_dict(self, sd):
         self._live += 1  # an iterator made before this no longer matches the position
         if legacy.is_legacy(sd):
-            self._legacy = legacy.check_state(self, sd)
+            self._legacy, bad = legacy.check_state(self, sd)
+            self._bad = [bad]
             return
         for key in ("samples", "counts", "stream_counts", "micro_batches", "sources", "bad_read", "layout",
                     *SETTING_KEYS):

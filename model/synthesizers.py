@@ -63,8 +63,10 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # x (B, Hl, m, d_h) at positions offset…
         m, half = x.shape[-2], self.cos.shape[-1]
         turn = torch.complex(self.cos[offset:offset + m].float(), self.sin[offset:offset + m].float())  # (m, d_h/2)
-        # (B, Hl, m, d_h/2); contiguous: a head of odd d_h is a view with an odd stride, which view_as_complex refuses
-        pairs = torch.view_as_complex(x[..., :2 * half].float().contiguous().unflatten(-1, (half, 2)))
+        y = x[..., :2 * half].float()
+        if any(stride % 2 for stride in y.stride()[:-1]):   # heads of odd d_h: views with an odd stride, which
+            y = y.contiguous()                              # view_as_complex refuses; even ones stay views
+        pairs = torch.view_as_complex(y.unflatten(-1, (half, 2)))                             # (B, Hl, m, d_h/2)
         rot = torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)                        # (B, Hl, m, 2·half)
         return rot if 2 * half == x.shape[-1] else torch.cat((rot, x[..., 2 * half:]), dim=-1)
 

@@ -50,6 +50,10 @@ class ModelConfig:
     random_init_std: float = field(default=1.0, metadata={"help": "std of the init of R (random, random_fixed)"})
     sgu_init_eps: float = field(default=1e-3, metadata={"help": "SGU spatial weights ~ U(-eps/L, eps/L), bias = 1"})
     seed: int = field(default=1234, metadata={"help": "init seed: the full model is drawn from it, each TP rank keeps its slice"})
+    document_mask: bool = field(default=False, metadata={"help": "attend within each document only, positions "
+                                "restarting at 0 after every eos (model/documents.py; docs/DESIGN.md §1)"})
+    eos_id: int | None = field(default=None, metadata={"help": "the token that ends a document (the shards' manifest "
+                               "eos_id); needed by document_mask"})
 
     def __post_init__(self):
         check_types(self, "model")
@@ -87,6 +91,11 @@ class ModelConfig:
         if self.block == "gmlp" and (self.d_ffn // 2) % self.n_heads:
             raise ConfigError(f"model.d_ffn/2={self.d_ffn // 2} must divide by model.n_heads={self.n_heads} for gMLP")
         self._check_factorization()
+        if self.document_mask and self.eos_id is None:
+            raise ConfigError("model.document_mask=true needs model.eos_id: set it to the eos_id of the shards' "
+                              "manifest.json (the token that ends each document)")
+        if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
+            raise ConfigError(f"model.eos_id={self.eos_id} is not a token id below model.vocab_size={self.vocab_size}")
 
     def _check_factorization(self):
         L = self.max_seq_len
@@ -128,8 +137,11 @@ FREE_MODEL_FIELDS = {"impl", "dropout", "mixer_dropout", "seed", "init_std", "ra
 
 
 def architecture_difference(theirs: dict, ours: dict) -> str | None:
-    """The first model key (other than FREE_MODEL_FIELDS) whose value differs between two model-section dicts."""
-    return next((k for k in ours if k not in FREE_MODEL_FIELDS and plain(theirs.get(k)) != plain(ours[k])), None)
+    """The first model key (other than FREE_MODEL_FIELDS) whose value differs between two model-section dicts; a key
+    that one of them lacks (saved before the field existed) counts as the field's default."""
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    return next((k for k in ours if k not in FREE_MODEL_FIELDS
+                 and plain(theirs.get(k, defaults.get(k))) != plain(ours[k])), None)
 
 
 def plain(v: Any) -> Any:

@@ -55,6 +55,8 @@ class SynthformerConfig(PreTrainedConfig):
     random_init_std: float = _DEFAULTS["random_init_std"]
     sgu_init_eps: float = _DEFAULTS["sgu_init_eps"]
     seed: int = _DEFAULTS["seed"]
+    document_mask: bool = _DEFAULTS["document_mask"]
+    eos_id: int | None = None
 
     # Hugging Face side. Tying the embedding to the head happens inside SynthesizerLM (no head tensor when tied),
     # so transformers must never tie anything itself; generation decodes incrementally (modeling_synthformer.py).

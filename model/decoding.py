@@ -10,6 +10,10 @@ fixed parameters (each synthesizer's `logits(x, t0, keys)` gives those rows, mod
 LayerNorms, MLPs and residual adds are per position. The model's own forward computes the new rows (`Block.forward`
 with `t0` and a `LayerCache`); this file keeps only the bookkeeping.
 
+Under model.document_mask (model/documents.py) the decoder keeps the tokens it was fed: each call finds the documents
+of all of them (an eos in the prompt or among the generated tokens ends one), and the new rows read their positions
+in their documents and mask to their own document, as the training pass did.
+
 Positions are absolute, so a cache holds at most L of them. Past L, model/generate.py's sampler feeds the last L
 tokens, which shifts every position (learned embeddings, W_2, R and W rows): nothing cached stays valid, and
 `CachedLM` recomputes the window — exactly the full-recompute result. Works at TP=1 (what the tools load).
@@ -39,6 +43,15 @@ class LayerCache:
         return buffer[..., :t1, :]
 
 
+def documents_so_far(model: SynthesizerLM, seen: torch.Tensor | None, tokens: torch.Tensor):
+    """(every token fed so far (B, t1), their documents) under model.document_mask, else (None, None): `seen` the
+    tokens of the cached positions, `tokens` (B, m) the new ones."""
+    if not model.cfg.document_mask:
+        return None, None
+    seen = tokens if seen is None else torch.cat((seen, tokens), dim=1)
+    return seen, model.documents(seen, fused=False)
+
+
 def decodes_incrementally(model) -> bool:
     """Whether the model's blocks take a cache (an export carries the model code of its day)."""
     return all("cache" in inspect.signature(block.forward).parameters for block in model.blocks)
@@ -51,10 +64,10 @@ class IncrementalDecoder:
     """
 
     def __init__(self, model: SynthesizerLM):
-        self.model, self.t, self.caches = model, 0, None
+        self.model, self.t, self.caches, self.tokens = model, 0, None, None
 
     def reset(self):
-        self.t, self.caches = 0, None
+        self.t, self.caches, self.tokens = 0, None, None
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -66,11 +79,17 @@ class IncrementalDecoder:
                              f"last L tokens")
         if self.caches is None:
             self.caches = [LayerCache(L) for _ in model.blocks]
-        x = model.embed(tokens, t0)                                      # (B, m, d)
+        x, docs = self.embedded(tokens)                                  # (B, m, d)
         for block, cache in zip(model.blocks, self.caches):
-            x = block(x, t0=t0, cache=cache)
+            x = block(x, t0=t0, cache=cache, docs=docs)
         self.t = t0 + tokens.shape[1]
         return model.logits(x)                                           # (B, m, V)
+
+
+    def embedded(self, tokens: torch.Tensor):
+        """(the embedded new positions (B, m, d), the documents of every position fed so far, or None)."""
+        self.tokens, docs = documents_so_far(self.model, self.tokens, tokens)
+        return self.model.embed(tokens, self.t, docs), docs
 
 
 class CachedLM:

@@ -13,6 +13,11 @@ positions of its input x (B, n, d), from `fused(x, inputs)`; `inputs[layer]` is 
     FactorForm(A, B)                S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋], A (B, Hl, n, a), B (B, Hl, n, b):
                                     factorized dense. Its own kernel; never a member of a mixture.
 
+Under the document mask (model/documents.py) `fused(x, inputs, positions)` gets each token's position in its document,
+p (B, n), and indexes every position-indexed weight by it: q·k features and key biases become per sample (B, …), a
+MapForm carries the whole table S (Hl, L, L) and p (sample b's map is S[:, p_b, p_b]), a FactorForm carries p (key j's
+column is p_j). model/documents.py `attention` runs them all, masked.
+
 SynthesizedAttention (model/mixers.py) asks each member for its form and picks the kernel by the forms' types: a new
 synthesizer that returns one of these forms runs on the existing kernels with no change there.
 """
@@ -26,7 +31,8 @@ import torch
 
 @dataclass
 class QKForm:
-    """S = scale · q kᵀ + b: query and key features, a scale, and an optional per-key bias b (Hl, n)."""
+    """S = scale · q kᵀ + b: query and key features, a scale, and an optional per-key bias b (Hl, n), or (B, Hl, n)
+    under the document mask."""
     q: torch.Tensor
     k: torch.Tensor
     scale: float
@@ -35,15 +41,19 @@ class QKForm:
 
 @dataclass
 class MapForm:
-    """S itself, one (Hl, n, n) map shared by every sample of the batch."""
+    """S itself, one (Hl, n, n) map shared by every sample of the batch; or, with `positions` p (B, n), the whole
+    table (Hl, L, L), sample b's map S[:, p_b, p_b]."""
     S: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 @dataclass
 class FactorForm:
-    """S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋] from the factors A (B, Hl, n, a) and B (B, Hl, n, b)."""
+    """S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋] from the factors A (B, Hl, n, a) and B (B, Hl, n, b); with `positions`
+    p (B, n), key j's column is p_j instead of j."""
     A: torch.Tensor
     B: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 Form = QKForm | MapForm | FactorForm
@@ -57,10 +67,12 @@ class Synthesizer(Protocol):
     projections()     the column-parallel linears it applies to x on the fused path ([] for none)
     activations(B, n, mixed)  {what: elements} it keeps for backward itself, beyond the attention kernel's (model/
                       memory.py's memory plan; `mixed`: a member of a mixture); {} for none
-    fused(x, inputs)  S as one of the forms above, over all positions of x: the fused path; inputs[layer] = layer(x)
-                      for each of `projections()`
-    logits(x, t0, keys)  rows t0 … t0+m−1 of the materialized S, (B or 1, Hl, m, t0+m): the reference path, maps,
-                      decoding (keys: the cached keys of positions < t0+m, for a cached member)
+    fused(x, inputs, positions)  S as one of the forms above, over all positions of x: the fused path;
+                      inputs[layer] = layer(x) for each of `projections()`; positions: None (position i is i) or
+                      p (B, n), each token's position in its document (model/documents.py)
+    logits(x, t0, keys, positions)  rows t0 … t0+m−1 of the materialized S, (B or 1, Hl, m, t0+m): the reference
+                      path, maps, decoding (keys: the cached keys of positions < t0+m, for a cached member;
+                      positions: None, or p (B, t0+m) of every key, the rows' being p[:, t0:])
     flops(n)          forward FLOPs per token of this function alone (model/accounting.py)
     """
     input_dependent: bool
@@ -70,8 +82,9 @@ class Synthesizer(Protocol):
 
     def activations(self, B: int, n: int, mixed: bool = False) -> dict[str, int]: ...
 
-    def fused(self, x: torch.Tensor, inputs: dict) -> Form: ...
+    def fused(self, x: torch.Tensor, inputs: dict, positions: torch.Tensor | None = None) -> Form: ...
 
-    def logits(self, x: torch.Tensor, t0: int = 0, keys: torch.Tensor | None = None) -> torch.Tensor: ...
+    def logits(self, x: torch.Tensor, t0: int = 0, keys: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def flops(self, n: int) -> int: ...

@@ -103,11 +103,12 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def with_key_bias(q: torch.Tensor, k: torch.Tensor, key_bias, scale: float):
-    """q, k with one more feature each, so that scale·q kᵀ gains b_j: q's column 1/scale, k's column b (Hl, n)."""
+    """q, k with one more feature each, so that scale·q kᵀ gains b_j: q's column 1/scale, k's column b (Hl, n), or
+    (B, Hl, n) per sample (under the document mask, model/documents.py)."""
     if key_bias is None:
         return q, k
     ones = q.new_full(q.shape[:-1] + (1,), 1.0 / scale)
-    b = key_bias[None, :, :, None].to(k.dtype).expand(k.shape[0], -1, -1, -1)   # (B or 1, Hl, n, 1)
+    b = key_bias.reshape((-1,) + key_bias.shape[-2:])[..., None].to(k.dtype).expand(k.shape[0], -1, -1, -1)
     return torch.cat((q, ones), -1), torch.cat((k, b), -1)
 
 

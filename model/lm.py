@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
+from .documents import Documents
 from .linear_cross_entropy import linear_cross_entropy
 from .mixers import SpatialGatingMixer, SynthesizedAttention
 from .synthesizers import linear_flops
@@ -36,7 +37,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: x + Mixer(LN(x)), then x + MLP(LN(x)) — or, with `block: gmlp`, the gMLP block
     x + SGU-Mixer(LN(x)) with the d → d_ffn → d_ffn/2 → d projections inside the mixer and no MLP.
-    forward(x (B, m, d) at positions t0…, cache of the positions before t0 when decoding) → (B, m, d)."""
+    forward(x (B, m, d) at positions t0…, cache of the positions before t0 when decoding, the window's documents
+    under model.document_mask) → (B, m, d)."""
 
     def __init__(self, cfg: ModelConfig, mixer: str):
         super().__init__()
@@ -51,17 +53,17 @@ class Block(nn.Module):
             self.ln_2, self.mlp = tp.layer_norm(cfg.d_model, cfg.norm_eps), MLP(cfg, scale)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, t0: int = 0, cache=None, return_map: bool = False):
-        y = self.mixer(self.ln_1(x), return_map=return_map, t0=t0, cache=cache)
+    def forward(self, x, t0: int = 0, cache=None, return_map: bool = False, docs: Documents | None = None):
+        y = self.mixer(self.ln_1(x), return_map=return_map, t0=t0, cache=cache, docs=docs)
         y, A = y if return_map else (y, None)
         x = x + self.drop(y)
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return (x, A) if return_map else x
 
-    def attention_map(self, x):
+    def attention_map(self, x, docs: Documents | None = None):
         """(output, map (B, Hl, n, n)) computed on the materialized path."""
-        return self(x, return_map=True)
+        return self(x, return_map=True, docs=docs)
 
     def train_flops(self, n):
         """Forward + backward FLOPs per token of this block."""
@@ -69,7 +71,8 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """x = dropout(E[tokens] + P[t0 : t0+m]): tokens (B, m) at positions t0 … t0+m−1 → (B, m, d).
+    """x = dropout(E[tokens] + P[t0 : t0+m]): tokens (B, m) at positions t0 … t0+m−1 → (B, m, d); under the document
+    mask P[p] at each token's position in its document (`docs`: model/documents.py).
 
     E `wte` (V, d): vocabulary-parallel; P `wpe` (L, d): learned positions (`position: learned`, else none).
     A pipeline runs the two halves as two stages (the token half's weight is tied to the head on the last one):
@@ -86,7 +89,7 @@ class Embedding(nn.Module):
             tp.annotate(self.wpe.weight, tp.normal(cfg.init_std))
         self.drop = nn.Dropout(cfg.dropout) if positions else None
 
-    def forward(self, x, t0: int = 0):
+    def forward(self, x, t0: int = 0, docs: Documents | None = None):
         if self.wte is not None:                                         # token ids (B, m)
             end = t0 + x.shape[1]
             if end > self.max_seq_len:
@@ -95,7 +98,7 @@ class Embedding(nn.Module):
             x = self.wte(x)                                              # (B, m, d)
         if self.drop is not None:
             if self.wpe is not None:
-                x = x + self.wpe.weight[t0:t0 + x.shape[1]]
+                x = x + (self.wpe.weight[t0:t0 + x.shape[1]] if docs is None else self.wpe(docs.positions[:, t0:]))
             x = self.drop(x)
         return x
 
@@ -156,24 +159,31 @@ class SynthesizerLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.layer_mixers())
         self.ln_f, self.head = head.ln_f, head.head
 
-    def embed(self, tokens, t0: int = 0):
-        return Embedding.forward(self, tokens, t0)                       # (B, m, d)
+    def embed(self, tokens, t0: int = 0, docs: Documents | None = None):
+        return Embedding.forward(self, tokens, t0, docs)                 # (B, m, d)
+
+    def documents(self, tokens, fused: bool = True) -> Documents | None:
+        """The documents of the windows `tokens` (B, n) under model.document_mask (their masks made for the fused
+        path of their device when `fused`), else None."""
+        return Documents.of(tokens, self.cfg.eos_id, fused) if self.cfg.document_mask else None
 
     def logits(self, x):
         return Head.forward(self, x, self.wte.weight)                    # (B, n, V/TP)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.embed(tokens)
+        docs = self.documents(tokens)
+        x = self.embed(tokens, docs=docs)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, docs=docs)
         return self.logits(x) if targets is None else Head.fused_loss(self, x, targets, self.wte.weight)
 
     @torch.no_grad()
     def attention_maps(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Per layer, the synthesized maps (B, Hl, n, n) of this rank's heads (SGU: its causal W)."""
-        x, maps = self.embed(tokens), []
+        docs = self.documents(tokens, fused=False)
+        x, maps = self.embed(tokens, docs=docs), []
         for block in self.blocks:
-            x, A = block.attention_map(x)
+            x, A = block.attention_map(x, docs)
             maps.append(A)
         return maps
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import kernels, parallel as tp
+from . import documents, kernels, parallel as tp
 from .config import ModelConfig
 from .forms import FactorForm, MapForm, QKForm
 from .synthesizers import linear_flops, per_head
@@ -23,6 +23,8 @@ class SynthesizedAttention(nn.Module):
     W_v: d → d column-parallel (heads split over TP), W_o: d → d row-parallel (partial sums all-reduced).
     `impl='fused'` runs the kernels of model/kernels.py; `impl='reference'` materializes A and can return it, also
     for the rows of positions t0… of a sequence whose earlier positions are in a decoding `cache` (model/decoding.py).
+    `docs` (model/documents.py, `model.document_mask`): M masks to the same document, and every member reads its
+    position-indexed weights at the positions within the documents.
     """
 
     def __init__(self, cfg: ModelConfig, mixer: str, n_layers_scale: float):
@@ -39,14 +41,15 @@ class SynthesizedAttention(nn.Module):
         """α (Hl, m) = softmax(θ) over the mixture's members, or None for a single synthesizer."""
         return None if self.theta is None else torch.softmax(self.theta, dim=-1)
 
-    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None):
+    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None, docs=None):
         B, m, _ = x.shape
         if self.impl == "reference" or return_map or cache is not None:
             v = self.value(x).view(B, m, -1, self.d_h)                   # (B, m, Hl, d_h)
-            y, A = self._materialized(x, v, t0, cache)                   # (B, m, Hl, d_h)
+            y, A = self._materialized(x, v, t0, cache, docs)             # (B, m, Hl, d_h)
         else:
             inputs = self._projected(x)
-            y, A = self._fused(x, inputs[self.value].view(B, m, -1, self.d_h), inputs), None
+            v = inputs[self.value].view(B, m, -1, self.d_h)
+            y, A = (self._fused(x, v, inputs) if docs is None else self._fused_documents(x, v, inputs, docs)), None
         if self.dropout and self.training:
             with tp.rng_tracker.fork(y.device):                          # heads differ per TP rank
                 y = F.dropout(y, self.dropout)
@@ -62,20 +65,27 @@ class SynthesizedAttention(nn.Module):
         outputs = tp.joint_column(x, layers) if len(self.synth) == 1 else [layer(x) for layer in layers]
         return dict(zip(layers, outputs))
 
-    def _materialized(self, x, v, t0=0, cache=None):
+    def _materialized(self, x, v, t0=0, cache=None, docs=None):
         """Rows i = t0 … t1−1 of S = Σ α_m S_m (B, Hl, m, t1), A = softmax(S + M), Y_h = A_h V_h over keys j < t1;
-        a cache holds the values (and dot keys) of positions < t0 and takes those of x's."""
+        a cache holds the values (and dot keys) of positions < t0 and takes those of x's. Documents: M causal ∧ same
+        document, each member's logits at the positions in the documents."""
         t1 = t0 + x.shape[1]
         v = v.transpose(1, 2)                                            # (B, Hl, m, d_h)
         if cache is not None:
             v = cache.extend("v", v, t0)                                 # (B, Hl, t1, d_h)
-        alpha, S = self._weights(), 0
+        alpha, S, p = self._weights(), 0, None if docs is None else docs.positions   # p (B, t1)
         for k, (name, synth) in enumerate(self.synth.items()):
-            keys = cache.extend(name, synth.keys(x, t0), t0) if cache is not None and synth.cached else None
-            S_k = synth.logits(x, t0, keys)                              # (B or 1, Hl, m, t1)
+            if cache is not None and synth.cached:   # (a member that knows no documents is called as before)
+                keys = cache.extend(name, synth.keys(x, t0) if p is None else synth.keys(x, t0, p), t0)
+            else:
+                keys = None
+            S_k = synth.logits(x, t0, keys) if p is None else synth.logits(x, t0, keys, p)   # (B or 1, Hl, m, t1)
             S = S + (S_k if alpha is None else alpha[:, k, None, None] * S_k)
-        causal = kernels.causal_mask(t1, x.device, S.dtype)[t0:]         # rows i: keys j ≤ i
-        A = torch.softmax(S + causal, dim=-1).expand(x.shape[0], -1, -1, -1)
+        if docs is None:
+            S = S + kernels.causal_mask(t1, x.device, S.dtype)[t0:]      # rows i: keys j ≤ i
+        else:
+            S = S.masked_fill(~docs.dense_mask(t0), float("-inf"))       # keys j ≤ i of i's document
+        A = torch.softmax(S, dim=-1).expand(x.shape[0], -1, -1, -1)
         return (A @ v).transpose(1, 2), A                                # (B, m, Hl, d_h), (B, Hl, m, t1)
 
     def _fused(self, x, v, inputs):
@@ -121,6 +131,30 @@ class SynthesizedAttention(nn.Module):
             y = kernels.qk_attention(q, k, v, scale, key_bias)
         else:   # in a mixture: weight α, no n² copy; scale 1 (folded into q)
             y = kernels.biased_qk_attention(*kernels.with_key_bias(q, k, key_bias, 1.0), bias, bias_weight, v)
+        return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
+
+    def _fused_documents(self, x, v, inputs, docs):
+        """Under the document mask: every member's form at the positions in the documents (per sample), one masked
+        call of model/documents.py `attention` (q·k features concatenated, α folded into q; the map weighted by α)."""
+        alpha, p = self._weights(), docs.positions
+        terms, qs, ks, scale = {}, [], [], 1.0
+        for m, form in enumerate(synth.fused(x, inputs, p) for synth in self.synth.values()):
+            w = None if alpha is None else alpha[:, m]                    # (Hl,)
+            if isinstance(form, QKForm):
+                qs.append(form.q if w is None else form.q * (w * form.scale).to(form.q.dtype)[:, None, None])
+                ks.append(form.k)
+                scale = form.scale if w is None else 1.0
+                if form.key_bias is not None:                            # (B, Hl, n), weighted α·b_j in a mixture
+                    terms["key_bias"] = form.key_bias if w is None else w[:, None] * form.key_bias
+            elif isinstance(form, MapForm):
+                terms.update(R=form.S, w=w)
+            else:
+                terms["factors"] = (form.A, form.B)
+        q = k = None
+        if qs:
+            qs, ks = kernels.at_autocast_dtype(*qs), kernels.at_autocast_dtype(*ks)
+            q, k = self._concat(qs, x.shape[0]), self._concat(ks, x.shape[0])   # (B or 1, Hl, n, Σf)
+        y = documents.attention(v.transpose(1, 2), docs, q, k, scale, **terms)   # (B, Hl, n, d_h)
         return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
 
     @staticmethod
@@ -174,27 +208,36 @@ class SpatialGatingMixer(nn.Module):
         self.norm_bias = per_head(H, self.c, init=tp.constant(0.0))
         self.out = tp.row_linear(d_inner, d, cfg.bias, cfg.init_std * n_layers_scale)
 
-    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None):
-        """Positions t0 … t1−1 (x: (B, m, d)); a decoding cache holds LN(Z2) of the positions before t0."""
+    def forward(self, x: torch.Tensor, return_map: bool = False, t0: int = 0, cache=None, docs=None):
+        """Positions t0 … t1−1 (x: (B, m, d)); a decoding cache holds LN(Z2) of the positions before t0. Under the
+        document mask (`docs`) the map of sample b is W[p_i, p_j] masked to i's document, b[p_i] its bias: made
+        whole per sample, (B, Hl, m, t1), on every device (no softmax, so no attention kernel takes it)."""
         B, m, _ = x.shape
         t1 = t0 + m
         z = F.gelu(self.in_proj(x)).view(B, m, -1, 2, self.c)           # (B, m, Hl, 2, c)
         z1, z2 = z.unbind(-2)                                            # (B, m, Hl, c) each
         z2 = F.layer_norm(z2, (self.c,), eps=self.eps) * self.norm_weight + self.norm_bias
-        if self.impl == "reference" or return_map or cache is not None:
+        if self.impl == "reference" or return_map or cache is not None or docs is not None:
             z2 = z2.transpose(1, 2)                                      # (B, Hl, m, c)
             if cache is not None:
                 z2 = cache.extend("z2", z2, t0)                          # (B, Hl, t1, c)
-            W = self.spatial[:, t0:t1, :t1].tril(t0)                     # (Hl, m, t1): W ⊙ causal, rows i ≥ j
+            if docs is None:
+                W = self.spatial[:, t0:t1, :t1].tril(t0)                 # (Hl, m, t1): W ⊙ causal, rows i ≥ j
+            else:                                                        # (B, Hl, m, t1): W[p_i, p_j] ⊙ M
+                p = docs.positions
+                W = documents.gathered_map(self.spatial, p[:, t0:], p).masked_fill(~docs.dense_mask(t0), 0.0)
             gate = (W @ z2).transpose(1, 2)                              # (B, m, Hl, c)
         else:   # one causal matmul per head with the batch folded into the columns (no per-sample copy of W)
             Hl = z2.shape[2]
             cols = z2.permute(2, 1, 0, 3).reshape(Hl, m, B * self.c)     # (Hl, m, B·c)
             gate = kernels.causal_matmul(self.spatial, cols)             # (Hl, m, B·c)
             gate = gate.view(Hl, m, B, self.c).permute(2, 1, 0, 3)       # (B, m, Hl, c)
-        gate = gate + self.spatial_bias[:, t0:t1].T[None, :, :, None]    # + b^h[i]
+        if docs is None:
+            gate = gate + self.spatial_bias[:, t0:t1].T[None, :, :, None]    # + b^h[i]
+        else:
+            gate = gate + self.spatial_bias[:, docs.positions[:, t0:]].permute(1, 2, 0)[..., None]   # + b^h[p_i]
         out = self.out((z1 * gate).reshape(B, m, -1))                    # (B, m, d)
-        return (out, W.unsqueeze(0).expand(B, -1, -1, -1)) if return_map else out
+        return (out, W.expand(B, -1, -1, -1)) if return_map else out
 
     def synthesizer_parameters(self):
         yield "spatial", self.spatial

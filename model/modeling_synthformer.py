@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_synthformer import SynthformerConfig
-from .decoding import LayerCache
+from .decoding import LayerCache, documents_so_far
 from .lm import Head, SynthesizerLM
 from .parallel import init_from_seed
 from .synthesizers import Rotary
@@ -32,8 +32,9 @@ from .synthesizers import Rotary
 
 class SynthformerCache(Cache):
     """The cache of a Synthformer: per layer a model/decoding.py LayerCache (the per-position tensors of positions
-    0 … t−1, each (B, …, L, f)), and t = get_seq_length(). At most L = max_seq_len positions; see the module
-    docstring for what happens past L."""
+    0 … t−1, each (B, …, L, f)), and t = get_seq_length(); under model.document_mask also the tokens of those
+    positions (their documents mask the new ones). At most L = max_seq_len positions; see the module docstring for
+    what happens past L."""
 
     def __init__(self, n_layers: int, max_seq_len: int):
         super().__init__(layers=[])
@@ -42,6 +43,7 @@ class SynthformerCache(Cache):
 
     def reset(self) -> None:
         self.t, self.layer_caches = 0, [LayerCache(self.max_seq_len) for _ in range(self.n_layers)]
+        self.tokens = None
 
     def __len__(self) -> int:
         return self.n_layers
@@ -61,6 +63,8 @@ class SynthformerCache(Cache):
         for layer in self.layer_caches:
             for name, buffer in layer.buffers.items():
                 layer.buffers[name] = buffer.index_select(0, beam_idx.to(buffer.device))
+        if self.tokens is not None:
+            self.tokens = self.tokens.index_select(0, beam_idx.to(self.tokens.device))
 
 
 class SynthformerForCausalLM(PreTrainedModel, GenerationMixin):
@@ -161,8 +165,9 @@ class SynthformerForCausalLM(PreTrainedModel, GenerationMixin):
         if t0 + m > L:
             raise ValueError(f"{t0 + m} positions exceed max_position_embeddings={L}: start a new cache with the "
                              f"last {L} tokens")
-        x = self.model.embed(input_ids, t0)                                # (B, m, d)
+        cache.tokens, docs = documents_so_far(self.model, cache.tokens, input_ids)   # None unless document_mask
+        x = self.model.embed(input_ids, t0, docs)                          # (B, m, d)
         for block, layer in zip(self.model.blocks, cache.layer_caches):
-            x = block(x, t0=t0, cache=layer)
+            x = block(x, t0=t0, cache=layer, docs=docs)
         cache.t = t0 + m
         return self.model.logits(x)

@@ -60,9 +60,11 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)   # real buffers: Module.to(dtype) keeps them
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # x (B, Hl, m, d_h) at positions offset…
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, Hl, m, d_h) at positions offset…, or at `positions` (B, m) (in their documents)."""
         m, half = x.shape[-2], self.cos.shape[-1]
-        turn = torch.complex(self.cos[offset:offset + m].float(), self.sin[offset:offset + m].float())  # (m, d_h/2)
+        at = slice(offset, offset + m) if positions is None else positions[:, None]       # (m,) or (B, 1, m)
+        turn = torch.complex(self.cos[at].float(), self.sin[at].float())   # (m, d_h/2) or (B, 1, m, d_h/2)
         y = x[..., :2 * half].float()
         if any(stride % 2 for stride in y.stride()[:-1]):   # heads of odd d_h: views with an odd stride, which
             y = y.contiguous()                              # view_as_complex refuses; even ones stay views
@@ -86,23 +88,27 @@ class DotProduct(nn.Module):
         self.k = column_linear(d, d, cfg.bias, cfg.init_std)
         self.rope = Rotary(self.d_h, cfg.max_seq_len, cfg.rope_base) if cfg.position == "rope" else None
 
-    def _heads(self, y, t0):
+    def _heads(self, y, t0, positions=None):
         y = heads(y, self.d_h)                                           # (B, Hl, m, d_h)
-        return y if self.rope is None else self.rope(y, t0)              # rotated by the absolute positions
+        if self.rope is None:
+            return y
+        rows = None if positions is None else positions[:, t0:t0 + y.shape[2]]
+        return self.rope(y, t0, rows)                                    # rotated by the positions t0… or p
 
-    def keys(self, x, t0=0):
+    def keys(self, x, t0=0, positions=None):
         """k_j of x's positions t0…: what a decoding cache keeps."""
-        return self._heads(self.k(x), t0)
+        return self._heads(self.k(x), t0, positions)
 
     def projections(self):
         return [self.q, self.k]
 
-    def fused(self, x, inputs):
-        return QKForm(self._heads(inputs[self.q], 0), self._heads(inputs[self.k], 0), inv_sqrt(self.d_h))
+    def fused(self, x, inputs, positions=None):
+        q, k = self._heads(inputs[self.q], 0, positions), self._heads(inputs[self.k], 0, positions)
+        return QKForm(q, k, inv_sqrt(self.d_h))
 
-    def logits(self, x, t0=0, keys=None):
-        k = self.keys(x) if keys is None else keys                       # (B, Hl, t1, d_h)
-        return self._heads(self.q(x), t0) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
+    def logits(self, x, t0=0, keys=None, positions=None):
+        k = self.keys(x, 0, positions) if keys is None else keys         # (B, Hl, t1, d_h)
+        return self._heads(self.q(x), t0, positions) @ k.transpose(-1, -2) * inv_sqrt(self.d_h)   # (B, Hl, m, t1)
 
     def flops(self, n):
         return linear_flops(self.q) + linear_flops(self.k) + 2 * n * full_shape(self.q.weight)[0]
@@ -136,14 +142,18 @@ class Dense(nn.Module):
     def projections(self):   # W_1 X + b_1 apart: a slice of the joint GEMM would keep the whole of its output alive
         return []             # for backward, where ReLU keeps only its own output
 
-    def fused(self, x, inputs):
-        n = x.shape[1]   # q (B, Hl, n, d_h), k (1, Hl, n, d_h), and b_2^h[j] for key j (Hl, n)
-        q, k = self.hidden(self.w1(x)), self.w2[:, :n].unsqueeze(0)
-        return QKForm(q, k, 1.0, key_bias=self.w2_bias[:, :n])
+    def fused(self, x, inputs, positions=None):
+        n, q = x.shape[1], self.hidden(self.w1(x))   # q (B, Hl, n, d_h), k (1, Hl, n, d_h), b_2^h[j] for key j (Hl, n)
+        if positions is not None:   # key j's row W_2[p_j], per sample: k (B, Hl, n, d_h), b (B, Hl, n)
+            return QKForm(q, self.w2[:, positions].transpose(0, 1), 1.0, self.w2_bias[:, positions].transpose(0, 1))
+        return QKForm(q, self.w2[:, :n].unsqueeze(0), 1.0, key_bias=self.w2_bias[:, :n])
 
-    def logits(self, x, t0=0, keys=None):
-        t1 = t0 + x.shape[1]                                             # keys j < t1: the rows W_2[j]
-        return self.hidden(self.w1(x)) @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]
+    def logits(self, x, t0=0, keys=None, positions=None):
+        t1, h = t0 + x.shape[1], self.hidden(self.w1(x))                 # keys j < t1: the rows W_2[j] (or W_2[p_j])
+        if positions is not None:
+            k, b = self.w2[:, positions].transpose(0, 1), self.w2_bias[:, positions].transpose(0, 1)
+            return h @ k.transpose(-1, -2) + b[:, :, None]               # (B, Hl, m, t1)
+        return h @ self.w2[:, :t1].transpose(-1, -2) + self.w2_bias[:, None, :t1]
 
     def flops(self, n):
         H_d_h = full_shape(self.w1.weight)[0]
@@ -174,11 +184,13 @@ class Random(nn.Module):
     def projections(self):
         return []
 
-    def fused(self, x, inputs):
-        return MapForm(self.bias(x.shape[1]))
+    def fused(self, x, inputs, positions=None):
+        return MapForm(self.bias(x.shape[1])) if positions is None else MapForm(self.R, positions)
 
-    def logits(self, x, t0=0, keys=None):
+    def logits(self, x, t0=0, keys=None, positions=None):
         t1 = t0 + x.shape[1]
+        if positions is not None:                                        # R[p_i, p_j] per sample (B, Hl, m, t1)
+            return self.R[:, positions[:, t0:, None], positions[:, None, :]].transpose(0, 1)
         return (self.bias(t1) if t0 == 0 else self.R[:, t0:t1, :t1]).unsqueeze(0)   # (1, Hl, m, t1)
 
     def flops(self, n):
@@ -205,12 +217,16 @@ class FactorizedRandom(nn.Module):
     def projections(self):
         return []
 
-    def fused(self, x, inputs):
+    def fused(self, x, inputs, positions=None):
         n = x.shape[1]
+        if positions is not None:   # R_1[p_i], R_2[p_j] per sample: (B, Hl, n, k) each
+            return QKForm(self.R1[:, positions].transpose(0, 1), self.R2[:, positions].transpose(0, 1), 1.0)
         return QKForm(self.R1[:, :n].unsqueeze(0), self.R2[:, :n].unsqueeze(0), 1.0)   # (1, Hl, n, k) each
 
-    def logits(self, x, t0=0, keys=None):
+    def logits(self, x, t0=0, keys=None, positions=None):
         t1 = t0 + x.shape[1]
+        if positions is not None:                                        # R_1[p_i] R_2[p_j]ᵀ (B, Hl, m, t1)
+            return self.R1[:, positions[:, t0:]].transpose(0, 1) @ self.R2[:, positions].permute(1, 0, 3, 2)
         return (self.R1[:, t0:t1] @ self.R2[:, :t1].transpose(-1, -2)).unsqueeze(0)   # (1, Hl, m, t1)
 
     def flops(self, n):
@@ -252,13 +268,15 @@ class FactorizedDense(nn.Module):
     def projections(self):   # W_1 X + b_1 apart, as Dense's
         return []
 
-    def fused(self, x, inputs):
-        return FactorForm(*self.factors(self.w1(x)))
+    def fused(self, x, inputs, positions=None):
+        return FactorForm(*self.factors(self.w1(x)), positions)
 
-    def logits(self, x, t0=0, keys=None):
+    def logits(self, x, t0=0, keys=None, positions=None):
         A, Bf = self.factors(self.w1(x))
         # S[..., j] with j = ⌊j/a⌋·a + (j mod a): row-major flattening of the (b, a) outer product.
         S = (Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2)              # (B, Hl, m, L)
+        if positions is not None:                                         # key j's column p_j (B, Hl, m, t1)
+            return S.gather(-1, positions[:, None, None, :].expand(S.shape[0], S.shape[1], S.shape[2], -1))
         return S[..., :t0 + x.shape[1]]                                   # (B, Hl, m, t1)
 
     def flops(self, n):

@@ -38,6 +38,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     for source in open_sources(as_sources(cfg.data.source_list())):   # every source's manifest, checked together
         check_vocab(source.manifest, cfg.model.vocab_size)
         check_seq_len(source.manifest, cfg.model.max_seq_len, training=True)
+        check_eos(source.manifest, cfg.model)
     resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)
     if resume is None:
         return runtime
@@ -52,6 +53,15 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     if problem:
         raise ConfigError(problem)
     return runtime
+
+
+def check_eos(manifest: dict, model) -> None:
+    """Under model.document_mask the model ends documents at model.eos_id: the shards' eos, or a ConfigError."""
+    eos = manifest.get("eos_id")
+    if model.document_mask and eos != model.eos_id:
+        raise ConfigError(f"model.document_mask ends documents at model.eos_id={model.eos_id}, but the shards in "
+                          f"{manifest['shard_dir']} end them with eos_id={eos} (their manifest.json): "
+                          f"set model.eos_id={eos}")
 
 
 def main(argv: list[str] | None = None) -> int:

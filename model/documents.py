@@ -13,9 +13,10 @@ each. The loss is kept at every position: predicting a document's first token fr
 The boundaries come from the tokens alone (no shard format change; a resumed run sees the same windows). Without
 the setting no `Documents` exists and every path is the one of a single document per window (g = 0, p = i).
 
-Where the mask is made, per forward pass (once, shared by the layers; a pipeline stage makes its own from the
+Where the mask is made, per forward pass (once, shared by the layers; in a pipeline each block makes its own from the
 document ids that travel with the activations):
-    CPU path   M as a boolean (B, 1, n, n) tensor: SDPA takes it for q·k logits, the materialized maps mask with it
+    CPU path   M as a (B, 1, n, n) tensor in the activations' dtype (SDPA takes it for q·k logits, the whole maps add
+               it) and as booleans (SGU's map keeps its entries where they are true)
     GPU path   a FlexAttention BlockMask from g (torch.compile'd create_block_mask): no (n × n) tensor per sample;
                the kernel skips the tiles outside every document and evaluates the mask inside the rest
 """
@@ -51,23 +52,28 @@ def dense_mask(ids: torch.Tensor, t0: int = 0) -> torch.Tensor:
 
 
 class Documents:
-    """The documents of a batch of windows: `ids` g and `positions` p (B, n), and the mask of the fused path of their
-    device (`mask`, CPU; `block_mask`, GPU), made once when `fused` (a training or scoring pass). Decoding makes
-    one without (`fused=False`) and reads the rows of its new positions from `dense_mask(t0)`."""
+    """The documents of a batch of windows: `ids` g and `positions` p (B, n), and the masks of the fused path of their
+    device, made once when `fused` (a training or scoring pass): on the CPU path `allowed` (B, 1, n, n) bool and
+    `mask`, M itself in `dtype`; on the GPU path `block_mask`. Decoding makes one without (`fused=False`) and reads
+    the rows of its new positions from `dense_mask(t0)`."""
 
-    def __init__(self, ids: torch.Tensor, fused: bool = True):
+    def __init__(self, ids: torch.Tensor, fused: bool = True, dtype: torch.dtype = torch.float32):
         self.ids, self.positions = ids, positions_in_documents(ids)
-        gpu = on_gpu_path(ids)
-        self.mask = dense_mask(ids) if fused and not gpu else None                # (B, 1, n, n) bool
-        self.block_mask = block_mask(ids) if fused and gpu else None
+        gpu, self.allowed, self.mask, self.block_mask = on_gpu_path(ids), None, None, None
+        if fused and gpu:
+            self.block_mask = block_mask(ids)
+        elif fused:
+            self.allowed = dense_mask(ids)                                            # (B, 1, n, n) bool
+            self.mask = torch.zeros(self.allowed.shape, dtype=dtype, device=ids.device).masked_fill_(
+                ~self.allowed, float("-inf"))                                         # (B, 1, n, n): 0 or −∞
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, eos: int, fused: bool = True) -> "Documents":
-        return cls(document_ids(tokens, eos), fused)
+    def of(cls, tokens: torch.Tensor, eos: int, fused: bool = True, dtype: torch.dtype = torch.float32):
+        return cls(document_ids(tokens, eos), fused, dtype)
 
     def dense_mask(self, t0: int = 0) -> torch.Tensor:
         """Rows t0… of M as (B, 1, n − t0, n) bool."""
-        return self.mask[:, :, t0:] if self.mask is not None else dense_mask(self.ids, t0)
+        return self.allowed[:, :, t0:] if self.allowed is not None else dense_mask(self.ids, t0)
 
 
 def _flex(name: str, fn, device: torch.device):
@@ -91,20 +97,26 @@ def block_mask(ids: torch.Tensor):
 
 
 def gathered_map(R: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """R[h, p_i, p_j] per sample: R (Hl, L, L), rows (B, m), cols (B, t) → (B, Hl, m, t). One index_select of the
-    flattened table (its backward one index_add, ~4× faster on a CPU than advanced indexing's accumulating put)."""
-    flat = rows[:, :, None] * R.shape[-1] + cols[:, None, :]                        # (B, m, t)
-    return R.flatten(1).index_select(1, flat.flatten()).view(R.shape[0], *flat.shape).transpose(0, 1)
+    """R[h, p_i, p_j] per sample: R (Hl, L, L), rows (B, m), cols (B, t) → (B, Hl, m, t)."""
+    Hl, L = R.shape[0], R.shape[-1]
+    B, m = rows.shape
+    return columns(R.index_select(1, rows.flatten()).view(Hl, B, m, L).transpose(0, 1), cols)
 
 
 def gathered_factors(A: torch.Tensor, Bf: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """S[b, h, i, j] = A_i[p_j mod a] · B_i[⌊p_j / a⌋]: A (B, Hl, m, a), Bf (B, Hl, m, b), cols p (B, t) → (B, Hl, m, t)."""
-    a = A.shape[-1]
-    return A.gather(-1, _rows_of(cols % a, A)) * Bf.gather(-1, _rows_of(cols // a, Bf))
+    """S[b, h, i, j] = A_i[p_j mod a] · B_i[⌊p_j / a⌋]: A (B, Hl, m, a), Bf (B, Hl, m, b), cols p (B, t) → (B, Hl, m, t):
+    all a·b products of a row (its L keys), then their columns p_j."""
+    return columns((Bf.unsqueeze(-1) * A.unsqueeze(-2)).flatten(-2), cols)
 
 
-def _rows_of(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return index[:, None, None, :].expand(like.shape[0], like.shape[1], like.shape[2], -1)
+def columns(T: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """T[b, …, cols[b, j]]: T (B, …, L), cols (B, t) → (B, …, t), by one index_select over the samples' columns side
+    by side, whose backward keeps the B·t indices alone (a gather's would keep T, and index tensors of T's rank would
+    be (B, m, t) integers)."""
+    B, L, t = T.shape[0], T.shape[-1], cols.shape[1]
+    flat = (cols + L * torch.arange(B, device=cols.device)[:, None]).flatten()       # (B·t)
+    side_by_side = T.movedim(0, -2).reshape(*T.shape[1:-1], B * L)                   # (…, B·L), not kept
+    return side_by_side.index_select(-1, flat).view(*T.shape[1:-1], B, t).movedim(-2, 0).contiguous()
 
 
 def attention(v: torch.Tensor, docs: Documents, q=None, k=None, scale: float = 1.0, key_bias=None, R=None, w=None,
@@ -125,17 +137,19 @@ def attention(v: torch.Tensor, docs: Documents, q=None, k=None, scale: float = 1
         q, k = with_key_bias(q.expand(B, -1, -1, -1), k.expand(B, -1, -1, -1), key_bias, scale)
     if on_gpu_path(v):
         return _flex_attention(v, docs, q, k, scale, R, w, factors)
-    if R is None and factors is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, scale=scale)
-    p = docs.positions
-    S = 0 if q is None else (q * scale) @ k.transpose(-1, -2)                       # (B, Hl, n, n)
-    if R is not None:
-        G = gathered_map(R, p, p)
-        S = S + (G if w is None else w[:, None, None] * G)
+    if R is None and factors is None:   # q, k, v at one width (zero features add nothing): SDPA's flash kernel
+        width = v.shape[-1] if q.shape[-1] <= v.shape[-1] else -(-q.shape[-1] // 8) * 8   # 8: a CPU vector
+        q, k, v_wide = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v_wide, attn_mask=docs.mask.to(q.dtype), scale=scale)
+        return out[..., :v.shape[-1]]
+    p, S = docs.positions, docs.mask.to(v.dtype)                                   # (B, 1, n, n)
+    if q is not None:
+        S = S + (q * scale) @ k.transpose(-1, -2)
+    if R is not None:   # weighted as a table (Hl, L, L): what backward keeps is R and w, not a weighted map
+        S = S + gathered_map(R if w is None else w[:, None, None] * R, p, p)
     if factors is not None:
         S = S + gathered_factors(*factors, p)
-    A = torch.softmax(S.masked_fill(~docs.mask, float("-inf")), dim=-1)
-    return A @ v
+    return torch.softmax(S, dim=-1) @ v                                              # A (B, Hl, n, n) kept
 
 
 def _flex_attention(v, docs, q, k, scale, R, w, factors):

@@ -63,10 +63,11 @@ class Synthesizer(Protocol):
     """What SynthesizedAttention asks of each member (every built-in of model/synthesizers.py is one).
 
     input_dependent   whether S depends on the input x (if no member's does, the whole map is shared by the batch)
-    cached            whether decoding caches what `keys(x, t0)` returns per position (then it has `keys`)
+    cached            whether decoding caches what `keys(x, t0, positions)` returns per position (then it has `keys`)
     projections()     the column-parallel linears it applies to x on the fused path ([] for none)
-    activations(B, n, mixed)  {what: elements} it keeps for backward itself, beyond the attention kernel's (model/
-                      memory.py's memory plan; `mixed`: a member of a mixture); {} for none
+    activations(B, n, mixed, documents)  {what: elements} it keeps for backward itself, beyond the attention
+                      kernel's (model/memory.py's memory plan; `mixed`: a member of a mixture; `documents`: under
+                      the document mask, asked only then); {} for none
     fused(x, inputs, positions)  S as one of the forms above, over all positions of x: the fused path;
                       inputs[layer] = layer(x) for each of `projections()`; positions: None (position i is i) or
                       p (B, n), each token's position in its document (model/documents.py)
@@ -80,7 +81,7 @@ class Synthesizer(Protocol):
 
     def projections(self) -> list[torch.nn.Module]: ...
 
-    def activations(self, B: int, n: int, mixed: bool = False) -> dict[str, int]: ...
+    def activations(self, B: int, n: int, mixed: bool = False, documents: bool = False) -> dict[str, int]: ...
 
     def fused(self, x: torch.Tensor, inputs: dict, positions: torch.Tensor | None = None) -> Form: ...
 

@@ -165,7 +165,9 @@ class SynthesizerLM(nn.Module):
     def documents(self, tokens, fused: bool = True) -> Documents | None:
         """The documents of the windows `tokens` (B, n) under model.document_mask (their masks made for the fused
         path of their device when `fused`), else None."""
-        return Documents.of(tokens, self.cfg.eos_id, fused) if self.cfg.document_mask else None
+        if not self.cfg.document_mask:
+            return None
+        return Documents.of(tokens, self.cfg.eos_id, fused, self.wte.weight.dtype)
 
     def logits(self, x):
         return Head.forward(self, x, self.wte.weight)                    # (B, n, V/TP)

@@ -16,6 +16,17 @@ kernels keep (model/kernels.py, model/gpu_kernels/), per layer:
         also the softmax of the map, Hl·n² ("random's H·n² maps": one per layer, shared by the batch)
     factors (factorized_dense): A, B, v, out
     then the output projection's input (a copy where the kernel's output is not laid out as (B, n, Hl·d_h)).
+Under the document mask (model.document_mask, model/documents.py; `document_attention_terms`), per layer:
+    q·k members alone, CPU: one SDPA call with the mask, as above but every key per sample (dense's W_2[p_j], R_2[p_j])
+    a map or factors among the members, CPU: the whole per-sample logits are made and their softmax A, B·Hl·n², is
+        kept (the map differs per sample: "one for the batch" no longer holds), with the values (contiguous) and the
+        q·k features that enter it
+    GPU path (any synthesized attention): one compiled FlexAttention call: q, k (16 zero features where no q·k
+        member), v, out, log-sum-exp; nothing n²
+    SGU: W[p_i, p_j] masked per sample, B·H·n², on either path
+and once per forward pass (per block in a pipeline, whose blocks each make their own): the positions in the documents
+(int64), the mask M (B·n², the activations' dtype) on the CPU path with synthesized attention, its booleans where an
+SGU masks with them, and the BlockMask's tile indices on the GPU path.
 Beside the mixer: two layer norms (input + fp32 statistics), the MLP's input, pre- and post-GELU hidden (d_ffn/tp
 each), dropout masks where dropout is on. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
 gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32 logits
@@ -50,10 +61,13 @@ def _width(f: int, d_h: int) -> int:
     return d_h if f <= d_h else -(-f // 8) * 8
 
 
-def _forms(mixer: SynthesizedAttention, B: int, n: int) -> list:
+def _forms(mixer: SynthesizedAttention, B: int, n: int, documents: bool = False) -> list:
     x = torch.empty(B, n, mixer.value.weight.shape[1], device="meta")
     layers = [mixer.value] + [layer for synth in mixer.synth.values() for layer in synth.projections()]
     inputs = dict(zip(layers, joint_column(x, layers)))
+    if documents:
+        p = torch.zeros(B, n, dtype=torch.long, device="meta")
+        return [synth.fused(x, inputs, p) for synth in mixer.synth.values()]
     return [synth.fused(x, inputs) for synth in mixer.synth.values()]
 
 
@@ -108,6 +122,67 @@ def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int
     return out
 
 
+def document_attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
+    """What a synthesized-attention mixer keeps for backward on one rank under the document mask
+    (model/documents.py `attention`)."""
+    H, d_h = mixer.value.weight.shape[0] // mixer.d_h, mixer.d_h
+    Hl, N, mixed = H // tp, B * n, len(mixer.names) > 1
+    out = []
+    for name, synth in mixer.synth.items():
+        out += [Term(f"{name}: {what}", a * count // tp)
+                for what, count in synth.activations(B, n, mixed, documents=True).items()]
+    forms = _forms(mixer, B, n, documents=True)
+    qk = [form for form in forms if isinstance(form, QKForm)]
+    f = sum(form.q.shape[-1] for form in qk) + any(form.key_bias is not None for form in qk)   # + the bias column
+    head_rows, values = N * Hl, a * N * Hl * d_h
+    if gpu:
+        width = f or 16
+        out += [Term(f"q, k at width {width} (FlexAttention's inputs)", 2 * a * head_rows * width),
+                Term("values V", values), Term("attention output and row log-sum-exp", values + FP32 * head_rows),
+                Term("output projection input", values)]
+    elif len(qk) < len(forms):   # a map or factors: the whole per-sample logits
+        out += [Term(f"probabilities A per sample, B·Hl·n² = {B}·{Hl}·{n}²", a * B * Hl * n * n),
+                Term("output projection input", values)]
+        if learns(mixer):   # dA = dY Vᵀ, and the gather's backward
+            out += [Term("values, contiguous for A V", values),
+                    Term("the map's or factors' key columns p_j + b·L", INDEX * N)]
+        if qk:
+            out.append(Term(f"q·k features at width {f}, scaled q and kᵀ", 2 * a * head_rows * f))
+    else:   # SDPA with the mask
+        width = _width(f, d_h)
+        out += [Term(f"q, k at width {width}, every key per sample", 2 * a * head_rows * width),
+                Term(f"values padded to width {width}", a * head_rows * width) if width != d_h else
+                Term("values V = X W_v", values),
+                Term(f"attention output (width {width}) and row log-sum-exp", a * head_rows * width + FP32 * head_rows)]
+        if width != f:   # padded features: the output is laid out per head, not as the values' (B, n, Hl, d_h)
+            out.append(Term("output projection input", values))
+    if mixer.dropout:
+        out.append(Term("mixer dropout mask", head_rows * d_h))
+    return out
+
+
+def learns(mixer: SynthesizedAttention) -> bool:
+    """Whether its map gets a gradient (random_fixed's does not)."""
+    return any(p.requires_grad for _, p in mixer.synthesizer_parameters()) or \
+        any(s.input_dependent for s in mixer.synth.values())
+
+
+def document_terms(cfg: ModelConfig, B: int, n: int, a: int, gpu: bool) -> list[Term]:
+    """What one set of documents keeps (model/documents.py `Documents`): once a forward pass, or once a block in a
+    pipeline."""
+    mixers = [block.mixer for block in shape_model(cfg).blocks if isinstance(block.mixer, SynthesizedAttention)]
+    sdpa = any(all(isinstance(f, QKForm) for f in _forms(m, 1, 1, documents=True)) for m in mixers)
+    out = [Term("positions in the documents (int64)", INDEX * B * n)]
+    if gpu and mixers:   # kv and q tile counts and indices, forward and transposed: (B, ⌈n/128⌉²) int32 each
+        tiles = -(-n // 128)
+        out.append(Term("FlexAttention block mask (tile indices)", 4 * 2 * B * (tiles * tiles + tiles)))
+    elif sdpa:   # SDPA keeps M for backward (the whole maps add it and keep only their softmax)
+        out.append(Term(f"document mask M, B·n² = {B}·{n}²", a * B * n * n))
+    if "sgu" in cfg.layer_mixers():
+        out.append(Term("document mask as booleans (SGU)", B * n * n))
+    return out
+
+
 def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
     """Everything block `index` keeps for backward on one rank."""
     block = shape_model(cfg).blocks[index]
@@ -116,9 +191,13 @@ def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, g
     out = [Term("layer norm inputs and statistics", norms * (a * N * d + 2 * FP32 * N)),
            Term("normed input of the mixer", a * N * d)]
     if isinstance(block.mixer, SynthesizedAttention):
-        out += attention_terms(block.mixer, B, n, tp, a, gpu)
+        terms = document_attention_terms if cfg.document_mask else attention_terms
+        out += terms(block.mixer, B, n, tp, a, gpu)
     else:
-        out += [Term(f"sgu: {what}", a * count // tp) for what, count in block.mixer.activations(B, n, gpu).items()]
+        out += [Term(f"sgu: {what}", a * count // tp)
+                for what, count in block.mixer.activations(B, n, gpu, cfg.document_mask).items()]
+        if cfg.document_mask:
+            out.append(Term("sgu: the map's key columns p_j + b·L (int64)", INDEX * N))
     if block.mlp is not None:
         f = cfg.d_ffn // tp
         out += [Term("normed input of the MLP", a * N * d), Term(f"MLP hidden {f} wide, before and after GELU",
@@ -183,6 +262,10 @@ def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: 
     kept, recompute = [], Term("nothing", 0)
     if first:
         kept += embedding_terms(cfg, B, n)
+    if cfg.document_mask:   # once a pass; in a pipeline each block makes its own
+        docs = document_terms(cfg, B, n, a, gpu)
+        kept += docs if not pipeline else [Term(f"the documents of each of {len(layers)} blocks",
+                                                len(layers) * sum(t.bytes for t in docs))]
     mixers, runs = cfg.layer_mixers(), []   # runs of alike layers: [first, last, what, bytes each]
     for i in layers:
         size = layer_bytes(cfg, i, B, n, tp, a, gpu)

@@ -225,7 +225,7 @@ class SpatialGatingMixer(nn.Module):
                 W = self.spatial[:, t0:t1, :t1].tril(t0)                 # (Hl, m, t1): W ⊙ causal, rows i ≥ j
             else:                                                        # (B, Hl, m, t1): W[p_i, p_j] ⊙ M
                 p = docs.positions
-                W = documents.gathered_map(self.spatial, p[:, t0:], p).masked_fill(~docs.dense_mask(t0), 0.0)
+                W = torch.where(docs.dense_mask(t0), documents.gathered_map(self.spatial, p[:, t0:], p), 0.0)
             gate = (W @ z2).transpose(1, 2)                              # (B, m, Hl, c)
         else:   # one causal matmul per head with the batch folded into the columns (no per-sample copy of W)
             Hl = z2.shape[2]
@@ -242,13 +242,17 @@ class SpatialGatingMixer(nn.Module):
     def synthesizer_parameters(self):
         yield "spatial", self.spatial
 
-    def activations(self, B, n, gpu=False):
+    def activations(self, B, n, gpu=False, documents=False):
         """Elements it keeps for backward, all heads (model/memory.py): on the GPU path the masked map (W ⊙ causal)
-        per head, on the CPU path the gate half with the batch in its columns."""
+        per head, on the CPU path the gate half with the batch in its columns; under the document mask, on either,
+        the masked map of each sample and the gate half per head."""
         d_in, H = self.norm_weight.numel() * tp.tp_world(), self.spatial.shape[0] * tp.tp_world()
-        return {"U X before and after GELU": 4 * B * n * d_in, "normed gate half, the gate, their product": 3 * B * n * d_in,
-                **({f"masked map W ⊙ causal, H·n² = {H}·{n}²": H * n * n} if gpu else
-                   {"gate half with the batch in its columns": B * n * d_in})}
+        out = {"U X before and after GELU": 4 * B * n * d_in, "normed gate half, the gate, their product": 3 * B * n * d_in}
+        if documents:
+            return {**out, f"masked map W[p_i, p_j] ⊙ M per sample, B·H·n² = {B}·{H}·{n}²": B * H * n * n,
+                    "normed gate half per head, contiguous": B * n * d_in}
+        return {**out, **({f"masked map W ⊙ causal, H·n² = {H}·{n}²": H * n * n} if gpu else
+                          {"gate half with the batch in its columns": B * n * d_in})}
 
     def flops(self, n):
         Hl_c = self.norm_weight.numel() * tp.tp_world()                  # d_in

@@ -113,9 +113,9 @@ class DotProduct(nn.Module):
     def flops(self, n):
         return linear_flops(self.q) + linear_flops(self.k) + 2 * n * full_shape(self.q.weight)[0]
 
-    def activations(self, B, n, mixed=False):
+    def activations(self, B, n, mixed=False, documents=False):
         """Elements it keeps for backward beyond the attention kernel's (model/memory.py), all heads: in a mixture,
-        q (its product with the weight α keeps it)."""
+        q (its product with the weight α keeps it); `documents`: under the document mask."""
         return {"q, kept by the mixture's weight α": B * n * full_shape(self.q.weight)[0]} if mixed else {}
 
 
@@ -159,8 +159,12 @@ class Dense(nn.Module):
         H_d_h = full_shape(self.w1.weight)[0]
         return linear_flops(self.w1) + 2 * n * H_d_h
 
-    def activations(self, B, n, mixed=False):
-        return {"hidden features σ(W_1 X)": B * n * full_shape(self.w1.weight)[0]}
+    def activations(self, B, n, mixed=False, documents=False):
+        H_d_h = full_shape(self.w1.weight)[0]
+        out = {"hidden features σ(W_1 X)": B * n * H_d_h}
+        if documents and mixed:   # b_2[p_j] gathered per sample, and its product with α keeps it
+            out["key bias b_2[p_j] per sample, kept by the mixture's weight α"] = B * n * full_shape(self.w2)[0]
+        return out
 
 
 class Random(nn.Module):
@@ -196,7 +200,7 @@ class Random(nn.Module):
     def flops(self, n):
         return 0
 
-    def activations(self, B, n, mixed=False):
+    def activations(self, B, n, mixed=False, documents=False):
         return {}   # R is a parameter; its softmax is the kernel's (model/memory.py)
 
 
@@ -233,8 +237,11 @@ class FactorizedRandom(nn.Module):
         H, _, k = full_shape(self.R1)
         return 2 * n * k * H
 
-    def activations(self, B, n, mixed=False):
-        return {}   # its features are slices of R_1, R_2
+    def activations(self, B, n, mixed=False, documents=False):
+        if documents and mixed:   # R_1[p] gathered per sample, and its product with α keeps it
+            H, _, k = full_shape(self.R1)
+            return {"R_1[p] per sample, kept by the mixture's weight α": B * n * H * k}
+        return {}   # its features are slices of R_1, R_2 (or, under the document mask, SDPA's inputs)
 
 
 class FactorizedDense(nn.Module):
@@ -284,7 +291,7 @@ class FactorizedDense(nn.Module):
         b = self.fb.shape[1]
         return linear_flops(self.w1) + 2 * H * d_h * (a + b) + H * n
 
-    def activations(self, B, n, mixed=False):
+    def activations(self, B, n, mixed=False, documents=False):
         H, a, d_h = full_shape(self.fa)
         b = full_shape(self.fb)[1]
         return {"hidden features σ(W_1 X), and the copy each factor product makes": 3 * B * n * H * d_h,

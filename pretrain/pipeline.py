@@ -7,6 +7,10 @@ token embedding and the output head share one weight across the first and last s
 DeepSpeed all-reduces its gradient between them). Every stage's parameters are drawn from the same seed under
 their *canonical* names (those of `model.SynthesizerLM`: `wte.weight`, `blocks.3.mixer…`), so any (TP, PP)
 layout starts from the TP=1, PP=1 model. This adapter lives here, not in model/: the model knows no pipeline.
+
+Under model.document_mask the document ids g (B, n) of the window (model/documents.py) travel with the activations:
+the first stage finds them in the tokens and every stage passes (x, g) on, in the same point-to-point send as x (an
+integer tensor, which DeepSpeed sends no gradient for); each block makes its mask from g. No new collective.
 """
 from __future__ import annotations
 
@@ -17,12 +21,41 @@ import torch
 
 from model import ModelConfig
 from model import parallel as tp
+from model.documents import Documents, document_ids
 from model.lm import Block, Embedding, Head
 
 
 def tied_head(embedding: Embedding, x):
     """Last stage, tied: logits (B, n, V/TP) with the token embedding's weight."""
     return Head.project(x, embedding.wte.weight)
+
+
+def tokens_and_documents(embedding: Embedding, tokens, eos: int):
+    """First stage under the document mask: (E[tokens] (B, n, d), document ids g (B, n))."""
+    return embedding(tokens), document_ids(tokens, eos)
+
+
+class PositionsInDocuments(Embedding):
+    """(x, g) → (x + P[p], g): learned positions at each token's position in its document."""
+
+    def forward(self, inputs):
+        x, ids = inputs
+        return super().forward(x, docs=Documents(ids, fused=False)), ids
+
+
+class BlockInDocuments(Block):
+    """(x, g) → (Block(x) under the document mask of g, g)."""
+
+    def forward(self, inputs):
+        x, ids = inputs
+        return super().forward(x, docs=Documents(ids, dtype=self.ln_1.weight.dtype)), ids
+
+
+class NormOfDocuments(Head):
+    """(x, g) → LN(x): the last stage needs no documents."""
+
+    def forward(self, inputs):
+        return super().forward(inputs[0])
 
 
 def stage_prefixes(cfg: ModelConfig) -> list[str]:
@@ -36,9 +69,15 @@ def layer_specs(cfg: ModelConfig) -> list:
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     embed = partial(TiedLayerSpec, "embed", Embedding, cfg, positions=False, tied_weight_attr="wte.weight")
-    specs = [embed(), LayerSpec(Embedding, cfg, tokens=False)]
-    specs += [LayerSpec(Block, cfg, mixer) for mixer in cfg.layer_mixers()]
-    specs.append(LayerSpec(Head, cfg, projection=False))
+    if cfg.document_mask:   # the same modules (the same parameter names), passing the document ids along
+        specs = [embed(forward_fn=partial(tokens_and_documents, eos=cfg.eos_id)),
+                 LayerSpec(PositionsInDocuments, cfg, tokens=False)]
+        specs += [LayerSpec(BlockInDocuments, cfg, mixer) for mixer in cfg.layer_mixers()]
+        specs.append(LayerSpec(NormOfDocuments, cfg, projection=False))
+    else:
+        specs = [embed(), LayerSpec(Embedding, cfg, tokens=False)]
+        specs += [LayerSpec(Block, cfg, mixer) for mixer in cfg.layer_mixers()]
+        specs.append(LayerSpec(Head, cfg, projection=False))
     specs.append(embed(forward_fn=tied_head) if cfg.tie_embeddings else LayerSpec(Head, cfg, norm=False))
     return specs
 

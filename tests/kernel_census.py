@@ -10,11 +10,12 @@ NOT_KERNELS = ("detach", "alias", "lift_fresh")
 
 class Kernels(TorchDispatchMode):
     """Per phase: the non-view aten ops by name, bias adds apart from a GEMM, and 4-D copies (head layouts) of the
-    attention's inputs (made before the attention kernel runs)."""
+    attention's inputs (made before the attention kernel runs); the output shape of each where `shapes` is a list."""
 
     def __init__(self, in_triton):
         super().__init__()
         self.ops, self.bias_adds, self.head_copies, self.in_triton = collections.Counter(), 0, 0, in_triton
+        self.shapes = None   # a list to collect every counted op's output shape in
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -22,6 +23,8 @@ class Kernels(TorchDispatchMode):
         if self.in_triton() or func.is_view or name in NOT_KERNELS:
             return out
         self.ops[name] += 1
+        if self.shapes is not None and isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if name == "add" and len(tensors) == 2 and min(t.dim() for t in tensors) == 1 and \
                 max(t.dim() for t in tensors) >= 2:   # y + b with b (d_out,): a bias added after its matmul

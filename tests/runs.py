@@ -14,6 +14,7 @@ import yaml
 from filelock import FileLock
 
 from pretrain.distributed import free_local_port
+from tools.train_tokenizer import EOS_ID   # the eos of build_shards' tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
@@ -94,9 +95,10 @@ def write_config(path, shards, run_dir, **sections):
 
 def reference_config(tmp_path, shards, name, **sections):
     """The shared reference run's config (2 ranks, ZeRO-1, 2 data workers each, 40 steps, a checkpoint every 3,
-    sample ids recorded, images at step 10): the tests of exact resume, kill -9 and damaged checkpoints rerun it
-    with interruptions and compare with the `reference_run` fixture, trained once per session."""
-    settings = dict(data={"num_workers": 2}, parallel={"zero_stage": 1}, train={"max_steps": 40},
+    sample ids recorded, images at step 10, the document mask on): the tests of exact resume, kill -9 and damaged
+    checkpoints rerun it with interruptions and compare with the `reference_run` fixture, trained once per session."""
+    settings = dict(model={"document_mask": True, "eos_id": EOS_ID},
+                    data={"num_workers": 2}, parallel={"zero_stage": 1}, train={"max_steps": 40},
                     checkpoint={"every": 3, "keep": 2},
                     logging={"every": 1, "val_every": 0, "image_every": 10, "sample_ids": True, "sample_tokens": 4})
     for section, values in sections.items():

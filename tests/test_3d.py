@@ -8,13 +8,15 @@ import pytest
 from model import variants
 from tests.distributed import run_distributed
 from tests.runs import PY, ROOT, finish, free_local_port, launch, losses, start, write_config
+from tools.train_tokenizer import EOS_ID
 
 MIXERS = variants.subset("layers")   # one layer of each: every stage holds several variants
 
 
 def config(tmp_path, shards, name, mixers=MIXERS, **parallel):
+    """Under the document mask: its document ids travel between the pipeline's stages."""
     return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name,
-                        model={"n_layers": len(mixers), "mixer": mixers},
+                        model={"n_layers": len(mixers), "mixer": mixers, "document_mask": True, "eos_id": EOS_ID},
                         parallel={"zero_stage": 1, "partition": "uniform", **parallel},
                         train={"max_steps": 10, "micro_batch_size": 2})
 

@@ -329,4 +329,5 @@ def test_gpu_path_tp2_shards_equal_tp1(monkeypatch):
     from tests.test_tensor_parallel import tp2_equals_tp1
 
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")   # inherited by the spawned ranks
-    tp2_equals_tp1(["random+dot", "random+dense", "factorized_dense", "dense+dot", "random", "sgu"])
+    # windows only: FlexAttention, the GPU path under the document mask, has no CPU backward
+    tp2_equals_tp1(["random+dot", "random+dense", "factorized_dense", "dense+dot", "random", "sgu"], masks=(False,))

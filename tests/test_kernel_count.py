@@ -78,3 +78,52 @@ def test_a_block_launches_fewer_kernels_than_before():
     for m in BINDING:   # q, k, v stay strided views of their projection (dense+dot's output y, made on the
         # value-factor path by a quotient in the heads' layout, is still copied back to features: not an input)
         assert got[m]["head_copies"] == 0, (m, got[m]["forward"])
+
+
+# Under model.document_mask (model/documents.py), a block's forward on the GPU path, kernels counted as above with the
+# one FlexAttention call (compiled on a GPU: one kernel) as one; the documents and their block mask are made once a
+# pass, outside the block. Forward only, without autograd: FlexAttention has no CPU backward (its backward on a GPU
+# is its own kernels). The counts measured when the plan was written; a change that adds kernels must say why here.
+DOCUMENTS_FORWARD = {"dot": 12, "dense+dot": 37, "dense": 19, "random": 13, "random_fixed": 13, "factorized_random": 14,
+                     "factorized_dense": 29, "random+dot": 15, "sgu": 35}
+
+
+def test_a_block_under_the_document_mask_makes_no_map_per_sample_on_the_gpu_path(monkeypatch):
+    """Every synthesized attention runs as one FlexAttention call and no op outside it makes a (B, …, n, n) tensor:
+    no per-sample mask, map or logits. SGU (no softmax, no attention kernel) makes its masked map per sample, the
+    cost model/memory.py names. n 24 here, apart from every other width (d_h 32)."""
+    from model import ModelConfig, build_model, documents
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    flex, inside, B, n = documents.flex_attention, [0], 3, 24
+
+    def counted(*args, **kwargs):   # one kernel, whatever its eager CPU form does inside
+        counts.ops["flex_attention"] += 1
+        inside[0] += 1
+        try:
+            with torch.utils._python_dispatch._disable_current_modes():   # a higher-order op: no dispatch mode
+                return flex(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(documents, "flex_attention", counted)
+    got, per_sample = {}, {}
+    for mixer in DOCUMENTS_FORWARD:
+        d = 256 if mixer == "dense+dot" else 64
+        cfg = ModelConfig(vocab_size=64, d_model=d, n_layers=1, n_heads=2, max_seq_len=n, mixer=mixer, bias=True,
+                          position="rope" if mixer == "dense+dot" else "learned", document_mask=True, eos_id=1)
+        model = build_model(cfg)
+        tokens = torch.randint(2, 64, (B, n), generator=torch.Generator().manual_seed(0))
+        tokens[:, [7, 15]] = 1
+        docs, x = model.documents(tokens), torch.randn(B, n, d)
+        with torch.no_grad(), Kernels(lambda: inside[0] > 0) as counts:
+            shapes = counts.shapes = []
+            model.blocks[0](x, docs=docs)
+        got[mixer] = sum(counts.ops.values())
+        per_sample[mixer] = [s for s in shapes if len(s) >= 3 and s[0] == B and s[-2:] == (n, n)]
+        assert counts.ops["flex_attention"] == (0 if mixer == "sgu" else 1), (mixer, dict(counts.ops))
+    print("kernels per block forward under the document mask, now / plan:",
+          {m: f"{got[m]} / {DOCUMENTS_FORWARD[m]}" for m in got})
+    assert all(got[m] <= DOCUMENTS_FORWARD[m] for m in got), got
+    assert all(not shapes for m, shapes in per_sample.items() if m != "sgu"), per_sample
+    assert per_sample["sgu"], "SGU's per-sample map went unseen: the check would see nothing"

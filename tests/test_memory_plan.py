@@ -38,12 +38,16 @@ def saved_bytes(model, tokens, targets) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["windows", "documents"])
 @pytest.mark.parametrize("label", variants.subset("all"))
-def test_activation_terms_equal_the_tensors_autograd_saves(label):
+def test_activation_terms_equal_the_tensors_autograd_saves(label, documents):
+    """Also under model.document_mask (model/memory.py document_attention_terms), with three documents a window."""
     for B, n, d, H, V in SIZES:
-        cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=H, max_seq_len=n, **variants.model_fields(label))
+        cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=H, max_seq_len=n, document_mask=documents,
+                          eos_id=3, **variants.model_fields(label))
         torch.manual_seed(0)
         tokens, targets = torch.randint(V, (2, B, n))
+        tokens[:, [10, 40]] = 3
         measured = saved_bytes(build_model(cfg), tokens, targets)
         predicted = activations(cfg, B, n).total
         assert predicted == pytest.approx(measured, rel=0.01), (label, B, n)

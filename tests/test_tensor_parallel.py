@@ -1,4 +1,5 @@
-"""TP=2 on two real gloo processes equals TP=1: same initial weights, same loss, same gradients, every variant."""
+"""TP=2 on two real gloo processes equals TP=1: same initial weights, same loss, same gradients, every variant, with
+and without the document mask (model.document_mask: three documents in the batch's windows)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,16 +12,22 @@ from tests.distributed import run_distributed
 VARIANTS = [v for v in variants.subset("all") if v != "random+dot+dense"]
 
 
-def config(variant: str, impl: str = "fused") -> ModelConfig:
+EOS = 5
+
+
+def config(variant: str, impl: str = "fused", documents: bool = False) -> ModelConfig:
     extra = variants.model_fields(variant)
     return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, factorized_k=4,
                        tie_embeddings=variant != "dot", position="rope" if variant == "dense+dot" else "learned",
-                       random_init_std=0.5, init_std=0.2, sgu_init_eps=8.0, impl=impl, seed=7, **extra)
+                       random_init_std=0.5, init_std=0.2, sgu_init_eps=8.0, impl=impl, seed=7,
+                       document_mask=documents, eos_id=EOS, **extra)
 
 
 def batch():
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 64, (3, 13), generator=g)
+    tokens = torch.randint(0, 64, (3, 13), generator=g)
+    tokens[:, 4], tokens[1, 9] = EOS, EOS   # documents for the masked runs
+    return tokens
 
 
 def gather(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -37,14 +44,14 @@ def tp_worker(rank, world, variants):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     out = {}
-    for v in variants:
-        model = build_model(config(v))
+    for v, documents in variants:
+        model = build_model(config(v, documents=documents))
         weights = {n: gather(p, p) for n, p in model.named_parameters()}
         tokens = batch()
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         grads = {n: gather(p.grad, p) if p.grad is not None else None for n, p in model.named_parameters()}
-        out[v] = {"weights": weights, "loss": loss.item(), "grads": grads}
+        out[v, documents] = {"weights": weights, "loss": loss.item(), "grads": grads}
     try:   # heads must split evenly over TP ranks
         build_model(ModelConfig(vocab_size=64, d_model=30, n_layers=1, n_heads=3, max_seq_len=8))
     except Exception as e:
@@ -61,17 +68,18 @@ def test_tp2_equals_tp1_every_variant():
     assert "model.n_heads=3" in msg and "parallel.tp=2" in msg
 
 
-def tp2_equals_tp1(variants: list[str]) -> list[dict]:
-    """Each variant's TP=2 shards on two gloo processes against the TP=1 model here: initial weights, loss and
-    every gradient; the ranks' results."""
-    results = run_distributed(tp_worker, 2, variants)
-    for v in variants:
-        ref = build_model(config(v))
+def tp2_equals_tp1(variants: list[str], masks=(False, True)) -> list[dict]:
+    """Each variant's TP=2 shards on two gloo processes against the TP=1 model here, with each document mask setting
+    of `masks`: initial weights, loss and every gradient; the ranks' results."""
+    cases = [(v, documents) for v in variants for documents in masks]
+    results = run_distributed(tp_worker, 2, cases)
+    for v, documents in cases:
+        ref = build_model(config(v, documents=documents))
         tokens = batch()
         loss = ref(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         for r in range(2):
-            got = results[r][v]
+            got = results[r][v, documents]
             assert got["weights"].keys() == dict(ref.named_parameters()).keys(), v
             for name, p in ref.named_parameters():
                 assert torch.equal(got["weights"][name], p.detach()), f"{v}: initial {name} differs on rank {r}"

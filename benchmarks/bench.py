@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Whole-model benchmarks, each figure measured in this one run on this machine and reported as a ratio.
 
-    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,gpu,gpu-variants,gpu-memory]
+    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,documents,gpu,gpu-variants,
+                          gpu-memory]
                           [--reps 3] [--out bench]
     make bench [BENCH_ARGS=--quick]
 
@@ -30,6 +31,9 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
               torch.compile of the loop's model). CPU: the throughput part's dot model; CUDA: synth-1.3b's dot
               twin, bf16, 1 GPU. Goal: ≤ 1.05.
+  documents   every variant's tokens/s under model.document_mask ÷ without (benchmarks/bench_plan.py DOCUMENTS), on
+              the same random tokens with an eos at each position with probability 1/95 (the demo corpus's mean
+              document length), both points beside dot's. No goal: the cost of the mask (docs/DESIGN.md §1).
   gpu-binding (CUDA only) the binding goals as configured: synth-1.3b's dot twin (MFU ≥ 55%) and the flagship
               dense+dot (≥ 40%) under the engine with bf16 master weights and compiled blocks, each beside its
               fp32-master eager run; the bf16-master loss over the bench steps within 1% of the fp32-master one.

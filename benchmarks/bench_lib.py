@@ -223,7 +223,10 @@ def training_step(spec: dict):
     B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len
     # Same tokens on the ranks of one TP group (they must see one batch), different ones across data-parallel ranks.
     g = torch.Generator().manual_seed(lay.dp_rank)
-    tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
+    tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g)
+    if spec.get("documents"):   # the documents part: an eos where a document of that mean length would end
+        tokens[torch.rand(B, n + 1, generator=g) < 1 / spec["documents"]] = spec["eos"]
+    tokens = tokens.to(lay.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     losses = []   # each step's loss, detached: read once after the timing (no host read inside a step)
 

@@ -9,8 +9,8 @@ from model import variants
 from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
-         "gpu-memory")
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "documents", "gpu-binding", "gpu",
+         "gpu-variants", "gpu-memory")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -43,6 +43,10 @@ LIVE_MEMORY = ["parallel.cpu_keep_freed_memory=false"]
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
 BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 4 + Adam 8 + gradient 4
+# The documents part: model.document_mask on random tokens with an eos at each position with probability 1/95, the
+# demo corpus's mean document length with its eos (tools/document_lengths.py build/demo/shards: 95.3)
+DOCUMENT_LENGTH, EOS = 95, 2
+DOCUMENTS = ["model.document_mask=true", f"model.eos_id={EOS}"]
 
 
 def variant_configs() -> dict[str, str]:
@@ -116,7 +120,7 @@ def plan(a) -> Plan:
     def ours(v):   # the throughput point of variant v, shared by the throughput and peer parts
         return p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers), paired=True)
 
-    if "throughput" in a.only or "peer" in a.only:
+    if "throughput" in a.only or "peer" in a.only or "documents" in a.only:
         p.reference = ours("dot")
 
     if "throughput" in a.only:
@@ -190,6 +194,17 @@ def plan(a) -> Plan:
         half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
         dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
         p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
+    if "documents" in a.only:   # each variant's training step under the document mask ÷ without, both beside dot
+        for v in V:
+            windows = p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers), paired=True,
+                              documents=DOCUMENT_LENGTH, eos=EOS)
+            masked = p.point("train", a.all_variants[v], shape(a, a.seq_len, a.layers) + DOCUMENTS, paired=True,
+                             documents=DOCUMENT_LENGTH, eos=EOS)
+            p.entry(f"documents:{v}:windows", "documents", v, windows, "rate", "tokens/s", n=a.seq_len)
+            p.entry(f"documents:{v}", "documents", f"{v}, document mask", masked, "rate", "tokens/s",
+                    f"documents:{v}:windows", n=a.seq_len, layers=a.layers,
+                    note=f"documents of {DOCUMENT_LENGTH} tokens on average (an eos with probability 1/"
+                         f"{DOCUMENT_LENGTH}); the ratio: tokens/s masked ÷ unmasked on the same tokens")
     if "gpu-binding" in a.only:
         plan_gpu_binding(a, p)
     if "gpu" in a.only:   # before the engine part, whose points it shares: the flagship's point is measured first

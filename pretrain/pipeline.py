@@ -30,9 +30,16 @@ def tied_head(embedding: Embedding, x):
     return Head.project(x, embedding.wte.weight)
 
 
-def tokens_and_documents(embedding: Embedding, tokens, eos: int):
-    """First stage under the document mask: (E[tokens] (B, n, d), document ids g (B, n))."""
-    return embedding(tokens), document_ids(tokens, eos)
+class TokensAndDocuments(Embedding):
+    """First stage under the document mask: tokens → (E[tokens] (B, n, d), document ids g (B, n)). A module of its
+    own, not a `forward_fn` of the tied spec: DeepSpeed saves and loads only the stage entries that are modules."""
+
+    def __init__(self, cfg: ModelConfig, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.eos = cfg.eos_id
+
+    def forward(self, tokens):
+        return super().forward(tokens), document_ids(tokens, self.eos)
 
 
 class PositionsInDocuments(Embedding):
@@ -68,10 +75,10 @@ def layer_specs(cfg: ModelConfig) -> list:
     """[token embedding (tied) | positions + dropout | block 0 … block N−1 | final norm | head (tied or own)]."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    embed = partial(TiedLayerSpec, "embed", Embedding, cfg, positions=False, tied_weight_attr="wte.weight")
+    embedding = TokensAndDocuments if cfg.document_mask else Embedding
+    embed = partial(TiedLayerSpec, "embed", embedding, cfg, positions=False, tied_weight_attr="wte.weight")
     if cfg.document_mask:   # the same modules (the same parameter names), passing the document ids along
-        specs = [embed(forward_fn=partial(tokens_and_documents, eos=cfg.eos_id)),
-                 LayerSpec(PositionsInDocuments, cfg, tokens=False)]
+        specs = [embed(), LayerSpec(PositionsInDocuments, cfg, tokens=False)]
         specs += [LayerSpec(BlockInDocuments, cfg, mixer) for mixer in cfg.layer_mixers()]
         specs.append(LayerSpec(NormOfDocuments, cfg, projection=False))
     else:

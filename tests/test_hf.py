@@ -25,9 +25,10 @@ SMALL = dict(d_model=32, n_heads=4, max_seq_len=24)
 CASES = {
     "every_mixer_rope": ModelConfig(vocab_size=96, n_layers=10, mixer=ALL_MIXERS, position="rope", **SMALL),
     "gmlp": ModelConfig(vocab_size=96, n_layers=2, block="gmlp", mixer="sgu", **SMALL),
-    # vocab 384 = the tokenizer trained below, so this case also checks AutoTokenizer
+    # vocab 384 = the tokenizer trained below, so this case also checks AutoTokenizer; under the document mask (its
+    # prompts hold an eos: generation, the cache and beam search mask and restart positions as training did)
     "untied_learned": ModelConfig(vocab_size=384, n_layers=2, mixer=["random+dot", "factorized_dense"],
-                                  tie_embeddings=False, position="learned", **SMALL),
+                                  tie_embeddings=False, position="learned", document_mask=True, eos_id=2, **SMALL),
 }
 PROMPT, NEW = 12, 5   # prompt + new tokens ≤ max_seq_len
 LONG = 20             # 12 + 20 > max_seq_len 24: the window slides past L
@@ -56,7 +57,7 @@ for name, x in inputs.items():
         out = model(x, labels=x)
         r = {"logits": out.logits, "loss": out.loss, "fresh_logits": fresh(x).logits, "dtype": str(model.dtype),
              "sizes": [config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                       config.max_position_embeddings, config.vocab_size],
+                       config.max_position_embeddings, config.vocab_size, config.document_mask, config.eos_id],
              "generated": model.generate(x, max_new_tokens=%(new)d, do_sample=False),
              "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad)}
         fed, forward = [], model.forward   # the positions each step hands the model
@@ -114,6 +115,8 @@ def loaded(tmp_path_factory):
                      tokenizer=tokenizer if name == "untied_learned" else None)
         release_to_hf(release, str(tmp / name))
         x = torch.randint(0, cfg.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(i))
+        if cfg.document_mask:
+            x[:, 3] = cfg.eos_id   # documents end within the prompt (and the cache by hand's prefill)
         with torch.no_grad():
             refs[name] = {"cfg": cfg, "logits": model(x), "loss": model(x[:, :-1], x[:, 1:]),
                           "greedy": greedy(model, x, NEW), "release": release,
@@ -133,7 +136,8 @@ def test_hf_logits_and_config_match_the_original(loaded, name):
     refs, results, _ = loaded
     ref, res, cfg = refs[name], results[name], CASES[name]
     assert res["dtype"] == "torch.float32"
-    assert res["sizes"] == [cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.max_seq_len, cfg.vocab_size]
+    assert res["sizes"] == [cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.max_seq_len, cfg.vocab_size,
+                            cfg.document_mask, cfg.eos_id]
     assert (res["logits"] - ref["logits"]).abs().max().item() <= 1e-5
     assert abs(res["loss"].item() - ref["loss"].item()) <= 1e-5          # labels: shifted LM loss
     # from_config draws the same weights as model.build_model (same seed, same per-name generators)

@@ -14,6 +14,7 @@ from model.parallel import normal
 from model.synthesizers import per_head
 from pretrain.train import main as train_main
 from tests.runs import losses, spawn, write_config
+from tests.test_documents import assert_independent
 from tests.test_model import assert_fused_matches_reference, config
 
 NAME = "relative_random"
@@ -35,13 +36,13 @@ class RelativeRandom(torch.nn.Module):
     def projections(self):   # no linear of x
         return []
 
-    def activations(self, B, n, mixed=False):   # r is a parameter: nothing of its own kept for backward
+    def activations(self, B, n, mixed=False, documents=False):   # r is a parameter: nothing kept for backward
         return {}
 
-    def fused(self, x, inputs):
-        return MapForm(self.rows(0, x.shape[1]))
+    def fused(self, x, inputs, positions=None):   # under the document mask: the map read at p_i, p_j
+        return MapForm(self.rows(0, x.shape[1]), positions)
 
-    def logits(self, x, t0=0, keys=None):
+    def logits(self, x, t0=0, keys=None, positions=None):   # r[i − j] = r[p_i − p_j] within a document
         return self.rows(t0, t0 + x.shape[1]).unsqueeze(0)
 
     def flops(self, n):
@@ -66,6 +67,7 @@ def test_the_new_variant_runs_on_the_existing_kernels(registered, mixer):
     """Fused (the shared-map kernel, or the biased q·k one in a mixture) equals the materialized formula: logits and
     every gradient, as for the built-in variants."""
     assert_fused_matches_reference(mixer, 12)
+    assert_independent(mixer)   # and under the document mask, as the documentation's class says
     assert any(name.endswith(f"synth.{NAME}.r") for name, _ in build_model(config(mixer)).named_parameters())
 
 

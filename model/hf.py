@@ -5,8 +5,8 @@
     <hf dir>/model.safetensors         the release's tensors, byte for byte, each renamed `model.<canonical name>`
     <hf dir>/generation_config.json    use_cache (incremental decoding); bos/eos/pad ids from the tokenizer when there is one
     <hf dir>/*.py                      configuration_synthformer.py, modeling_synthformer.py and the model files they
-                                       import (config, decoding, fields, forms, lm, mixers, synthesizers, variants,
-                                       kernels, parallel)
+                                       import (config, decoding, documents, fields, forms, lm, mixers, synthesizers,
+                                       variants, kernels, parallel)
     <hf dir>/tokenizer.model           + tokenization_synthformer.py, tokenizer_config.json (when the release has one)
     <hf dir>/tokenizer.json            + tokenizer_config.json (PreTrainedTokenizerFast, its eos_token): a release
                                        trained with a Hugging Face tokenizer; AutoTokenizer gives the training ids

@@ -83,3 +83,21 @@ def test_the_recorded_default_study_keeps_its_ranking_at_twice_the_budget():
     for ppl in (ppl_600, ppl_1200):
         for v, values in ppl.items():
             assert f"| {v} | {cell(values, '{:.2f}')}" in readme, f"docs/study/README.md's table row of {v} differs from the JSON"
+
+
+def test_compare_studies_names_the_flipped_pairs_and_the_distance_to_the_papers_order(tmp_path):
+    from tools.compare_studies import compare, kendall_tau, main
+
+    a = {"dot": [50.0, 51.0], "dense": [40.0, 41.0], "random": [45.0, 46.0]}
+    b = {"dot": [40.0, 41.0], "dense": [42.0, 43.0], "random": [47.0, 48.0]}
+    out = compare(a, b, ("windows", "documents"))
+    assert "| dense, dot (order changed) | dense < dot | +24.7% | dot < dense | -4.7% |" in out
+    assert "| dense, random | dense < random | +12.3% | dense < random | +11.8% |" in out
+    # paper: dot < random < dense; windows: dense < random < dot (τ −1), documents: dot < dense < random (τ +1/3)
+    assert kendall_tau(["dense", "random", "dot"], {"dot": 38.2, "random": 40.6, "dense": 40.9}) == -1.0
+    assert "windows -1.00, documents +0.33" in out
+    for name, study in (("a", a), ("b", b)):
+        runs = {v: [{"val_ppl": p} for p in ppl] for v, ppl in study.items()}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": runs}))
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--names", "x"]) == 2
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "missing.json")]) == 2

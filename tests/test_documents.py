@@ -5,24 +5,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ConfigError, ModelConfig, build_model, variants
+from model import ConfigError, build_model, variants
 from model.config import architecture_difference
 from model.decoding import CachedLM, IncrementalDecoder
 from model.documents import document_ids, positions_in_documents
 from model.generate import sample
 from model.release import load_model, read_release, save_release
 from pretrain.prelaunch import check_eos
+from tests.test_model import assert_fused_matches_reference, config as model_config
 
 VARIANTS = variants.subset("all")   # every registered mixer, gMLP, and the mixtures of every fused form
 L, EOS = 16, 1
 FIRST = 6                            # document 1: positions 0-5, its eos at 5; document 2: positions 6-15
 
 
-def config(variant, document_mask=True, **kw) -> ModelConfig:
-    # large inits, as in tests/test_model.py: maps far from uniform, every weight visibly matters
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=L, factorized_k=4, init_std=0.3,
-                random_init_std=1.0, sgu_init_eps=4.0 * L, seed=3, document_mask=document_mask, eos_id=EOS)
-    return ModelConfig(**{**base, **variants.model_fields(variant), **kw})
+def config(variant, document_mask=True, impl="fused", **kw):
+    """tests/test_model.py's (large inits: maps far from uniform, every weight visibly matters), n ≤ 16."""
+    return model_config(variant, impl, document_mask=document_mask, **{"eos_id": EOS, **kw})
 
 
 def window(B=2, seed=0) -> torch.Tensor:
@@ -92,19 +91,9 @@ def test_a_document_gives_the_logits_it_gives_alone(variant, position):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_matches_reference_under_the_mask(variant):
     """The fused path against the materialized reference: logits and every gradient to 1e-5, three documents."""
-    out = {}
     x = window(B=3, seed=2)
     x[0, 11], x[2, 0] = EOS, EOS
-    for impl in ("fused", "reference"):
-        model = build_model(config(variant, impl=impl))
-        logits = model(x[:, :-1])
-        model(x[:, :-1], x[:, 1:]).backward()
-        out[impl] = logits, {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    (lf, gf), (lr, gr) = out["fused"], out["reference"]
-    assert (lf - lr).abs().max() <= 1e-5
-    assert gf.keys() == gr.keys() and len(gf) > 0
-    for k in gf:
-        assert (gf[k] - gr[k]).abs().max() <= 1e-5, k
+    assert_fused_matches_reference(variant, L - 1, x, document_mask=True, eos_id=EOS)
 
 
 # every term of the GPU path's FlexAttention call: q·k, a key bias, a map, factors, and their mixtures
@@ -169,3 +158,25 @@ def test_document_ids_and_positions_follow_megatrons_rule():
     # an eos ends its document; the next token starts one at 0; the window's leading part starts at 0 too
     assert positions_in_documents(document_ids(x, EOS)).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1],
                                                                      [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_document_lengths_of_a_shard_set(shards, capsys):
+    """tools/document_lengths.py against numpy over the raw samples: documents, documents per window, moved tokens."""
+    import json
+
+    import numpy as np
+
+    from tokendata.shards import read_manifest, shard_samples
+    from tools.document_lengths import main
+
+    assert main([shards, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    manifest = read_manifest(shards)
+    n, eos = manifest["seq_len"], manifest["eos_id"]
+    rows = np.stack([s for shard in manifest["splits"]["train"]["shards"] for _, s in shard_samples(manifest, shard)])
+    assert got["documents"] == int((rows == eos).sum()) and got["windows"] == len(rows)
+    inputs = rows[:, :n] == eos
+    assert got["documents_per_window"] == pytest.approx(1 + inputs[:, :-1].sum(1).mean())
+    first_end = np.where(inputs.any(1), inputs.argmax(1), n)   # tokens after a window's first eos moved
+    assert got["tokens_moved"] == pytest.approx((n - 1 - first_end).clip(0).sum() / rows[:, :n].size)
+    assert main([shards, "--split", "nope"]) == 2 and "has no split 'nope'" in capsys.readouterr().err

@@ -41,12 +41,12 @@ def test_fused_matches_reference(variant, n):
     assert_fused_matches_reference(variant, n)
 
 
-def assert_fused_matches_reference(variant, n):
+def assert_fused_matches_reference(variant, n, x=None, **kw):
     """The fused path (this machine's, or the GPU one under SYNTHFORMER_KERNELS=gpu) against the materialized
-    reference: logits and every gradient to 1e-5."""
-    fused, ref = build_model(config(variant, "fused")), build_model(config(variant, "reference"))
+    reference: logits and every gradient to 1e-5 (on tokens x (B, n + 1), default random; `kw`: config fields)."""
+    fused, ref = build_model(config(variant, "fused", **kw)), build_model(config(variant, "reference", **kw))
     ref.load_state_dict(fused.state_dict())                     # same names: a state dict moves between them
-    x = tokens(3, n + 1)
+    x = tokens(3, n + 1) if x is None else x
     out = {}
     for name, m in (("fused", fused), ("reference", ref)):
         logits = m(x[:, :-1])

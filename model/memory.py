@@ -178,7 +178,7 @@ def document_terms(cfg: ModelConfig, B: int, n: int, a: int, gpu: bool) -> list[
         out.append(Term("FlexAttention block mask (tile indices)", 4 * 2 * B * (tiles * tiles + tiles)))
     elif sdpa:   # SDPA keeps M for backward (the whole maps add it and keep only their softmax)
         out.append(Term(f"document mask M, B·n² = {B}·{n}²", a * B * n * n))
-    if "sgu" in cfg.layer_mixers():
+    if "sgu" in cfg.layer_mixers() and not gpu:
         out.append(Term("document mask as booleans (SGU)", B * n * n))
     return out
 
@@ -198,6 +198,8 @@ def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, g
                 for what, count in block.mixer.activations(B, n, gpu, cfg.document_mask).items()]
         if cfg.document_mask:
             out.append(Term("sgu: the map's key columns p_j + b·L (int64)", INDEX * N))
+            if gpu:   # the GPU path's documents carry a block mask only: the layer makes M's booleans itself
+                out.append(Term("sgu: document mask as booleans", N * n))
     if block.mlp is not None:
         f = cfg.d_ffn // tp
         out += [Term("normed input of the MLP", a * N * d), Term(f"MLP hidden {f} wide, before and after GELU",

@@ -38,7 +38,8 @@ def sections() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
             has_default = f.default is not MISSING or f.default_factory is not MISSING
             default = (f.default if f.default is not MISSING else f.default_factory()) if has_default else "required"
             kind = f.metadata.get("type", f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type))
-            rows.append((f"{name}.{f.name}", str(kind).replace("Any", "any"), shown(default), f.metadata.get("help", "")))
+            rows.append((f"{name}.{f.name}", str(kind).replace("Any", "any"), shown(default),
+                         f.metadata.get("help", "")))
             for sub, (sub_kind, sub_default, sub_help) in SUBKEYS.get(f"{name}.{f.name}", {}).items():
                 rows.append((f"{name}.{f.name}.{sub}", sub_kind, shown(sub_default), sub_help))
         out.append((name, (cls.__doc__ or "").strip().splitlines()[0], rows))
@@ -78,7 +79,8 @@ def markdown() -> str:
            ""]
     for name, doc, rows in sections():
         out += [f"## {name}", "", doc, "", "| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{key}` | {kind.replace('|', '&#124;')} | {'required' if default == 'required' else f'`{default}`'} "
-                f"| {help.replace('|', '&#124;')} |" for key, kind, default, help in rows]
+        for key, kind, default, help in rows:
+            default = default if default == "required" else f"`{default}`"
+            out.append(f"| `{key}` | {kind.replace('|', '&#124;')} | {default} | {help.replace('|', '&#124;')} |")
         out.append("")
     return "\n".join(out)

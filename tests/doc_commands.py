@@ -16,10 +16,10 @@ before it in its file, else the one after) with those options in place of its ow
 - `deepspeed …` / `python -m deepspeed.launcher.runner …`: DeepSpeed's runner's `parse_args`, then what it would start
   (`--module M`, `--no_python` a program, or a script);
 - `torchrun …`: torch.distributed.run's parser, then what it would start;
-- `python -m pretrain.train CONFIG overrides`: its parser, load_config; `python -m <project module>`,
-  `python tools/*.py`, `python benchmarks/*.py`: the program runs in this process until its argparse parser has
-  parsed the arguments (ArgumentParser.parse_args / parse_known_args return into a `Parsed` exception), nothing after;
-  `python -c CODE`: compiled;
+- `python -m pretrain.train CONFIG overrides`: its parser, load_config; `python -m <module>` (this project's, or
+  another package's such as torch's fr_trace), `python tools/*.py`, `python benchmarks/*.py`: the program runs in
+  this process until its argparse parser has parsed the arguments (ArgumentParser.parse_args / parse_known_args
+  return into a `Parsed` exception), nothing after; `python -c CODE`: compiled;
 - after any of those, a `configs/….yaml` argument with `section.key=value` words is loaded with them (load_config).
 SKIP names the programs that cannot be checked here, each with its reason; anything else fails as "no checker".
 """
@@ -238,8 +238,6 @@ def module(name: str, args: list[str], env: dict) -> str:
     if name == "pretrain.train":   # its parser: the config and its overrides (--local_rank from a launcher dropped)
         config_args(name, [a for a in args if not a.startswith("--local_rank")], required=True)
         return "pretrain.train's load_config"
-    if name.split(".")[0] not in ("pretrain", "tools", "benchmarks", "evaluation", "tokendata", "model", "cli"):
-        raise CommandError(f"python -m {name}: not a module of this project and not in SKIP")
     ns = run_parser(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True), [name, *args], name)
     if name == "pretrain.supervision":
         inner = [w for w in ns.command if w != "--"]

@@ -163,6 +163,8 @@ def with_options(base: str, fragment: str) -> str:
 def check(command: str) -> str:
     """What checked `command` (a word for the report); a CommandError saying why it does not parse."""
     words = shlex.split(command, comments=True)
+    cut = [i for i, w in enumerate(words) if w in (">", ">>", "|", "&&", ";") or w.startswith(("2>", "1>"))]
+    words = words[:cut[0]] if cut else words   # the command itself, not where its output goes
     env = {}
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         key, _, value = words.pop(0).partition("=")

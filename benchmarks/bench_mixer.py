@@ -9,6 +9,12 @@ before the first forward. Printed as ratios to `dot` (same impl, same n), memory
 that ran (from torch.profiler op names) and, at n=1024, time ratio vs the FLOP ratio from model accounting.
 The flagship's widths (d_h 128: dense+dot's q·k 256 wide, its Triton key-bias kernel on CUDA):
     python benchmarks/bench_mixer.py --variants dot,dense+dot --d-model 2048 --heads 16 --impls fused
+The cost of model.document_mask (model/documents.py), the fused block with the mask ÷ without, in one process per
+variant whose steps alternate (A B B A …), each timed as the CPU time of one thread (a shared machine's load, which
+stretches wall-clock time many-fold, does not enter it), on random tokens with an eos at each position with
+probability 1/95 (the demo corpus's mean document length); the masked step makes its documents itself (once a block
+here, once a forward pass in the model):
+    python benchmarks/bench_mixer.py --documents --d-model 128 --heads 4 --lengths 128 --batch 8
 """
 from __future__ import annotations
 
@@ -79,6 +85,73 @@ def worker(args) -> dict:
     return {"variant": args.variant, "impl": args.impl, "n": args.n, "time_ms": 1e3 * min(times),
             "peak_mb": peak, "kernel": kernel_name(prof.events()),
             "train_flops_per_token": block.train_flops(args.n), "device": device.type}
+
+
+def documents_worker(args) -> dict:
+    """Step times of the block with and without the document mask, alternated; the throughput ratio on ÷ off is the
+    median over pairs of t_off / t_on."""
+    import statistics
+
+    import torch
+
+    from model import ModelConfig
+    from model.documents import Documents
+    from model.lm import Block
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=8, d_model=args.d_model, n_layers=1, n_heads=args.heads, max_seq_len=args.n,
+                 **variants.model_fields(args.variant))
+    off = Block(ModelConfig(**shape), args.variant)
+    on = Block(ModelConfig(**shape, document_mask=True, eos_id=1), args.variant)
+    on.load_state_dict(off.state_dict())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 8, (args.batch, args.n), generator=g)
+    tokens[torch.rand(args.batch, args.n, generator=g) < 1 / 95] = 1
+    x = torch.randn(args.batch, args.n, args.d_model, requires_grad=True)
+
+    torch.set_num_threads(1)   # CPU time of one thread: what a step costs, whatever else runs on the machine
+
+    def timed(masked: bool) -> float:
+        t0 = time.process_time()
+        if masked:
+            on(x, docs=Documents.of(tokens, 1)).sum().backward()
+        else:
+            off(x).sum().backward()
+        return time.process_time() - t0
+
+    timed(False), timed(True)   # warm-up
+    pairs = []
+    for r in range(max(2, args.repeats)):
+        first = r % 2 == 0      # A B, then B A
+        a = timed(not first)
+        b = timed(first)
+        t_off, t_on = (b, a) if first else (a, b)
+        pairs.append((t_off, t_on))
+    ratios = [t_off / t_on for t_off, t_on in pairs]
+    return {"variant": args.variant, "n": args.n, "off_ms": 1e3 * statistics.median(p[0] for p in pairs),
+            "on_ms": 1e3 * statistics.median(p[1] for p in pairs), "ratio": statistics.median(ratios),
+            "range": [min(ratios), max(ratios)], "pairs": len(pairs)}
+
+
+def run_documents(args) -> list[dict]:
+    from tqdm import tqdm
+
+    results = []
+    for v, n in tqdm([(v, n) for v in args.variants for n in args.lengths], desc="bench", unit="config"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--documents", "--variant", v, "--n", str(n),
+               "--batch", str(args.batch), "--d-model", str(args.d_model), "--heads", str(args.heads),
+               "--repeats", str(args.repeats)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        results.append(json.loads(lines[-1]) if out.returncode == 0 and lines else
+                       {"variant": v, "n": n, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]})
+    print("\n## the block under the document mask ÷ without: throughput ratio (1 thread's CPU time per step, median "
+          "over alternated pairs)")
+    for r in results:
+        print(f"{r['variant']:<20}n {r['n']:<6}" + (r["error"] if "error" in r else
+              f"{r['ratio']:.2f} [{r['range'][0]:.2f}, {r['range'][1]:.2f}]  off {r['off_ms']:.1f} ms, "
+              f"on {r['on_ms']:.1f} ms, {r['pairs']} pairs"))
+    return results
 
 
 def run_all(args) -> list[dict]:
@@ -153,13 +226,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=30.0, help="stop repeating after this long")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-configuration time limit (s)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--documents", action="store_true", help="the block under model.document_mask ÷ without, "
+                    "alternated in one process per variant (fused path; --impls is ignored)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps(documents_worker(args) if args.documents else worker(args)))
         return 0
     from model.config import ConfigError, parse_mixer
 
@@ -170,7 +245,12 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = run_all(args)
+    results = run_documents(args) if args.documents else run_all(args)
+    if args.documents:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

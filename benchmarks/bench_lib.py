@@ -12,11 +12,13 @@ Inside a measurement process (a fresh interpreter per point, so no two points sh
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 from pretrain.metrics import memory_mb, reset_peak_memory
 
@@ -159,13 +161,16 @@ def peer_engine(cfg, lay):
 class PlainLoop:
     """The training step a PyTorch user writes for the same model, the fair reference for our engine: fp32 master
     weights, torch.autocast at train.precision, torch's fused AdamW with the run's parameter groups, gradient
-    clipping at train.grad_clip, gradients accumulated over the micro-batches. Called like the engine."""
+    clipping at train.grad_clip, gradients accumulated over the micro-batches, and the run's LR schedule
+    (pretrain/engine.py lr_lambda, warm-up included, stepped after each optimizer step as DeepSpeed steps it), so that
+    it and the engine differ only in the engine. Called like the engine. `schedule=False`: train.lr from step 0 (how
+    the loop ran before, for the H200 record's point: benchmarks/compile_check.py --harness)."""
 
-    def __init__(self, cfg, lay):
+    def __init__(self, cfg, lay, schedule: bool = True):
         import torch
 
         from model import build_model
-        from pretrain.engine import param_groups
+        from pretrain.engine import lr_lambda, param_groups
 
         t = cfg.train
         self.torch, self.device, self.clip, self.accum = torch, lay.device, t.grad_clip, lay.grad_accum
@@ -174,6 +179,8 @@ class PlainLoop:
         self.model = self.module
         self.optimizer = torch.optim.AdamW(param_groups(self.module, t.weight_decay), lr=t.lr, betas=t.betas,
                                            eps=t.eps, fused=lay.device.type in ("cpu", "cuda"))
+        factor = lr_lambda(t, cfg.total_steps()) if schedule else (lambda step: 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.micro = 0
 
     def compile(self):
@@ -195,13 +202,17 @@ class PlainLoop:
             self.torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
 
 
 def training_step(spec: dict):
     """A training step of spec's config (our engine, the GPT-2 peer, or the plain loop) on random tokens, in this
     process (one rank of spec's world: the parent sets RANK/WORLD_SIZE/... in the environment), compiled where spec
-    says so. Returns (step, sync, engine, cfg, layout, memory): `step()` is one optimizer step of grad_accum
-    micro-batches, as Trainer.train_step does them; `sync()` waits for the device and the other ranks."""
+    says so. Each micro-batch is a fresh one (drawn once the engine is built, on the device: `batches`; past
+    warm-up + reps × steps optimizer steps they come round again), the same for every kind of engine; spec
+    "same_batch": one batch every step, and "schedule": false, the plain loop at train.lr from step 0 (how the H200
+    record's loop ran). Returns (step, sync, engine, cfg, layout, memory): `step()` is one optimizer step of
+    grad_accum micro-batches, as Trainer.train_step does them; `sync()` waits for the device and the other ranks."""
     import torch
     import torch.distributed as dist
 
@@ -216,24 +227,29 @@ def training_step(spec: dict):
         torch.set_num_threads(spec["threads"])
     mem = Memory(lay.device)
     torch.manual_seed(cfg.train.seed)
-    engine = {"peer": peer_engine, "loop": PlainLoop}.get(spec["kind"], build_engine)(cfg, lay)
+    loop = partial(PlainLoop, schedule=spec.get("schedule", True))
+    engine = {"peer": peer_engine, "loop": loop}.get(spec["kind"], build_engine)(cfg, lay)
     if spec.get("compile") and not compiled:   # the plain loop: torch.compile of the whole model, as a user would
         engine.compile()
     mem.engine_built()
     B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len
     # Same tokens on the ranks of one TP group (they must see one batch), different ones across data-parallel ranks.
     g = torch.Generator().manual_seed(lay.dp_rank)
-    tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    steps = 1 if spec.get("same_batch") else spec.get("warmup", 1) + spec.get("reps", 1) * spec.get("steps", 1)
+    batches = [torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
+               for _ in range(steps * lay.grad_accum)]
+    drawn = itertools.cycle(batches)
     losses = []   # each step's loss, detached: read once after the timing (no host read inside a step)
 
     def step():
         if lay.pp > 1:   # the PipelineEngine runs the step's micro-batches itself (its phases are not told apart)
-            losses.append(engine.train_batch(iter([(inputs, targets)] * lay.grad_accum)).detach())
+            micro = [next(drawn) for _ in range(lay.grad_accum)]
+            losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in micro])).detach())
             mem.phase("pipeline step")
             return
         for _ in range(lay.grad_accum):
-            loss = engine(inputs, targets)
+            tokens = next(drawn)
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
             losses.append(loss.detach())
             mem.phase("forward")
             engine.backward(loss)
@@ -247,7 +263,7 @@ def training_step(spec: dict):
         if lay.world > 1:
             dist.barrier()
 
-    step.losses = losses
+    step.losses, step.batches = losses, batches
     return step, sync, engine, cfg, lay, mem
 
 

@@ -232,3 +232,48 @@ def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu
     for k in (1, 3, 5):
         entries = plan(parts[k]).entries
         assert len(entries) == 1 and "no CUDA device" in entries[0]["skipped"], entries
+
+
+LOSS_TOLERANCE = 1e-6   # relative, per step: loop and engine at fp32 on the CPU (measured: equal bit for bit)
+
+
+def loop_and_engine_worker(rank, world):
+    """The --quick engine part's two eager points stepped over the bench's steps (warm-up + reps × steps) in this
+    process: each step's loss and learning rate, and the batches drawn."""
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_lib import training_step
+    from benchmarks.bench_plan import plan
+    from pretrain import distributed
+
+    a = parse_args(["--quick", "--only", "engine"])
+    p = plan(a)
+    points = {e["id"]: p.points[e["point"]] for e in p.entries}
+    out = {}
+    for name, spec in (("loop", points["engine:loop:eager"]), ("engine", points["engine:eager"])):
+        step, _, engine, cfg, _, _ = training_step(spec)
+        lrs = []
+        for _ in range(spec["warmup"] + spec["reps"] * spec["steps"]):
+            lrs.append(engine.optimizer.param_groups[0]["lr"] if name != "engine" else engine.get_lr()[0])
+            step()
+        out[name] = {"losses": [float(x) for x in step.losses], "lr": lrs, "peak_lr": cfg.train.lr,
+                     "warmup": cfg.train.warmup_steps, "batches": [b[0, :16].tolist() for b in step.batches]}
+        distributed.shutdown()
+    return out
+
+
+def test_the_plain_loop_runs_the_engines_schedule_on_fresh_batches():
+    """The engine part's plain loop and engine, eager at fp32 on the CPU (--quick sizes), over the bench's steps: the
+    same learning rate each step (lr_lambda's warm-up: 0 at the first step), a fresh batch each step, and so the same
+    loss each step within LOSS_TOLERANCE (the loop as it ran before, at train.lr from step 0 on one batch, is 3e-3
+    off by the last step)."""
+    from tests.distributed import run_distributed
+
+    got = run_distributed(loop_and_engine_worker, 1)[0]
+    loop, engine = got["loop"], got["engine"]
+    print({k: v["losses"] for k, v in got.items()})
+    steps = len(loop["losses"])
+    assert steps == 5 and len(engine["losses"]) == steps
+    assert loop["lr"] == engine["lr"] == [loop["peak_lr"] * s / loop["warmup"] for s in range(steps)]
+    assert len({tuple(b) for b in loop["batches"]}) == steps and loop["batches"] == engine["batches"]
+    for a, b in zip(loop["losses"], engine["losses"]):
+        assert abs(a - b) <= LOSS_TOLERANCE * abs(b), (loop["losses"], engine["losses"])

@@ -53,30 +53,53 @@ class Memory:
     its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss).
     Readings: after imports (`after_init`), once the engine is built (`after_engine`), and at rest between steps after
     the warm-up (`at_rest`: parameters and optimizer states, Adam's being created by the first step). `phase(name)`
-    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins."""
+    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins.
+    On CUDA each reading also keeps the allocator's and the driver's view (`cuda`): max_memory_allocated,
+    max_memory_reserved (the caching allocator's segments: what the process holds) and torch.cuda.mem_get_info
+    (free and total on the device, other processes included), in MB, for memory verdicts against the device."""
 
     def __init__(self, device):
         self.device = device
+        self.reserved = 0.0   # the highest max_memory_reserved over the phases since reset_peak
         self.after_init = self.now()   # after imports and the process group's start
         self.after_engine = self.at_rest = self.tensors_at_rest = None
+        self.cuda = {"after_engine": None, "at_rest": None, "reps": []}
         self.phases = {}
+
+    def cuda_reading(self, allocated_mb: float | None = None) -> dict | None:
+        """{max_allocated_mb, max_reserved_mb, free_mb, total_mb} now (since reset_peak; `allocated_mb`: the peak
+        over the phases), or None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
+        return {"max_allocated_mb": allocated_mb if allocated_mb is not None else memory_mb(self.device),
+                "max_reserved_mb": reserved, "free_mb": free / 2**20, "total_mb": total / 2**20}
 
     def now(self) -> float:
         return memory_mb(self.device, peak=False)
 
     def engine_built(self) -> None:
         self.after_engine = self.now()
+        self.cuda["after_engine"] = self.cuda_reading()
 
     def rest(self) -> None:
         self.at_rest = self.now()
         self.tensors_at_rest = tensor_mb()
+        self.cuda["at_rest"] = self.cuda_reading()
 
     def reset_peak(self) -> None:
-        self.phases = {}
+        self.phases, self.reserved = {}, 0.0
         reset_peak_memory(self.device)
 
     def phase(self, name: str) -> None:
         self.phases[name] = max(self.phases.get(name, 0.0), memory_mb(self.device))
+        if self.device.type == "cuda":
+            import torch
+
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
         reset_peak_memory(self.device)
 
     def peak(self) -> float:
@@ -109,6 +132,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
         seconds.append(dt / steps)
         if mem:
             peak.append(mem.peak())
+            mem.cuda["reps"].append(mem.cuda_reading(peak[-1]))
 
     if serve:
         print(READY_MARK, flush=True)
@@ -124,7 +148,9 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
-                   at_rest_mb=mem.at_rest, tensors_at_rest_mb=mem.tensors_at_rest, phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()})
+                   at_rest_mb=mem.at_rest, tensors_at_rest_mb=mem.tensors_at_rest,
+                   phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()},
+                   cuda_memory=mem.cuda if mem.device.type == "cuda" else None)
     return out
 
 
@@ -340,6 +366,8 @@ def run_shards(spec: dict) -> dict:
 def run_point(spec: dict) -> None:
     """The `_one` subcommand: measure one point and print it as one marked JSON line (every rank its own; the parent
     reports rank 0's, with the others' under `by_rank`)."""
-    runs = {"data": run_data, "shards": run_shards}
+    from benchmarks.bench_runs import run_training
+
+    runs = {"data": run_data, "shards": run_shards, "run": run_training}
     out = runs.get(spec["kind"], run_train)(spec)
     print(RESULT_MARK + json.dumps(out), flush=True)

@@ -32,8 +32,6 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 BIG = "configs/synth-1.3b.yaml"
 SHAPE = dict(d=2048, heads=16, n=2048, batch=4, vocab=32000, layers=2)
@@ -223,13 +221,14 @@ def check_harness(trees: list[str], quick: bool, timeout: float, log) -> list[di
     fresh process each: its loss per repetition and step time."""
     import subprocess
 
-    from benchmarks.bench import rank_env
     from benchmarks.bench_lib import RESULT_MARK
+    from pretrain.distributed import free_local_port
 
     spec, out = harness_spec(quick), []
     for tree in trees:
         tree = os.path.abspath(tree)
-        env = {**rank_env(spec)[0], "PYTHONPATH": tree}
+        env = {**os.environ, "PYTHONPATH": tree, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
         t = time.time()
         try:
             r = subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "bench.py"), "_one", json.dumps(spec)],

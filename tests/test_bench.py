@@ -220,19 +220,25 @@ def test_a_point_whose_port_was_taken_is_started_again():
 
 def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu():
     """make gpu-bench PART=k: parts 3 and 4 hold every variant but dot once (dot, their reference, in both); on a
-    machine without CUDA the GPU parts plan one skipped entry each, saying why."""
+    machine without CUDA the GPU parts plan one skipped entry each, saying why; part 0 plans no bench point (it runs
+    benchmarks/compile_check.py), part 7 the three convergence runs (also on the CPU: --quick sizes)."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import GPU_GOALS, plan
+    from benchmarks.bench_plan import GPU_GOALS
+    from benchmarks.bench_runs import SETTINGS, full_plan
 
-    parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(1, 6)}
-    assert [parts[k].only for k in range(1, 6)] == [["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],
-                                                    ["gpu-memory"]]
+    parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(9)}
+    assert [parts[k].only for k in range(9)] == [[], ["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],
+                                                 ["gpu-memory"], ["engine", "gpu"], ["convergence"], ["fp8"]]
     halves = [set(parts[k].variant_paths) - {"dot"} for k in (3, 4)]
     assert not halves[0] & halves[1] and halves[0] | halves[1] == set(GPU_GOALS) and "dot" in parts[3].variant_paths
-    for k in (1, 3, 5):
-        entries = plan(parts[k]).entries
+    for k in (1, 3, 5, 8):
+        entries = full_plan(parts[k]).entries
         assert len(entries) == 1 and "no CUDA device" in entries[0]["skipped"], entries
-
+    assert full_plan(parts[0]).entries == []
+    runs = full_plan(parts[7])
+    assert [e["id"] for e in runs.entries] == [f"convergence:{s}" for s in SETTINGS]
+    assert all(runs.points[e["point"]]["kind"] == "run" and e["field"] == "val_loss" for e in runs.entries)
+    assert [e["goal_max"] for e in runs.entries] == [None, 1.01, 1.01]
 
 LOSS_TOLERANCE = 1e-6   # relative, per step: loop and engine at fp32 on the CPU (measured: equal bit for bit)
 

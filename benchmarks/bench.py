@@ -69,7 +69,7 @@ import time
 from benchmarks.bench_lib import RESULT_MARK
 from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
 from benchmarks.bench_runs import full_plan
-from benchmarks.gpu_queue import gpu_queue, report, run_part0, standing, write_part_census
+from benchmarks.gpu_queue import gpu_queue, report as queue_report, run_part0, standing, write_part_census
 from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "convergence, 8 FP8; sets --only and --variants, and writes OUT/census.json")
     ap.add_argument("--gpu-queue", action="store_true", help="print, per GPU part, whether its figures stand at this "
                     "checkout (the kernel census of what it measured unchanged) and which part runs next")
-    ap.add_argument("--census-only", action="store_true", help="with --gpu-part: write OUT/census.json, measure nothing")
+    ap.add_argument("--census-only", action="store_true",
+                    help="with --gpu-part: write OUT/census.json, measure nothing")
     ap.add_argument("--no-census", action="store_true", help="with --gpu-part: write no census.json")
     ap.add_argument("--variants", default=None, help="comma-separated variant names for throughput and memory "
                                                      "(default: every config in configs/variants/)")
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.gpu_queue:
-        print(report(standing(parse_args)))
+        print(queue_report(standing(parse_args)))
         return 0
     if a.gpu_part is not None and (a.gpu_part == 0 or a.census_only):
         return run_part0(a)

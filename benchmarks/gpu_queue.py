@@ -3,7 +3,7 @@ an H100, start-up included), and which parts' figures stand at this checkout.
 
     python benchmarks/bench.py --gpu-queue          each part: stands, changed, partly measured, or never; the next one
     python benchmarks/gpu_queue.py census DIR --commit C --configurations FILE.jsonl
-                                                    census.json for a record made without one (each line {"part", "spec"})
+                                                    census.json for a record made without one (lines {part, spec})
 
 The parts (QUEUE): 0 correctness (benchmarks/compile_check.py: compiled = eager, the record's point), 1 the binding
 MFU points, 2 engine ÷ plain loop, 3 and 4 half the variants each ÷ dot, 5 memory at n 4096 ÷ 1024, 6 `make
@@ -162,8 +162,8 @@ def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:
 def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, count=census_of,
              log=print) -> dict[int, dict]:
     """Per part (`parse_args`: bench.py's parser, for what each part plans; `count`: census_of, the census of
-    configurations at a checkout): {"state": stands | changed | partly | never, "record", "commit", "changed": [keys], "missing":
-    [keys]}, from the newest record of each part and the census of its configurations at `tree`."""
+    configurations at a checkout): {"state": stands | changed | partly | never, "record", "commit", "changed":
+    [keys], "missing": [keys]}, from the newest record of each part and the census of its configurations at `tree`."""
     newest = {}
     for folder, record in records(root):
         for part in record["parts"]:

@@ -31,7 +31,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-NOT_KERNELS = ("detach", "alias", "lift_fresh")
+NOT_KERNELS = ("detach", "alias", "lift_fresh")   # and the profiler's record_function ops: labels, not kernels
 PHASES = ("forward", "backward", "optimizer step")
 TINY = dict(heads_per_rank=2, n=32, vocab_per_rank=64)   # the census's shape (check_shape: another one)
 ENV = {"SYNTHFORMER_KERNELS": "gpu", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
@@ -55,7 +55,7 @@ class Kernels(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if self.in_triton() or func.is_view or name in NOT_KERNELS:
+        if self.in_triton() or func.is_view or name in NOT_KERNELS or func.namespace == "profiler":
             return out
         self.ops[name] += 1
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -100,7 +100,7 @@ def tiny(cfg, shape: dict = TINY) -> tuple[list[str], int]:
     overrides = [f"model.n_heads={heads}", f"model.d_model={d}", f"model.max_seq_len={n}", f"model.vocab_size={vocab}",
                  f"model.d_ffn={max(2 * heads, m.d_ffn * d // m.d_model)}", "model.factorized_a=null",
                  "model.factorized_b=null", "train.micro_batch_size=1", f"train.global_batch_size={accum}",
-                 "train.compile=false"]
+                 "data.canonical_streams=null", "train.compile=false"]
     return overrides, (vocab // tp) * (n // chunks)
 
 
@@ -173,13 +173,15 @@ def main(argv=None) -> int:
     return 0
 
 
-# ---- in the parent ----------------------------------------------------------------------------------------------------
+# ---- in the parent ------------------------------------------------------------------------------------------------
 def census_of(specs: list[dict], tree: str, timeout: float = 900.0) -> dict:
     """{key: census} of `specs` at the code of `tree` (a checkout: this one, or a worktree of a record's commit), in
     one fresh CPU process of this file run against that tree's packages. RuntimeError (one line) if it fails."""
     import tempfile
 
     specs = list({key(s): s for s in specs if s.get("world", 1) == 1}.values())   # the GPU queue's: one process
+    if not specs:
+        return {}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = os.path.join(tmp, "specs.json"), os.path.join(tmp, "census.json")
         with open(spec_path, "w") as f:

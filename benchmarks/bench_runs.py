@@ -61,7 +61,12 @@ def full_plan(a) -> Plan:
 
 def plan_convergence(a, p) -> None:
     """The convergence part's runs and entries (module docstring). The demo shards must be built (`make
-    build/demo/shards/manifest.json`; make gpu-bench does): a run without them fails with the trainer's error."""
+    build/demo/shards/manifest.json`; make gpu-bench does): a run without them fails with the trainer's error. On a
+    CPU only at --quick sizes (the full runs take ≤ 1 minute each on an H100, days on 2 CPU cores)."""
+    if not (a.gpu or a.quick):
+        p.entry("convergence", "convergence", "synth-125m widths", None, "val_loss", "",
+                skipped="no CUDA device: the convergence runs need a GPU at these sizes (on a CPU: --quick)")
+        return
     for name, over in SETTINGS.items():
         run = p.point("run", CONVERGENCE, convergence_run(a.quick) + over, reps=1, warmup=0)
         p.entry(f"convergence:{name}", "convergence", f"synth-125m widths, {name}", run, "val_loss", "",

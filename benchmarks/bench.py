@@ -69,7 +69,7 @@ import time
 from benchmarks.bench_lib import RESULT_MARK
 from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
 from benchmarks.bench_runs import full_plan
-from benchmarks.gpu_queue import gpu_queue, report as queue_report, run_part0, standing, write_part_census
+from benchmarks.gpu_queue import gpu_queue, part0_or_census, report as queue_report, standing, write_part_census
 from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
         print(queue_report(standing(parse_args)))
         return 0
     if a.gpu_part is not None and (a.gpu_part == 0 or a.census_only):
-        return run_part0(a)
+        return part0_or_census(a)
     from tqdm import tqdm
 
     t0, machine = time.time(), machine_info()

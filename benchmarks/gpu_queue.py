@@ -104,7 +104,7 @@ def write_census(out: str, parts: dict[int, list[dict]], commit: str, device: st
     return path
 
 
-def run_part0(a) -> int:
+def part0_or_census(a) -> int:
     """GPU part 0 (benchmarks/compile_check.py PART0_ARGS into --out), or with --census-only no measurement; then
     the part's census."""
     from benchmarks.compile_check import PART0_ARGS, main as compile_check

@@ -161,14 +161,19 @@ def counted(spec: dict, cfg) -> dict:
 
 def main(argv=None) -> int:
     """SPECS.json ([spec, ...]) → OUT.json ({key: census}), each configuration in turn in this process."""
-    specs_path, out_path = (sys.argv[1:] if argv is None else argv)[:2]
-    with open(specs_path) as f:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("specs", help="JSON list of bench point specs ({kind, config, overrides}; census_shape optional)")
+    ap.add_argument("out", help="JSON file the census of each is written to, keyed by `key`")
+    a = ap.parse_args(argv)
+    with open(a.specs) as f:
         specs = json.load(f)
     out = {}
     for i, spec in enumerate(specs, 1):
         out[key(spec)] = count(spec, spec.get("census_shape", TINY))
         print(f"census {i}/{len(specs)}: {spec['kind']} {spec['config']} {' '.join(spec['overrides'])}", flush=True)
-        with open(out_path, "w") as f:
+        with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0
 

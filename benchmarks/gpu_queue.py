@@ -11,9 +11,10 @@ gpu-check`, 7 the convergence check of master weights, 8 FP8.
 
 Invariant: a part's figures stand while the kernel census (benchmarks/kernel_census.py) of every configuration it
 measured is unchanged, whatever else changed. Every part writes census.json beside its outputs: {commit, device,
-torch (the census's), parts: {part: [key, ...]}, configurations: {key: {spec, census}}}. The census depends on torch's
-version (its aten decompositions): a record counted under another torch than this one's is counted again here, at the
-record's commit, in a git worktree removed afterwards (cached in build/census/). The next part to run is the first
+torch (the census's), parts: {part: [key, ...]}, configurations: {key: {spec, census}}}; on a GPU machine without
+the counts, which would cost GPU time. The census depends on torch's version (its aten decompositions): a record
+counted under another torch than this one's, or not counted, is counted here at the record's commit, in a git
+worktree removed afterwards (cached in build/census/). The next part to run is the first
 (0, 1, …) whose figures do not stand: never measured, a configuration whose census changed, or one that the part now
 plans and no record measured.
 """
@@ -83,15 +84,17 @@ def commit_here(out: str = "") -> str:
     return found.group(1) if found else "unknown"
 
 
-def write_census(out: str, parts: dict[int, list[dict]], commit: str, device: str | None, tree: str = ROOT) -> str:
+def write_census(out: str, parts: dict[int, list[dict]], commit: str, device: str | None, tree: str = ROOT,
+                 count: bool = True) -> str:
     """out/census.json: the census of each part's configurations, counted at `tree` (this checkout, or a worktree
-    of `commit`) under this torch. Where the count fails, the configurations are written without it (the queue
-    counts them at the commit later) and the reason is kept."""
+    of `commit`) under this torch. Without `count`, or where the count fails, the configurations are written
+    without it (the queue counts them at the commit later) and the reason is kept."""
     import torch
 
     specs = [s for group in parts.values() for s in group]
     try:
-        counted, error = census_of(specs, tree), None
+        counted, error = (census_of(specs, tree), None) if count else ({}, "not counted here: on a GPU machine the "
+                                                                           "census is left to `make gpu-queue`")
     except RuntimeError as e:
         counted, error = {}, str(e)
     record = {"commit": commit, "device": device, "torch": torch.__version__, "error": error,
@@ -115,11 +118,16 @@ def part0_or_census(a) -> int:
 
 
 def write_part_census(a) -> None:
-    """OUT/census.json of the GPU part a.gpu_part (none without --gpu-part, or with --no-census)."""
+    """OUT/census.json of the GPU part a.gpu_part (none without --gpu-part, or with --no-census). On a GPU machine
+    its configurations only: their census is counted afterwards by the queue, at the commit, under the CPU's torch
+    (the one its comparisons use), and costs no GPU time."""
     if a.gpu_part is None or a.no_census:
         return
-    print(f"kernel census of part {a.gpu_part}'s configurations (one CPU process) ...", flush=True)
-    print(f"wrote {write_census(a.out, {a.gpu_part: configurations(a.gpu_part, a)}, commit_here(a.out), a.gpu)}")
+    if not a.gpu:
+        print(f"kernel census of part {a.gpu_part}'s configurations (one CPU process) ...", flush=True)
+    path = write_census(a.out, {a.gpu_part: configurations(a.gpu_part, a)}, commit_here(a.out), a.gpu,
+                        count=not a.gpu)
+    print(f"wrote {path}")
 
 
 # ---- which figures stand --------------------------------------------------------------------------------------------
@@ -147,8 +155,11 @@ def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:
     if missing:
         with tempfile.TemporaryDirectory() as tmp:
             worktree = os.path.join(tmp, "tree")
-            subprocess.run(["git", "worktree", "add", "--detach", worktree, record["commit"]], cwd=tree, check=True,
-                           capture_output=True)
+            r = subprocess.run(["git", "worktree", "add", "--detach", worktree, record["commit"]], cwd=tree,
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"no git worktree of the record's commit {record['commit']!r} to count its census "
+                                   f"at (name it: GPU_COMMIT=..., or a docs/gpu/<date>-<commit>-<device> folder)")
             try:
                 known.update(count(missing, worktree))
             finally:
@@ -162,7 +173,7 @@ def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:
 def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, count=census_of,
              log=print) -> dict[int, dict]:
     """Per part (`parse_args`: bench.py's parser, for what each part plans; `count`: census_of, the census of
-    configurations at a checkout): {"state": stands | changed | partly | never, "record", "commit", "changed":
+    configurations at a checkout): {"state": stands | changed | partly | never | uncounted, "record", "commit", "changed":
     [keys], "missing": [keys]}, from the newest record of each part and the census of its configurations at `tree`."""
     newest = {}
     for folder, record in records(root):
@@ -183,8 +194,13 @@ def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, 
             out[part] = {"state": "never", "record": None, "commit": None, "changed": [], "missing": sorted(planned)}
             continue
         folder, record = newest[part]
-        then = census_at_commit(record, tree, count)
         keys = record["parts"][str(part)]
+        try:
+            then = census_at_commit(record, tree, count)
+        except RuntimeError as e:
+            out[part] = {"state": "uncounted", "record": os.path.relpath(folder, ROOT), "commit": record["commit"],
+                         "changed": [], "missing": [], "measured": len(keys), "why": str(e)}
+            continue
         changed = [k for k in keys if then.get(k) != now.get(k)]
         missing = sorted(planned - set(keys))
         state = "changed" if changed else "partly" if missing else "stands"
@@ -206,7 +222,9 @@ def report(states: dict[int, dict]) -> str:
             lines.append(head + f"never measured ({len(s['missing'])} configurations planned)")
             continue
         where = f"{s['measured']} configurations measured at {s['commit']} ({s['record']})"
-        if s["state"] == "stands":
+        if s["state"] == "uncounted":
+            lines.append(head + f"cannot tell: {where}; {s['why']}")
+        elif s["state"] == "stands":
             lines.append(head + f"stands: {where}, their kernel census unchanged")
         elif s["state"] == "changed":
             lines.append(head + f"changed: {where}; census changed for: " + "; ".join(map(describe, s["changed"])))

@@ -1,8 +1,8 @@
 """The DeepSpeed engine of a run, and what its speed is measured against.
 
-    build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → activation checkpointing →
-                                compiled blocks → pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR
-                                schedule)
+    build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → FP8 linears (train.fp8) →
+                                activation checkpointing → compiled blocks → pipeline stages (PP > 1) →
+                                deepspeed.initialize (ZeRO, AdamW, LR schedule)
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
     peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
@@ -25,7 +25,7 @@ from model import build_model
 from model import release
 from model.lm import Block
 from model.parallel import is_sharded, tp_rank
-from pretrain import distributed
+from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.config.files import merge
 from pretrain.health import GuardedAdamW
@@ -140,14 +140,18 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
 
 def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_clip: bool | None = None):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → activation checkpointing → compiled blocks (train.compile) → pipeline stages (PP > 1) → DeepSpeed
-    (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides
-    this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
+    TP slice) → FP8 linears (train.fp8: torchao's Float8Linear for the plain linears, pretrain/float8.py) →
+    activation checkpointing → compiled blocks (train.compile) → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW,
+    LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides this when it is
+    built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
+    float8.check(cfg, lay.device)   # a one-line error before any model is built
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
         model, mpu = build_model(cfg.model), distributed.MegatronMPU()
     rename = getattr(model, "canonical_name", lambda name: name)
+    if cfg.train.fp8:
+        float8.convert(model, cfg.train.fp8)
     checkpoint_activations(model, cfg.parallel.activation_checkpointing, rename)
     if cfg.train.compile:
         compile_blocks(model)

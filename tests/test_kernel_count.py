@@ -15,7 +15,7 @@ import os
 import torch
 
 from tests.distributed import run_distributed
-from tests.kernel_census import Kernels
+from benchmarks.kernel_census import Kernels
 
 BEFORE = {"dot": 63, "dense+dot": 163, "dense": 71, "random": 58, "random_fixed": 56, "factorized_random": 64,
           "factorized_dense": 92, "random+dot": 90, "sgu": 69}

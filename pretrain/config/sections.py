@@ -145,8 +145,9 @@ class TrainSection:
                                "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit "
                                "(across ranks it all-reduces fp32 gradients)", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
-                              "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
-                              "eager); the first steps pay the compile", False)
+                              "torchtitan does), and with pp 1 the embedding and the final norm + head + fused loss "
+                              "(a graph each); names and checkpoints unchanged; evaluation, samples and maps run "
+                              "eager; the first steps pay the compile", False)
     seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
     stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",

@@ -8,7 +8,10 @@ d_h 128, so q·k is 256 wide), 2 heads, n 32, batch 2, biases on.
 
 BEFORE: the counts at c3464e2, the code the GPU issue profiled, by this same harness. Goals: the binding variants
 (dot and the flagship dense+dot) at ≤ 0.7 × BEFORE, no variant above BEFORE; no bias added apart from its GEMM; no
-layout copy of q, k or v in forward.
+layout copy of q, k or v in forward. The flagship is counted twice: on the default SDPA form, and at its own widths
+on the Triton key-bias kernel (SYNTHFORMER_KEY_BIAS_KERNEL=triton), which must launch fewer and concatenate nothing.
+The project's custom ops (torch.library, `synthformer::`) launch Triton kernels and allocate only: the launches are
+what counts.
 """
 import os
 

@@ -29,7 +29,7 @@ def measured(kind, config, overrides):
     sync()
     tensors = sum(1 for p in engine.module.parameters() if p.requires_grad)
     return lay, {"losses": [float(x) for x in step.losses[:STEPS]], "kernels": sum(kernels.ops.values()),
-                 "tensors": tensors, "by_op": dict(kernels.ops.most_common(12))}
+                 "tensors": tensors, "by_op": dict(kernels.ops.most_common())}
 
 
 def main(kind, config, out, *overrides):

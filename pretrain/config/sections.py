@@ -145,8 +145,9 @@ class TrainSection:
                                "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit "
                                "(across ranks it all-reduces fp32 gradients)", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
-                              "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
-                              "eager); the first steps pay the compile", False)
+                              "torchtitan does), and with pp 1 the embedding and the final norm + head + fused loss "
+                              "(a graph each); names and checkpoints unchanged; evaluation, samples and maps run "
+                              "eager; the first steps pay the compile", False)
     fp8: str | None = described("FP8 training of the plain linears through torchao (pretrain/float8.py): null (off), "
                                 "'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row: more "
                                 "accurate, slower); needs train.precision=bf16, parallel.tp=1 and pp=1, a CUDA GPU of "

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .kernels import on_gpu_path, with_key_bias
+from .kernels import on_gpu_path
+from .qk_attention import with_key_bias
 
 _compiled = {}   # name → torch.compile'd flex function, made at first use on a CUDA device
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Whole-model benchmarks, each figure measured in this one run on this machine and reported as a ratio.
 
-    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,gpu,gpu-variants,gpu-memory]
+    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,layouts,engine,gpu,gpu-variants,gpu-memory]
                           [--reps 3] [--out bench]
     make bench [BENCH_ARGS=--quick]
 
@@ -25,6 +25,9 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
+  layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
+              gloo ranks on the CPU, ÷ the demo's own layout: the step times the time model must order (measured
+              once, kept in pretrain/plan/calibration.yaml; tests/test_time_model.py checks the order). No goal.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;

@@ -9,8 +9,8 @@ from model import variants
 from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
-         "gpu-memory")
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "layouts", "engine", "gpu-binding", "gpu",
+         "gpu-variants", "gpu-memory")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -43,6 +43,18 @@ LIVE_MEMORY = ["parallel.cpu_keep_freed_memory=false"]
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}   # the demo's runs and gloo TP/DP stay on the CPU
 BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 4 + Adam 8 + gradient 4
+# The layouts part: the demo model (configs/demo-cpu.yaml, global batch 16) at 2 gloo ranks, each layout a step time the
+# time model must order (pretrain/plan/calibration.yaml keeps them; tests/test_time_model.py checks the order).
+LAYOUTS = {
+    "dp2-zero2-micro8": ["parallel.zero_stage=2", "train.micro_batch_size=8"],   # the demo as configured
+    "dp2-zero1-micro1": ["parallel.zero_stage=1", "train.micro_batch_size=1"],   # 8 micro-batches a step
+    "dp2-zero3-micro8": ["parallel.zero_stage=3", "train.micro_batch_size=8"],
+    "dp2-zero2-micro8-ckpt": ["parallel.zero_stage=2", "train.micro_batch_size=8",
+                              "parallel.activation_checkpointing=1"],
+    "tp2-micro8": ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],
+    "pp2-micro8": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],   # 2 micro-batches: bubble
+    "pp2-micro2": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=2"],   # 8 micro-batches
+}
 
 
 def variant_configs() -> dict[str, str]:
@@ -190,6 +202,11 @@ def plan(a) -> Plan:
         half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
         dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
         p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
+    if "layouts" in a.only:   # one optimizer step of each layout, ÷ the demo's own (dp 2, ZeRO-2)
+        first = next(iter(LAYOUTS))
+        for name, over in LAYOUTS.items():
+            p.entry(f"layouts:{name}", "layouts", name, p.point("train", DEMO, over, 2, CPU), "step_s", "s",
+                    None if name == first else f"layouts:{first}", note=" ".join(over) if name == first else None)
     if "gpu-binding" in a.only:
         plan_gpu_binding(a, p)
     if "gpu" in a.only:   # before the engine part, whose points it shares: the flagship's point is measured first

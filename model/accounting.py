@@ -43,8 +43,15 @@ def _meta_model(config: str) -> SynthesizerLM:
 
 def parameters(cfg: ModelConfig) -> dict[str, Param]:
     """Canonical name → (full shape, TP split dim, trainable) of every parameter of the model `cfg` describes."""
-    return {name: Param(tp.full_shape(p), getattr(p, "partition_dim", None), p.requires_grad)
-            for name, p in shape_model(cfg).named_parameters()}
+    return {name: Param(list(shape), dim, trainable)
+            for name, shape, dim, trainable in _parameters(json.dumps(cfg.to_dict(), sort_keys=True), tp.tp_world())}
+
+
+@functools.lru_cache(maxsize=16)
+def _parameters(config: str, tp_world: int) -> tuple:
+    """Read once per config (the memory and time plans ask for every layout they rank)."""
+    return tuple((name, tuple(tp.full_shape(p)), getattr(p, "partition_dim", None), p.requires_grad)
+                 for name, p in _meta_model(config).named_parameters())
 
 
 def full_numel(p) -> int:
@@ -69,7 +76,12 @@ def table1_count(mixer: nn.Module) -> int:
 def train_flops_per_token(cfg: ModelConfig, n: int | None = None) -> int:
     """Forward + backward FLOPs per token of the whole model at length n (default L): the numerator of MFU, in the
     trainer's log and in benchmarks/bench.py."""
-    return model_stats(cfg, n)["total"]["train_flops_per_token"]
+    return _train_flops(json.dumps(cfg.to_dict(), sort_keys=True), n)
+
+
+@functools.lru_cache(maxsize=64)
+def _train_flops(config: str, n: int | None) -> int:
+    return model_stats(ModelConfig.from_dict(json.loads(config)), n)["total"]["train_flops_per_token"]
 
 
 def model_stats(cfg: ModelConfig, n: int | None = None) -> dict:

@@ -47,13 +47,14 @@ BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 
 # time model must order (pretrain/plan/calibration.yaml keeps them; tests/test_time_model.py checks the order).
 LAYOUTS = {
     "dp2-zero2-micro8": ["parallel.zero_stage=2", "train.micro_batch_size=8"],   # the demo as configured
-    "dp2-zero1-micro1": ["parallel.zero_stage=1", "train.micro_batch_size=1"],   # 8 micro-batches a step
-    "dp2-zero3-micro8": ["parallel.zero_stage=3", "train.micro_batch_size=8"],
     "dp2-zero2-micro8-ckpt": ["parallel.zero_stage=2", "train.micro_batch_size=8",
-                              "parallel.activation_checkpointing=1"],
+                              "parallel.activation_checkpointing=1"],              # the forward again
+    "dp2-zero1-micro1": ["parallel.zero_stage=1", "train.micro_batch_size=1"],   # 8 micro-batches a step
     "tp2-micro8": ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],
     "pp2-micro8": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],   # 2 micro-batches: bubble
-    "pp2-micro2": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=2"],   # 8 micro-batches
+    "pp2-micro16": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=16"],  # 1: the stages in turn
+    "pp2-micro16-ckpt": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=16",
+                         "parallel.activation_checkpointing=1"],
 }
 
 
@@ -202,11 +203,13 @@ def plan(a) -> Plan:
         half = [f"train.micro_batch_size={max(1, a.batch // 2)}"]                # 2 ranks × half the batch
         dp2 = p.point("train", a.all_variants["dot"], model + half, 2, CPU)
         p.entry("parallel:dp2", "parallel", "DP=2", dp2, "step_s", "s", "parallel:1proc", n=a.seq_len, layers=a.layers)
-    if "layouts" in a.only:   # one optimizer step of each layout, ÷ the demo's own (dp 2, ZeRO-2)
+    if "layouts" in a.only:   # each layout's tokens/s ÷ the demo's own (dp 2, ZeRO-2), alternated with one reference
         first = next(iter(LAYOUTS))
+        points = {name: p.point("train", DEMO, over, 2, CPU, paired=True) for name, over in LAYOUTS.items()}
+        p.reference = p.reference or points[first]   # the throughput part's dot, else the demo's own layout
         for name, over in LAYOUTS.items():
-            p.entry(f"layouts:{name}", "layouts", name, p.point("train", DEMO, over, 2, CPU), "step_s", "s",
-                    None if name == first else f"layouts:{first}", note=" ".join(over) if name == first else None)
+            p.entry(f"layouts:{name}", "layouts", name, points[name], "rate", "tokens/s",
+                    None if name == first else f"layouts:{first}", note=" ".join(over))
     if "gpu-binding" in a.only:
         plan_gpu_binding(a, p)
     if "gpu" in a.only:   # before the engine part, whose points it shares: the flagship's point is measured first

@@ -176,3 +176,17 @@ def test_the_runs_line_then_measured_over_predicted():
     assert check_.values(predicted_s)[1] is None   # said once
     assert StepCheck.for_run(cfg, 2, "NVIDIA B200")[0] is None   # no preset: no prediction, and the line says why
 
+
+
+def test_the_bench_measures_the_cpu_layouts_alternated_with_one_reference():
+    """benchmarks/bench.py --only layouts (planned here, measured once): every layout of the demo model at 2 ranks,
+    each alternated with the demo's own layout (its ranks served together), as tokens/s ÷ that layout's."""
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_plan import LAYOUTS, plan
+
+    p = plan(parse_args(["--only", "layouts"]))
+    assert len(LAYOUTS) >= 4 and len(p.points) == len(LAYOUTS)
+    assert all(s["world"] == 2 and s["paired"] and s["config"] == "configs/demo-cpu.yaml" for s in p.points.values())
+    first = p.entries[0]
+    assert first["point"] == p.reference and first["ratio_to"] is None and first["field"] == "rate"
+    assert all(e["ratio_to"] == first["id"] for e in p.entries[1:])

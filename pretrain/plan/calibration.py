@@ -23,7 +23,8 @@ from functools import lru_cache
 import yaml
 
 from model.config import ConfigError
-from pretrain.config import load_config
+from pretrain.config import TrainConfig
+from pretrain.config import files
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import layout_of
 from pretrain.plan.cluster import PRESETS
@@ -67,9 +68,19 @@ def load(path: str = CALIBRATION) -> list[Point]:
     return out
 
 
+@lru_cache(maxsize=16)
+def _base(config: str) -> dict:
+    """The config file's tree, its `base:` chain merged (its keys are checked when the point's config is built)."""
+    return files.read(os.path.join(ROOT, config), lambda tree, source: None)
+
+
 @lru_cache(maxsize=256)
 def _setting(point: Point):
-    cfg = load_config(os.path.join(ROOT, point.config), list(point.overrides))
+    tree = _base(point.config)   # each file read once: the points differ by their overrides
+    for item in point.overrides:
+        section, name, value = files.override(item)
+        tree = files.merge(tree, {section: {name: value}})
+    cfg = TrainConfig.from_dict(tree, source=f"{CALIBRATION}: {point.what}")
     lay = layout_of(cfg, point.world)
     return cfg, lay, engine_of(cfg, deepspeed_config(cfg, lay.dp))
 

@@ -25,10 +25,11 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
-  layouts     tokens/s of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2 gloo ranks
-              on the CPU, ÷ the demo's own layout's, each alternated with one reference process group (as the
-              throughput part's points): the steps the time model must order (measured once, kept in
-              pretrain/plan/calibration.yaml; tests/test_time_model.py checks the order). No goal.
+  layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
+              gloo ranks on the CPU, ÷ the demo's own layout's: each repetition's step less the longest time a rank
+              spent runnable but waiting for a CPU (Linux's /proc/self/schedstat; on a shared machine most of a
+              step), the steps the time model must order (measured once, kept in pretrain/plan/calibration.yaml;
+              tests/test_time_model.py checks the order). No goal.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
@@ -67,8 +68,7 @@ import time
 
 from benchmarks.bench_lib import RESULT_MARK
 from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, gpu_queue, plan, variant_configs
-from benchmarks.bench_report import (PointFailed, ServedGroup, ServedPoint, machine_info, markdown, paired_ratio,
-                                     summary)
+from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,12 +144,8 @@ def run_paired(reference: dict, others: list[tuple[str, dict]], timeout: float, 
     runs next to one of the reference (ABBA order: the reference first on even r), so both see the same machine.
     {key: result, "reference": result}; a paired point's result has `paired_rate`, the reference's rates next to
     its repetitions. `done(key)` after each point (progress)."""
-    def serve(spec):   # one process, or the ranks of a world > 1 point together (a fresh port each try)
-        def start():
-            envs, command = rank_env(spec), one({**spec, "serve": True})
-            return (ServedPoint(command, envs[0], ROOT, timeout) if len(envs) == 1
-                    else ServedGroup(command, envs, ROOT, timeout))
-        return retried_on_port_race(start)
+    def serve(spec):
+        return retried_on_port_race(lambda: ServedPoint(one({**spec, "serve": True}), rank_env(spec)[0], ROOT, timeout))
 
     try:
         ref = serve(reference)
@@ -189,6 +185,9 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         if reps is None and e.get("skipped") is None and not res.get("error"):
             reps = res.get(e["field"]) if e["field"] != "tflops" else \
                 [r * res["train_flops_per_token"] / 1e12 for r in res["rate"]]
+            if e["field"] == "uncontended_step_s":   # less the longest any rank waited for a CPU while runnable
+                reps = [s - max(r["runqueue_s"][i] for r in res.get("by_rank", [res]))
+                        for i, s in enumerate(res["step_s"])]
         e.update(value=None, spread=None, ratio=None, ratio_range=None, status=None, machine=machine,
                  error=res.get("error"), reps=reps, paired_reps=None, skipped=e.get("skipped"))
         if reps:

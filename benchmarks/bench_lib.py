@@ -82,6 +82,16 @@ class Memory:
         return max([memory_mb(self.device), *self.phases.values()])
 
 
+def runqueue_s() -> float:
+    """Seconds this process's main thread has waited for a CPU while runnable (Linux's /proc/self/schedstat; 0 where
+    there is none): what other processes of a shared machine took from a timed step."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
             serve: bool = False) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
@@ -93,18 +103,19 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     sync()
     if mem:
         mem.rest()
-    rate, seconds, peak = [], [], []
+    rate, seconds, peak, queued = [], [], [], []
 
     def repetition():
         if mem:
             mem.reset_peak()
-        t0 = time.perf_counter()
+        t0, q0 = time.perf_counter(), runqueue_s()
         for _ in range(steps):
             call()
         sync()
         dt = time.perf_counter() - t0
         rate.append(units_per_call * steps / dt)
         seconds.append(dt / steps)
+        queued.append((runqueue_s() - q0) / steps)
         if mem:
             peak.append(mem.peak())
 
@@ -118,7 +129,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     else:
         for _ in range(reps):
             repetition()
-    out = {"rate": rate, "step_s": seconds}
+    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued}
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,

@@ -11,7 +11,6 @@ import signal
 import statistics
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.bench_lib import READY_MARK, REP_MARK, RESULT_MARK
 
@@ -95,37 +94,6 @@ class ServedPoint:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-class ServedGroup:
-    """The ranks of a point of world > 1, each a ServedPoint, started together (the process group needs them all);
-    a repetition asks every rank for one (their collectives keep them in step) and returns rank 0's rate."""
-
-    def __init__(self, command: list[str], envs: list[dict], cwd: str, timeout: float):
-        with ThreadPoolExecutor(len(envs)) as pool:
-            started = [pool.submit(ServedPoint, command, env, cwd, timeout) for env in envs]
-        self.ranks, failed = [], None
-        for future in started:
-            try:
-                self.ranks.append(future.result())
-            except PointFailed as e:
-                failed = failed or e
-        if failed:
-            self.kill()
-            raise failed
-
-    def rep(self) -> float:
-        for rank in self.ranks:
-            rank._send("rep")
-        return [json.loads(rank._read(REP_MARK))["rate"] for rank in self.ranks][0]
-
-    def finish(self) -> dict:
-        results = [rank.finish() for rank in self.ranks]
-        return {**results[0], "by_rank": results}
-
-    def kill(self) -> None:
-        for rank in self.ranks:
-            rank.kill()
 
 
 def paired_ratio(reps, paired, ref_reps, ref_paired) -> tuple[float, list[float]]:

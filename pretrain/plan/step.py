@@ -122,7 +122,8 @@ def predict(cfg: TrainConfig, lay: Layout, cluster: Cluster, eff: Efficiency, en
     rate = terms.Rate(cluster.gpu.peak(cfg.train.precision), cluster.gpu.sms, W, a)
     # ranks are numbered TP fastest, then DP, then pipeline stages (megatron-core's and DeepSpeed's grids)
     tp_link, dp_link = cluster.group_link(t, 1), cluster.group_link(d, t)
-    pp_link = cluster.group_link(2, t * d)
+    # stages t·d ranks apart: once they span nodes, some boundary crosses one (one GPU's NIC), and paces the rest
+    pp_link = cluster.intra_node if t * d * p <= cluster.gpus_per_node else cluster.group_link(2, cluster.gpus_per_node)
     grad = bytes_of(cfg.train.weights_precision())   # gradients and weights travel in the weights' dtype
     stages = stage_work(cfg, lay, b, gpu, engine.even_stages)
     parts = []   # per stage, one micro-batch: compute, memory, TP, PP sends, ZeRO-2/3's own collectives
@@ -143,7 +144,7 @@ def predict(cfg: TrainConfig, lay: Layout, cluster: Cluster, eff: Efficiency, en
                 terms.reduce_scatter_time(st.boundary_bytes, t, cluster.intra_node)
         else:
             one = terms.send_time(st.boundary_bytes, pp_link)
-        pp = ((not st.first) + (not st.last)) * one if p > 1 else 0.0   # input received, output sent
+        pp = 2 * ((not st.first) + (not st.last)) * one if p > 1 else 0.0   # each boundary: activation, gradient
         zero, P = 0.0, st.params
         if lay.zero >= 2 and d > 1:   # ZeRO-2/3 reduce-scatter each micro-batch's gradients
             zero += terms.reduce_scatter_time(grad * P, d, dp_link, terms.buckets(P, engine.reduce_bucket))

@@ -26,10 +26,10 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
   layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
-              gloo ranks on the CPU, ÷ the demo's own layout's: each repetition's step less the longest time a rank
-              spent runnable but waiting for a CPU (Linux's /proc/self/schedstat; on a shared machine most of a
-              step), the steps the time model must order (measured once, kept in pretrain/plan/calibration.yaml;
-              tests/test_time_model.py checks the order). No goal.
+              gloo ranks on the CPU, ÷ the demo's own layout's: each repetition in the real-time class (root only;
+              a pause after each lets the machine's other processes catch up), less the longest time a rank still
+              waited for a CPU while runnable (Linux's /proc/self/schedstat): the steps the time model must order
+              (measured once, kept in pretrain/plan/calibration.yaml; tests/test_time_model.py checks it). No goal.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;

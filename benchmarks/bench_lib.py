@@ -92,8 +92,34 @@ def runqueue_s() -> float:
         return 0.0
 
 
+class Foreground:
+    """`with Foreground(on):` this process's threads in the real-time class (SCHED_FIFO, priority 1) for the block,
+    back to the normal class after it: a shared machine's other processes then wait, not the timed repetition. Each
+    block is one repetition (seconds), and the caller pauses after it so that the others catch up. Without the right
+    to (not root) or `on` False: nothing, and `.held` stays False."""
+
+    def __init__(self, on: bool):
+        self.on, self.held = on, False
+
+    def _set(self, policy: int, priority: int) -> bool:
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setscheduler(int(tid), policy, os.sched_param(priority))
+            return True
+        except (OSError, AttributeError):
+            return False
+
+    def __enter__(self):
+        self.held = self.on and self._set(os.SCHED_FIFO, 1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.held:
+            self._set(os.SCHED_OTHER, 0)
+
+
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
-            serve: bool = False) -> dict:
+            serve: bool = False, foreground: bool = False) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
     Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition.
     `serve`: after the warm-up, one repetition per "rep" line on stdin (its rate printed after REP_MARK) until
@@ -105,14 +131,22 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
         mem.rest()
     rate, seconds, peak, queued = [], [], [], []
 
+    held = []
+
     def repetition():
         if mem:
             mem.reset_peak()
-        t0, q0 = time.perf_counter(), runqueue_s()
-        for _ in range(steps):
-            call()
-        sync()
-        dt = time.perf_counter() - t0
+        if foreground:
+            sync()   # the ranks start the repetition together, whatever each slept after the last one
+        with Foreground(foreground) as fg:
+            t0, q0 = time.perf_counter(), runqueue_s()
+            for _ in range(steps):
+                call()
+            sync()
+            dt = time.perf_counter() - t0
+        held.append(fg.held)
+        if fg.held:
+            time.sleep(2 * dt)   # the machine's other processes catch up, and the ranks start the next one together
         rate.append(units_per_call * steps / dt)
         seconds.append(dt / steps)
         queued.append((runqueue_s() - q0) / steps)
@@ -129,7 +163,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     else:
         for _ in range(reps):
             repetition()
-    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued}
+    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued, "foreground": held}
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
@@ -269,6 +303,7 @@ def run_train(spec: dict) -> dict:
 
     step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
+                  foreground=spec.get("foreground", False),
                   serve=spec.get("serve", False))
     per_rep = len(step.losses) // max(1, spec["warmup"] + spec["reps"] * spec["steps"]) * spec["steps"]
     timed = [float(x) for x in step.losses[-per_rep * spec["reps"]:]]   # each repetition's mean loss

@@ -206,7 +206,8 @@ def plan(a) -> Plan:
     if "layouts" in a.only:   # each layout's step (its ranks' waits for a CPU taken out) ÷ the demo's own layout's
         first = next(iter(LAYOUTS))
         for name, over in LAYOUTS.items():
-            p.entry(f"layouts:{name}", "layouts", name, p.point("train", DEMO, over, 2, CPU), "uncontended_step_s",
+            p.entry(f"layouts:{name}", "layouts", name, p.point("train", DEMO, over, 2, CPU, foreground=True),
+                    "uncontended_step_s",
                     "s", None if name == first else f"layouts:{first}", note=" ".join(over))
     if "gpu-binding" in a.only:
         plan_gpu_binding(a, p)

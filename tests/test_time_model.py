@@ -3,6 +3,7 @@ against their published measurements, the CPU layouts' order against the step ti
 (pretrain/plan/calibration.yaml), the calibration, `--plan`, the cluster files and the run's own check."""
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.memory_plan import Layout
 from pretrain.plan import PRESETS, load_cluster, terms
-from pretrain.plan.calibration import calibrated, load, predicted
+from pretrain.plan.calibration import calibrated, fit_host, load, predicted
 from pretrain.plan.cluster import Link
 from pretrain.plan.live import StepCheck, expected
 from pretrain.plan.published import MEGATRON_2021, check, paper_flops
@@ -127,18 +128,37 @@ def test_layout_orders_of_narayanan_et_al_2021():
 # ---- this repository's own measurements ----------------------------------------------------------------------------
 def test_cpu_layouts_in_the_measured_order():
     """The step times the bench measured once for the demo model at 2 CPU ranks (benchmarks/bench.py --only
-    layouts), against the time model's order on the cpu preset; the layouts span ≥ 1.5×."""
+    layouts), against the time model's order on the cpu preset; the layouts span ≥ 1.5×. e and the host's times are
+    fitted on the points marked `fit: true` alone; every pair the check counts has a held-out point in it."""
     points = [p for p in load() if p.device == "cpu"]
-    assert len(points) >= 4
+    held = [p for p in points if not p.fit]
+    assert len(points) >= 4 and len(held) >= 4 and len(points) - len(held) >= 3
     assert max(p.step_s for p in points) >= 1.5 * min(p.step_s for p in points)
     eff = calibrated().efficiency("cpu", compiled=False)
+    assert eff.host_micro_batch > 0 and eff.host_step > 0
     pred = {p: predicted(p, eff) for p in points}
-    wrong = [(a.what, b.what) for a in points for b in points
-             if a.step_s < b.step_s / (1 + CPU_TIE) and not pred[a] < pred[b]]
+    pairs = [(a, b) for a in points for b in points if (not a.fit or not b.fit) and a.step_s < b.step_s / (1 + CPU_TIE)]
+    assert len(pairs) >= 10   # the order checked is not a trivial one
+    wrong = [(a.what, b.what) for a, b in pairs if not pred[a] < pred[b]]
     assert not wrong, wrong
 
 
 CPU_TIE = 0.15   # measured steps closer than this are not ordered (the shared machine's repetitions spread so)
+
+
+def test_host_terms_and_their_fit():
+    """On a CPU the host's time a micro-batch is on every stage's critical path and its time a step is added once;
+    fit_host recovers e and both host times from steps the model itself predicts."""
+    cfg = load_config(DEMO, ["parallel.zero_stage=1", "train.micro_batch_size=1"])
+    engine, cpu = engine_of(cfg, deepspeed_config(cfg, 2)), PRESETS["cpu"]
+    bare = predict(cfg, Layout(1, 1, 2, 8), cpu, Efficiency(0.5), engine, gpu=False)
+    host = predict(cfg, Layout(1, 1, 2, 8), cpu, Efficiency(0.5, host_micro_batch=0.01, host_step=0.1), engine,
+                   gpu=False)
+    assert host.terms["host"] == pytest.approx(8 * 0.01 + 0.1) and bare.terms["host"] == 0
+    assert host.step_s - bare.step_s == pytest.approx(8 * 0.01 + 0.1)
+    truth = Efficiency(0.4, host_micro_batch=0.02, host_step=0.15)
+    points = [replace(p, step_s=predicted(p, truth)) for p in load() if p.device == "cpu"][:4]
+    assert fit_host(points) == pytest.approx((0.4, 0.02, 0.15), rel=1e-6)
 
 
 def test_calibration_fits_each_mode_and_the_variants_measured():

@@ -10,6 +10,12 @@ peak and the bandwidth; the CPU has its own). A variant's r_v is the median over
 with r = 1) ÷ their mode's e. A mode without dot points borrows the other mode's e; a variant without points in a
 mode borrows the other mode's r_v; a variant with none is priced as dot, and the plan says so.
 
+On a CPU the host does not run ahead of the device: each op is dispatched and run by the same thread, so a step is
+T = C/e + R + k·h + H, h the host's time a micro-batch on a stage (k: how many the schedule puts on the critical
+path), H its time a step (the engine's and the optimizer's bookkeeping). e, h and H are fitted together by least
+squares on the CPU points marked `fit: true`; the points marked `fit: false` are held out of every fit (the tests
+check the predicted order of all of them against the measured one).
+
 Held out (`held_out`): fitted without one record, the record's points predicted, for each record in turn; and fitted
 on the H100 records alone, the H200 points predicted (same peak, 1.43× the memory bandwidth).
 """
@@ -45,6 +51,7 @@ class Point:
     step_s: float
     world: int = 1
     what: str = ""
+    fit: bool = True             # False: held out of the fit (the CPU layouts whose order the tests check)
 
     @property
     def family(self) -> str:
@@ -59,7 +66,7 @@ def load(path: str = CALIBRATION) -> list[Point]:
         try:
             out.append(Point(p["record"], p["device"], p["config"], tuple(p.get("overrides") or ()),
                              bool(p.get("compiled", False)), float(p["step_s"]), int(p.get("world", 1)),
-                             p.get("what", "")))
+                             p.get("what", ""), bool(p.get("fit", True))))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{path}: point {i + 1} lacks or mistypes {e}; each point needs record, device, "
                               f"config, step_s") from None
@@ -116,20 +123,53 @@ def _mixer(point: Point) -> str:
 class Fit:
     compute: dict = field(default_factory=dict)     # (family, compiled) → e
     relative: dict = field(default_factory=dict)    # (family, compiled) → {mixer: r_v}
+    host: dict = field(default_factory=dict)        # (family, compiled) → (seconds a micro-batch, a step)
     points: int = 0
 
     def efficiency(self, family: str, compiled: bool) -> Efficiency:
-        e = self.compute.get((family, compiled)) or self.compute.get((family, not compiled))
-        if e is None:
+        key = (family, compiled) if (family, compiled) in self.compute else (family, not compiled)
+        if key not in self.compute:
             raise ConfigError(f"pretrain/plan/calibration.yaml has no {family} point: no efficiency to predict with")
+        e = self.compute[key]
         rel = {**self.relative.get((family, not compiled), {}), **self.relative.get((family, compiled), {})}
         mode = "compiled blocks" if compiled else "eager"
-        return Efficiency(e, rel, f"e = {e:.3f} ({family}, {mode}; {self.points} points)")
+        host = self.host.get(key, (0.0, 0.0))
+        extra = f"; host {1e3 * host[0]:.1f} ms a micro-batch, {1e3 * host[1]:.0f} ms a step" if any(host) else ""
+        return Efficiency(e, rel, f"e = {e:.3f} ({family}, {mode}; {self.points} points{extra})", *host)
+
+
+def linear_terms(point: Point) -> tuple[float, float, float]:
+    """(A, B, k) of the point's predicted step T = A/e + B + k·h + H, h the host's time a micro-batch on a stage,
+    H a step's (the model is linear in 1/e, h and H while its GEMMs stay compute-bound and its slowest stage
+    the same): read off three predictions."""
+    T0, T1 = predicted(point, Efficiency(1.0)), predicted(point, Efficiency(0.5))
+    return T1 - T0, 2 * T0 - T1, predicted(point, Efficiency(1.0, host_micro_batch=1.0)) - T0
+
+
+def fit_host(points: list[Point]) -> tuple[float, float, float]:
+    """(e, h, H) by least squares over `points` (a CPU's: the host does not hide behind the device there)."""
+    import numpy as np
+
+    rows = [linear_terms(p) for p in points]
+    A = np.array([[a, k, 1.0] for a, _, k in rows])
+    y = np.array([p.step_s - b for p, (_, b, _) in zip(points, rows)])
+    x, h, H = np.linalg.lstsq(A, y, rcond=None)[0]
+    if x <= 0 or h < 0 or H < 0:
+        raise ConfigError(f"pretrain/plan/calibration.yaml: the CPU points fit no positive efficiency and host times "
+                          f"(1/e {x:.3g}, {h:.3g} s a micro-batch, {H:.3g} s a step); measure them again")
+    return 1 / x, float(h), float(H)
 
 
 def fit(points: list[Point]) -> Fit:
-    own = [(p, own_efficiency(p), _mixer(p)) for p in points]
+    points = [p for p in points if p.fit]
     out = Fit(points=len(points))
+    for key in {(p.family, p.compiled) for p in points if p.family == "cpu"}:   # e and the host's time together
+        mine = [p for p in points if (p.family, p.compiled) == key]
+        e, h, H = fit_host(mine)
+        out.compute[key], out.host[key] = e, (h, H)
+        out.relative[key] = {_mixer(p): 1.0 for p in mine}   # the CPU's e is its measured model's own
+    points = [p for p in points if p.family != "cpu"]
+    own = [(p, own_efficiency(p), _mixer(p)) for p in points]
     for key in {(p.family, p.compiled) for p in points}:
         dots = [e for p, e, m in own if (p.family, p.compiled) == key and m == "dot"]
         if dots:
@@ -177,9 +217,17 @@ def report(points: list[Point] | None = None) -> str:
     points = points or load()
     f = fit(points)
     lines = ["compute efficiency e (a fraction of the preset's peak, after the memory-bound terms):"]
-    lines += [f"  {fam} {'compiled blocks' if comp else 'eager'}: e = {e:.3f}" + "".join(
-        f", {m} r = {r:.2f}" for m, r in sorted(f.relative.get((fam, comp), {}).items()))
-        for (fam, comp), e in sorted(f.compute.items())]
+    for (fam, comp), e in sorted(f.compute.items()):
+        line = f"  {fam} {'compiled blocks' if comp else 'eager'}: e = {e:.3f}" + "".join(
+            f", {m} r = {r:.2f}" for m, r in sorted(f.relative.get((fam, comp), {}).items()))
+        h, H = f.host.get((fam, comp), (0.0, 0.0))
+        lines.append(line + (f", host {1e3 * h:.1f} ms a micro-batch and {1e3 * H:.0f} ms a step" if h or H else ""))
+    cpu = [p for p in points if p.family == "cpu"]
+    if cpu:
+        eff = f.efficiency("cpu", compiled=False)
+        lines.append("the CPU points, fastest measured first (fit: false, held out of the fit):")
+        lines += [f"  {p.what:<26} {p.step_s * 1e3:6.1f} ms measured, {predicted(p, eff) * 1e3:6.1f} ms predicted"
+                  f"{'' if p.fit else ', held out'}" for p in sorted(cpu, key=lambda p: p.step_s)]
     by_record, across = held_out(points)
     for title, rows in (("held out, one record at a time (fitted on the others):", by_record),
                         ("held out, fitted on the H100 records, checked on the H200 points:", across)):

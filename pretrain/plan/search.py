@@ -29,7 +29,7 @@ UNCHECKED = ("The communication terms (TP all-reduces, pipeline sends, data-para
              "its layout orders checked against Narayanan et al. 2021's measurements only.")
 TIE = 0.02   # steps this close are one to the model: the recommendation takes the simplest of them
 TERM_NAMES = {"compute": "compute", "memory": "memory-bound", "tp": "TP comm", "pp": "PP sends", "bubble": "bubble",
-              "dp": "DP comm", "optimizer": "optimizer"}
+              "dp": "DP comm", "optimizer": "optimizer", "host": "host overhead"}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ by pretrain/plan/terms.py's formulas (docs/DESIGN.md "The time model").
 Per micro-batch on pipeline stage s (t, p, d the TP, PP and DP sizes, m = global batch ÷ (micro-batch · d)):
     compute     Σ GEMMs at e·P·u, the mixers' own FLOPs at e·r_v·P·u_attn (r_v: the variant's measured efficiency
                 relative to dot, u_attn the wave utilization of one tile per 128 queries of each local head),
-                recomputed blocks' forward again
+                recomputed blocks' forward again; on a CPU also the host's time a micro-batch (calibrated)
     memory      4 × the activation bytes each block keeps (written, read, their gradient written and read; a
                 recomputed block writes them again), the n² scores where the engine materializes them, the loss's
                 logits, and from the second micro-batch on the gradient accumulation, at W
@@ -15,7 +15,8 @@ Per micro-batch on pipeline stage s (t, p, d the TP, PP and DP sizes, m = global
                 forward and in backward (and in recomputation), overlapped with the micro-batch's compute
 Per step: the 1F1B schedule of the stages (the bubble); the data-parallel reduction (ZeRO-0 all-reduce, ZeRO-1
 reduce-scatter, each ≥ 1 also all-gathers the updated weights), overlapped with the last backward where the engine
-overlaps; the optimizer, AdamW's bytes per parameter of the rank's partition at W.
+overlaps; the optimizer, AdamW's bytes per parameter of the rank's partition at W (on a CPU with the host's time a
+step, calibrated).
 """
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ ACTIVATION_PASSES = 4   # a kept byte: written in forward, read in backward, its
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The calibrated part (pretrain/plan/calibration.py): e, and r_v per variant measured (else 1: dot's)."""
+    """The calibrated part (pretrain/plan/calibration.py): e, r_v per variant measured (else 1: dot's), and the host's
+    own time where it does not hide behind the device (a CPU: every op is dispatched and then run by the same thread):
+    per micro-batch on each stage, and per step (the engine's and optimizer's bookkeeping). On a GPU the host runs
+    ahead of the device asynchronously: both 0."""
     compute: float
     relative: dict = field(default_factory=dict)    # mixer name → r_v
     source: str = ""
+    host_micro_batch: float = 0.0                  # seconds a micro-batch on a stage
+    host_step: float = 0.0                         # seconds a step
 
     def of(self, mixer: str) -> float:
         return self.compute * self.relative.get(mixer, 1.0)
@@ -50,7 +56,7 @@ class Prediction:
     micro: int
     checkpointing: int
     micro_batches: int
-    terms: dict[str, float]          # seconds a step: compute, memory, tp, pp, bubble, dp, optimizer (they sum)
+    terms: dict[str, float]          # seconds a step: compute, memory, tp, pp, bubble, dp, optimizer, host (they sum)
     tokens_per_step: int
     flops_per_step: float            # the project's count (model/accounting.py), without recomputation
     peak: float                      # FLOP/s of one GPU at the run's precision
@@ -126,7 +132,7 @@ def predict(cfg: TrainConfig, lay: Layout, cluster: Cluster, eff: Efficiency, en
     pp_link = cluster.intra_node if t * d * p <= cluster.gpus_per_node else cluster.group_link(2, cluster.gpus_per_node)
     grad = bytes_of(cfg.train.weights_precision())   # gradients and weights travel in the weights' dtype
     stages = stage_work(cfg, lay, b, gpu, engine.even_stages)
-    parts = []   # per stage, one micro-batch: compute, memory, TP, PP sends, ZeRO-2/3's own collectives
+    parts = []   # per stage, one micro-batch: compute, memory, TP, PP sends, ZeRO-2/3's collectives, host
     for st in stages:
         compute = sum(layer_compute(w, r, rate.scaled(eff.of(w.mixer)), b, n) for w, r in zip(st.layers, st.recomputed))
         memory = sum(layer_memory_bytes(w, r, engine, b, n) for w, r in zip(st.layers, st.recomputed))
@@ -153,7 +159,7 @@ def predict(cfg: TrainConfig, lay: Layout, cluster: Cluster, eff: Efficiency, en
             zero += (2 + any(st.recomputed)) * gather
         if engine.dp_overlap:
             zero = terms.exposed(zero, compute + memory / W)
-        parts.append((compute, memory / W, tp, pp, zero))
+        parts.append((compute, memory / W, tp, pp, zero, eff.host_micro_batch))
     stage_times = [sum(x) for x in parts]
     _, bubble = terms.pipeline_time(stage_times, m)
     slow = parts[stage_times.index(max(stage_times))]
@@ -175,5 +181,6 @@ def predict(cfg: TrainConfig, lay: Layout, cluster: Cluster, eff: Efficiency, en
     per_token = flops_per_token or train_flops_per_token(cfg.model)
     return Prediction(lay, b, cfg.parallel.activation_checkpointing, m,
                       {"compute": m * slow[0], "memory": m * slow[1], "tp": m * slow[2], "pp": m * slow[3],
-                       "bubble": bubble, "dp": m * slow[4] + dp, "optimizer": optimizer},
+                       "bubble": bubble, "dp": m * slow[4] + dp, "optimizer": optimizer,
+                       "host": m * slow[5] + eff.host_step},
                       cfg.tokens_per_step, per_token * cfg.tokens_per_step, rate.flops, notes)

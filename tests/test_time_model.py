@@ -197,7 +197,8 @@ def test_cluster_files_and_their_errors(tmp_path):
 
 def test_the_runs_line_then_measured_over_predicted():
     cfg = load_config(DEMO)
-    check_, line = StepCheck.for_run(cfg, 2, "cpu")
+    check_ = StepCheck.for_run(cfg, 2, "cpu")
+    line = check_.line
     assert "predicted step" in line and "not checked on a multi-GPU run" in line
     predicted_s = expected(cfg, 2, PRESETS["cpu"]).step_s
     first, none = check_.values(10.0)   # the first logged window holds the start: no ratio yet
@@ -205,7 +206,11 @@ def test_the_runs_line_then_measured_over_predicted():
     values, said = check_.values(2 * predicted_s)
     assert values["perf/measured_over_predicted"] == pytest.approx(2.0) and "2.00" in said
     assert check_.values(predicted_s)[1] is None   # said once
-    assert StepCheck.for_run(cfg, 2, "NVIDIA B200")[0] is None   # no preset: no prediction, and the line says why
+    unknown = StepCheck.for_run(cfg, 2, "NVIDIA B200")   # no preset: no prediction, and the line says why
+    assert unknown.prediction is None and "no cluster preset" in unknown.line and unknown.values(1.0) == ({}, None)
+    # in the trainer: perf/step_s (the observability split) is the measured step where it was logged
+    values = {"perf/step_s": 3 * predicted_s}
+    assert check_.observe(values, 1e9) is None and values["perf/measured_over_predicted"] == pytest.approx(3.0)
 
 
 

@@ -46,27 +46,31 @@ def launch_line(p: Prediction, cluster: Cluster) -> str:
 
 
 class StepCheck:
-    """Measured ÷ predicted for the trainer's log: `values(measured)` at each logged step."""
+    """Measured ÷ predicted for the trainer's log: `line` before the launch, then `observe(values, …)` at each logged
+    step. Without a prediction (no preset for the device, a config the model cannot price) `prediction` is None, the
+    line says why and nothing is logged."""
 
-    def __init__(self, prediction: Prediction, cluster: Cluster):
-        self.prediction, self.cluster, self.windows = prediction, cluster, 0
+    def __init__(self, prediction: Prediction | None, cluster: Cluster | None, line: str):
+        self.prediction, self.cluster, self.line, self.windows = prediction, cluster, line, 0
 
     @classmethod
-    def for_run(cls, cfg: TrainConfig, world: int, device_name: str,
-                given: str | None = None) -> tuple["StepCheck | None", str]:
-        """(the check, its launch line), or (None, why there is no prediction); `given`: --cluster."""
+    def for_run(cls, cfg: TrainConfig, world: int, device_name: str, given: str | None = None) -> "StepCheck":
+        """The check of the config's own layout and its launch line; `given`: --cluster."""
         try:
             cluster = cluster_of(cfg, device_name, given)
             if cluster is None:
-                return None, (f"time plan: no cluster preset for {device_name!r} ({', '.join(PRESETS)}): no predicted "
-                              f"step; set logging.cluster to a preset or a cluster YAML (pretrain/plan/cluster.py)")
+                return cls(None, None, f"time plan: no cluster preset for {device_name!r} ({', '.join(PRESETS)}): no "
+                                       f"predicted step; set logging.cluster to a preset or a cluster YAML "
+                                       f"(pretrain/plan/cluster.py)")
             p = expected(cfg, world, cluster)
         except ConfigError as e:
-            return None, f"time plan: no predicted step: {e}"
-        return cls(p, cluster), launch_line(p, cluster)
+            return cls(None, None, f"time plan: no predicted step: {e}")
+        return cls(p, cluster, launch_line(p, cluster))
 
     def values(self, measured_step_s: float) -> tuple[dict, str | None]:
         """(the scalars to log, a line the first time measured ÷ predicted is logged)."""
+        if self.prediction is None:
+            return {}, None
         self.windows += 1
         predicted = self.prediction.step_s
         out = {"perf/predicted_step_s": predicted}
@@ -79,6 +83,13 @@ class StepCheck:
             line = (f"time plan: measured ÷ predicted step {ratio:.2f} ({measured_step_s:.3g} s measured, "
                     f"{predicted:.3g} s predicted on {self.cluster.name}; the first logged window left out)")
         return out, line
+
+    def observe(self, values: dict, tokens_step_s: float) -> str | None:
+        """Adds this window's scalars to the trainer's `values`; the measured step is perf/step_s where the trainer
+        logged it (pretrain/observe/), else `tokens_step_s` (tokens a step ÷ tokens/s). The line to log, or None."""
+        out, line = self.values(values.get("perf/step_s") or tokens_step_s)
+        values.update(out)
+        return line
 
 
 def device_cluster_name() -> str:

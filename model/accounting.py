@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from . import parallel as tp
 from .config import ModelConfig
@@ -35,9 +36,23 @@ def shape_model(cfg: ModelConfig) -> SynthesizerLM:
     return _meta_model(json.dumps(cfg.to_dict(), sort_keys=True))
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """The modules' own random fills (nn.Embedding's normal_, nn.Linear's kaiming_uniform_, …) skipped: a meta
+    tensor has no values to fill, and torch's meta normal_ imports torch._dynamo on first use (seconds of a planning
+    command's start). The real model draws every parameter from (seed, name) in parallel.init_from_seed."""
+    FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_,
+             nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS:   # the tensor filled in place, untouched
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def _meta_model(config: str) -> SynthesizerLM:
-    with torch.device("meta"):
+    with torch.device("meta"), _ShapesOnly():
         return SynthesizerLM(ModelConfig.from_dict(json.loads(config)))
 
 

@@ -134,7 +134,7 @@ def test_cpu_layouts_in_the_measured_order():
     held = [p for p in points if not p.fit]
     assert len(points) >= 4 and len(held) >= 4 and len(points) - len(held) >= 3
     assert max(p.step_s for p in points) >= 1.5 * min(p.step_s for p in points)
-    eff = calibrated().efficiency("cpu", compiled=False)
+    eff = calibrated("cpu").efficiency("cpu", compiled=False)
     assert eff.host_micro_batch > 0 and eff.host_step > 0
     pred = {p: predicted(p, eff) for p in points}
     pairs = [(a, b) for a in points for b in points if (not a.fit or not b.fit) and a.step_s < b.step_s / (1 + CPU_TIE)]
@@ -162,7 +162,7 @@ def test_host_terms_and_their_fit():
 
 
 def test_calibration_fits_each_mode_and_the_variants_measured():
-    fit = calibrated()
+    fit = calibrated("gpu")
     assert 0.2 < fit.compute[("gpu", False)] < 0.8 and 0.2 < fit.compute[("gpu", True)] < 0.8
     eager = fit.efficiency("gpu", compiled=False)
     assert 0.5 < eager.relative["dense+dot"] < 1.0   # the flagship is measured slower per FLOP than dot

@@ -186,15 +186,11 @@ def fit(points: list[Point]) -> Fit:
     return out
 
 
-_FIT: Fit | None = None
-
-
-def calibrated() -> Fit:
-    """The fit of pretrain/plan/calibration.yaml (computed once per process)."""
-    global _FIT
-    if _FIT is None:
-        _FIT = fit(load())
-    return _FIT
+@lru_cache(maxsize=4)
+def calibrated(family: str | None = None) -> Fit:
+    """The fit of pretrain/plan/calibration.yaml (once per process), of one device family's points where given (the
+    families share no parameter: a GPU plan need not fit the CPU's)."""
+    return fit([p for p in load() if family is None or p.family == family])
 
 
 def held_out(points: list[Point]) -> tuple[list[tuple[Point, float]], list[tuple[Point, float]]]:

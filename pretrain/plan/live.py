@@ -33,7 +33,7 @@ def cluster_of(cfg: TrainConfig, device_name: str, given: str | None = None) -> 
 def expected(cfg: TrainConfig, world: int, cluster: Cluster) -> Prediction:
     """The predicted step of the config's own layout on `cluster`."""
     lay = layout_of(cfg, world)
-    return predict(cfg, lay, cluster, calibrated().efficiency(cluster.family, cfg.train.compile),
+    return predict(cfg, lay, cluster, calibrated(cluster.family).efficiency(cluster.family, cfg.train.compile),
                    engine_of(cfg, deepspeed_config(cfg, lay.dp)), gpu=cluster.device == "cuda")
 
 

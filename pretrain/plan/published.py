@@ -85,7 +85,7 @@ def check(path: str, eff: Efficiency | None = None) -> list[Series]:
     """Every series of the figures in `path`, each row predicted."""
     with open(path) as f:
         spec = yaml.safe_load(f)
-    eff = eff or calibrated().efficiency("gpu", compiled=False)
+    eff = eff or calibrated("gpu").efficiency("gpu", compiled=False)
     a100, s, V, gpus = PRESETS["a100"], spec["seq_len"], spec["vocab"], spec["gpus"]
     out = []
     for fig in spec["figures"]:
@@ -120,7 +120,7 @@ def _name(r: Row) -> str:
 
 def report(path: str) -> str:
     """`python -m pretrain.plan published FILE`: each figure's published and predicted orders."""
-    lines = [f"a100 preset, {calibrated().efficiency('gpu', False).source}; the engine: {MEGATRON_2021.name}"]
+    lines = [f"a100 preset, {calibrated('gpu').efficiency('gpu', False).source}; the engine: {MEGATRON_2021.name}"]
     for series in check(path):
         bad = series.disagreements()
         lines.append(f"figure {series.figure}, batch {series.batch}: {series.what}")

@@ -71,7 +71,7 @@ def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
 def candidates(cfg: TrainConfig, world: int, cluster: Cluster) -> tuple[list[Candidate], int]:
     """(every candidate that fits, ranked fastest first; how many were priced in all). Per layout and checkpointing
     the micro-batches rise until one does not fit: a larger one holds more."""
-    eff = calibrated().efficiency(cluster.family, cfg.train.compile)
+    eff = calibrated(cluster.family).efficiency(cluster.family, cfg.train.compile)
     gpu_bytes, device = int(cluster.gpu.memory_gib * GIB), cluster.device
     G, fitting, priced = cfg.train.global_batch_size, [], 0
     for lay in layouts(with_overrides(cfg, ["train.micro_batch_size=1"]), world):   # any micro-batch that divides
@@ -122,7 +122,7 @@ def row(i: int | str, c: Candidate, mark: str = "") -> str:
 def report(cfg: TrainConfig, world: int, cluster: Cluster, top: int = 15) -> str:
     """The ranked table `--plan` prints."""
     ranked, priced = candidates(cfg, world, cluster)
-    eff = calibrated().efficiency(cluster.family, cfg.train.compile)
+    eff = calibrated(cluster.family).efficiency(cluster.family, cfg.train.compile)
     mixer = cfg.model.mixer if isinstance(cfg.model.mixer, str) else "per-layer mixers"
     lines = [f"layouts of {world} GPUs for {mixer} (d {cfg.model.d_model}, {cfg.model.n_layers} layers, n "
              f"{cfg.model.max_seq_len}), global batch {cfg.train.global_batch_size}, {cfg.train.precision}"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Whole-model benchmarks, each figure measured in this one run on this machine and reported as a ratio.
 
-    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,engine,documents,gpu,gpu-variants,
-                          gpu-memory]
+    python benchmarks/bench.py [--quick] [--only throughput,peer,memory,data,parallel,layouts,engine,documents,gpu,
+                          gpu-variants,gpu-memory]
                           [--reps 3] [--out bench]
     make bench [BENCH_ARGS=--quick]
 
@@ -26,6 +26,11 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three.
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
+  layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
+              gloo ranks on the CPU, ÷ the demo's own layout's: each repetition in the real-time class (root only;
+              a pause after each lets the machine's other processes catch up), less the longest time a rank still
+              waited for a CPU while runnable (Linux's /proc/self/schedstat): the steps the time model must order
+              (measured once, kept in pretrain/plan/calibration.yaml; tests/test_time_model.py checks it). No goal.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
@@ -191,6 +196,9 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         if reps is None and e.get("skipped") is None and not res.get("error"):
             reps = res.get(e["field"]) if e["field"] != "tflops" else \
                 [r * res["train_flops_per_token"] / 1e12 for r in res["rate"]]
+            if e["field"] == "uncontended_step_s":   # less the longest any rank waited for a CPU while runnable
+                reps = [s - max(r["runqueue_s"][i] for r in res.get("by_rank", [res]))
+                        for i, s in enumerate(res["step_s"])]
         e.update(value=None, spread=None, ratio=None, ratio_range=None, status=None, machine=machine,
                  error=res.get("error"), reps=reps, paired_reps=None, skipped=e.get("skipped"))
         if reps:

@@ -20,6 +20,7 @@ import sys
 import time
 from functools import partial
 
+from benchmarks.bench_sched import Foreground, runqueue_s
 from pretrain.metrics import memory_mb, reset_peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +109,7 @@ class Memory:
 
 
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
-            serve: bool = False) -> dict:
+            serve: bool = False, foreground: bool = False) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
     Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition.
     `serve`: after the warm-up, one repetition per "rep" line on stdin (its rate printed after REP_MARK) until
@@ -118,18 +119,27 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     sync()
     if mem:
         mem.rest()
-    rate, seconds, peak = [], [], []
+    rate, seconds, peak, queued = [], [], [], []
+
+    held = []
 
     def repetition():
         if mem:
             mem.reset_peak()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            call()
-        sync()
-        dt = time.perf_counter() - t0
+        if foreground:
+            sync()   # the ranks start the repetition together, whatever each slept after the last one
+        with Foreground(foreground) as fg:
+            t0, q0 = time.perf_counter(), runqueue_s()
+            for _ in range(steps):
+                call()
+            sync()
+            dt = time.perf_counter() - t0
+        held.append(fg.held)
+        if fg.held:
+            time.sleep(2 * dt)   # the machine's other processes catch up, and the ranks start the next one together
         rate.append(units_per_call * steps / dt)
         seconds.append(dt / steps)
+        queued.append((runqueue_s() - q0) / steps)
         if mem:
             peak.append(mem.peak())
             mem.cuda["reps"].append(mem.cuda_reading(peak[-1]))
@@ -144,7 +154,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     else:
         for _ in range(reps):
             repetition()
-    out = {"rate": rate, "step_s": seconds}
+    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued, "foreground": held}
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
@@ -306,6 +316,7 @@ def run_train(spec: dict) -> dict:
 
     step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
+                  foreground=spec.get("foreground", False),
                   serve=spec.get("serve", False))
     per_rep = len(step.losses) // max(1, spec["warmup"] + spec["reps"] * spec["steps"]) * spec["steps"]
     timed = [float(x) for x in step.losses[-per_rep * spec["reps"]:]]   # each repetition's mean loss

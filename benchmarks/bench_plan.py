@@ -9,7 +9,7 @@ from model import variants
 from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "documents", "gpu-binding", "gpu",
+PARTS = ("throughput", "peer", "memory", "data", "parallel", "layouts", "engine", "documents", "gpu-binding", "gpu",
          "gpu-variants", "gpu-memory", "convergence", "fp8")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the issue's sizes, and tiny ones for tests
@@ -47,6 +47,19 @@ BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 
 # demo corpus's mean document length with its eos (tools/document_lengths.py build/demo/shards: 95.3)
 DOCUMENT_LENGTH, EOS = 95, 2
 DOCUMENTS = ["model.document_mask=true", f"model.eos_id={EOS}"]
+# The layouts part: the demo model (configs/demo-cpu.yaml, global batch 16) at 2 gloo ranks, each layout a step time the
+# time model must order (pretrain/plan/calibration.yaml keeps them; tests/test_time_model.py checks the order).
+LAYOUTS = {
+    "dp2-zero2-micro8": ["parallel.zero_stage=2", "train.micro_batch_size=8"],   # the demo as configured
+    "dp2-zero2-micro8-ckpt": ["parallel.zero_stage=2", "train.micro_batch_size=8",
+                              "parallel.activation_checkpointing=1"],              # the forward again
+    "dp2-zero1-micro1": ["parallel.zero_stage=1", "train.micro_batch_size=1"],   # 8 micro-batches a step
+    "tp2-micro8": ["parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],
+    "pp2-micro8": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=8"],   # 2 micro-batches: bubble
+    "pp2-micro16": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=16"],  # 1: the stages in turn
+    "pp2-micro16-ckpt": ["parallel.pp=2", "parallel.zero_stage=1", "train.micro_batch_size=16",
+                         "parallel.activation_checkpointing=1"],
+}
 
 
 def variant_configs() -> dict[str, str]:
@@ -205,6 +218,12 @@ def plan(a) -> Plan:
                     f"documents:{v}:windows", n=a.seq_len, layers=a.layers,
                     note=f"documents of {DOCUMENT_LENGTH} tokens on average (an eos with probability 1/"
                          f"{DOCUMENT_LENGTH}); the ratio: tokens/s masked ÷ unmasked on the same tokens")
+    if "layouts" in a.only:   # each layout's step (its ranks' waits for a CPU taken out) ÷ the demo's own layout's
+        first = next(iter(LAYOUTS))
+        for name, over in LAYOUTS.items():
+            p.entry(f"layouts:{name}", "layouts", name, p.point("train", DEMO, over, 2, CPU, foreground=True),
+                    "uncontended_step_s",
+                    "s", None if name == first else f"layouts:{first}", note=" ".join(over))
     if "gpu-binding" in a.only:
         plan_gpu_binding(a, p)
     if "gpu" in a.only:   # before the engine part, whose points it shares: the flagship's point is measured first

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from . import parallel as tp
 from .config import ModelConfig
@@ -35,16 +36,37 @@ def shape_model(cfg: ModelConfig) -> SynthesizerLM:
     return _meta_model(json.dumps(cfg.to_dict(), sort_keys=True))
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """The modules' own random fills (nn.Embedding's normal_, nn.Linear's kaiming_uniform_, …) skipped: a meta
+    tensor has no values to fill, and torch's meta normal_ imports torch._dynamo on first use (seconds of a planning
+    command's start). The real model draws every parameter from (seed, name) in parallel.init_from_seed."""
+    FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_,
+             nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS:   # the tensor filled in place, untouched
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def _meta_model(config: str) -> SynthesizerLM:
-    with torch.device("meta"):
+    with torch.device("meta"), _ShapesOnly():
         return SynthesizerLM(ModelConfig.from_dict(json.loads(config)))
 
 
 def parameters(cfg: ModelConfig) -> dict[str, Param]:
     """Canonical name → (full shape, TP split dim, trainable) of every parameter of the model `cfg` describes."""
-    return {name: Param(tp.full_shape(p), getattr(p, "partition_dim", None), p.requires_grad)
-            for name, p in shape_model(cfg).named_parameters()}
+    return {name: Param(list(shape), dim, trainable)
+            for name, shape, dim, trainable in _parameters(json.dumps(cfg.to_dict(), sort_keys=True), tp.tp_world())}
+
+
+@functools.lru_cache(maxsize=16)
+def _parameters(config: str, tp_world: int) -> tuple:
+    """Read once per config (the memory and time plans ask for every layout they rank)."""
+    return tuple((name, tuple(tp.full_shape(p)), getattr(p, "partition_dim", None), p.requires_grad)
+                 for name, p in _meta_model(config).named_parameters())
 
 
 def full_numel(p) -> int:
@@ -69,7 +91,12 @@ def table1_count(mixer: nn.Module) -> int:
 def train_flops_per_token(cfg: ModelConfig, n: int | None = None) -> int:
     """Forward + backward FLOPs per token of the whole model at length n (default L): the numerator of MFU, in the
     trainer's log and in benchmarks/bench.py."""
-    return model_stats(cfg, n)["total"]["train_flops_per_token"]
+    return _train_flops(json.dumps(cfg.to_dict(), sort_keys=True), n)
+
+
+@functools.lru_cache(maxsize=64)
+def _train_flops(config: str, n: int | None) -> int:
+    return model_stats(ModelConfig.from_dict(json.loads(config)), n)["total"]["train_flops_per_token"]
 
 
 def model_stats(cfg: ModelConfig, n: int | None = None) -> dict:

@@ -38,6 +38,8 @@ time in backward (its activations come back while it runs).
 """
 from __future__ import annotations
 
+import functools
+import json
 from typing import NamedTuple
 
 import torch
@@ -201,7 +203,14 @@ def document_terms(cfg: ModelConfig, B: int, n: int, a: int, gpu: bool) -> list[
 
 
 def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
-    """Everything block `index` keeps for backward on one rank."""
+    """Everything block `index` keeps for backward on one rank (blocks of one mixer keep alike: computed once)."""
+    mixers = cfg.layer_mixers()
+    return list(_layer_terms(json.dumps(cfg.to_dict(), sort_keys=True), mixers.index(mixers[index]), B, n, tp, a, gpu))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> tuple[Term, ...]:
+    cfg = ModelConfig.from_dict(json.loads(config))
     block = shape_model(cfg).blocks[index]
     N, d = B * n, cfg.d_model
     norms = 1 if block.mlp is None else 2
@@ -223,7 +232,7 @@ def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, g
                                                                   2 * a * N * f)]
     if cfg.dropout:
         out.append(Term("residual dropout masks", norms * N * d))
-    return out
+    return tuple(out)
 
 
 def layer_bytes(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> int:

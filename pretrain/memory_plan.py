@@ -35,6 +35,8 @@ How close this comes to what a launch measures: tests/test_memory_plan.py (CPU, 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import math
 import re
 import sys
@@ -112,8 +114,18 @@ class Plan:
 def stage_layers(cfg: ModelConfig, pp: int, partition: str) -> list[range]:
     """The blocks of each pipeline stage, as DeepSpeed's PipelineModule partitions pretrain/pipeline.py's layer specs
     [token embedding, positions, blocks…, final norm, head]: by trainable parameter counts, or uniformly."""
+    return list(_stage_layers(_key(cfg), pp, partition))
+
+
+def _key(cfg: ModelConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)   # the plans of every layout ask again
+def _stage_layers(config: str, pp: int, partition: str) -> tuple[range, ...]:
+    cfg = ModelConfig.from_dict(json.loads(config))
     if pp == 1:
-        return [range(cfg.n_layers)]
+        return (range(cfg.n_layers),)
     with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed's import-time log must not mix with the plan
         from deepspeed.runtime import utils as ds_utils
 
@@ -130,11 +142,17 @@ def stage_layers(cfg: ModelConfig, pp: int, partition: str) -> list[range]:
     for s in range(pp):   # spec index i ≥ 2 is block i − 2
         lo, hi = int(parts[s]), int(parts[s + 1])
         blocks.append(range(max(lo, 2) - 2, min(hi, cfg.n_layers + 2) - 2) if hi > 2 else range(0))
-    return blocks
+    return tuple(blocks)
 
 
 def rank_parameters(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements on one TP rank, trainable) of each parameter of a stage."""
+    return list(_rank_parameters(_key(cfg), tp, layers.start, layers.stop, first, last))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_parameters(config: str, tp: int, start: int, stop: int, first: bool, last: bool) -> tuple:
+    cfg, layers = ModelConfig.from_dict(json.loads(config)), range(start, stop)
     out = []
     for name, p in parameters(cfg).items():
         top = name.split(".")[0]
@@ -142,7 +160,7 @@ def rank_parameters(cfg: ModelConfig, tp: int, layers: range, first: bool, last:
                 (first and top in ("wte", "wpe")) or (last and top in ("ln_f", "head", "wte")))
         if mine:
             out.append((math.prod(p.shape) // (tp if p.split_dim is not None else 1), p.trainable))
-    return out
+    return tuple(out)
 
 
 def model_states(params: list[tuple[int, bool]], lay: Layout, precision: str, master: str) -> list[Term]:

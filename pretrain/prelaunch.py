@@ -6,6 +6,7 @@ launches without the script.
 
     python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--print] [--deepspeed] [--world-size 2]
     python -m pretrain.config configs/synth-1.3b.yaml --world-size 64 --memory [--gpu-memory 80GiB]
+    python -m pretrain.config configs/synth-1.3b.yaml --world-size 64 --plan [--cluster h100]
     python -m pretrain.config --keys [SECTION] [--markdown]      every key: type, default, description
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import parse_size, report
 from pretrain.monitor import requirements
+from pretrain.plan import live, load_cluster, search
 from tokendata import remote
 from tokendata.shards import check_seq_len, check_vocab
 from tokendata.sources import as_sources, open_sources
@@ -83,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                                                       "the (tp, pp, ZeRO) layouts of --world-size ranks that fit")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --memory: the device the ranks "
                    "run on (default cuda; on a CPU a buffer counts only with the pages written)")
+    p.add_argument("--plan", action="store_true", help="rank every layout of --world-size GPUs that fits by predicted "
+                   "step time (pretrain/plan/): tokens/s per GPU, MFU, memory headroom, the largest terms, the best "
+                   "layout's overrides; reads no shard")
+    p.add_argument("--cluster", default=None, help="the cluster of --plan and of the launch check's predicted step: "
+                   "h100, h200, a100, cpu, or a cluster YAML (pretrain/plan/cluster.py); default logging.cluster, "
+                   "else this machine's GPU, else h100")
     p.add_argument("--keys", nargs="?", const="", metavar="SECTION", help="print every config key (or those of "
                    "SECTION: logging, or a key prefix: logging.profile) with its type, default and description; "
                    "needs no config")
@@ -105,10 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg.check_runtime(args.world_size or 1, cuda=args.device == "cuda")
             print(report(cfg, args.world_size or 1, budget, args.device))
             return 0
+        if args.plan:   # every layout that fits, by predicted step time; the config alone
+            gpu = live.device_cluster_name()   # a CPU-only login node plans for GPUs: h100 unless told
+            cluster = live.cluster_of(cfg, "" if gpu == "cpu" else gpu, args.cluster) or load_cluster("h100")
+            print(search.report(cfg, args.world_size or 1, cluster))
+            return 0
         if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             check_launch(cfg, args.world_size, relayout=True)
+            print(live.StepCheck.for_run(cfg, args.world_size, live.device_cluster_name(), args.cluster).line,
+                  file=sys.stderr)
         if args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:

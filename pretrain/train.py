@@ -26,11 +26,12 @@ from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
-from pretrain.engine import build_engine, clips_on_device, peak_tflops
+from pretrain.engine import build_engine, clips_on_device, device_name, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.observe import ProfileWindows, StepTimes
+from pretrain.plan.live import StepCheck
 from pretrain.prelaunch import check_launch
 from pretrain.supervision import supervise
 from tokendata import tokenizer as tokenizers
@@ -70,6 +71,8 @@ class Trainer:
                                          lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
+        self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None
+        self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/live.py)
         self.times = StepTimes(lay.device, lay.grad_accum, self.pipeline)   # perf/*_s (pretrain/observe/)
         self.profile = ProfileWindows(cfg.logging.profile, lay.rank, lay.device, cfg.train.run_dir, self.times)
         self.log.info(check_vocab(self.stream.manifest, cfg.model.vocab_size))   # a note, or None (padded ids)
@@ -309,6 +312,7 @@ class Trainer:
             values["train/grad_norm"] = float(grad_norm)
         if self.peak_tflops:   # no MFU against a made-up peak (a CPU, or a GPU the table does not know)
             values["perf/mfu"] = tflops / self.peak_tflops
+        plan_line = self.step_check.observe(values, cfg.tokens_per_step / tokens_per_s) if self.step_check else None
         self.eta.mark(self.step)
         self.log.scalars(self.step, {**values, **self.eta.scalars(self.step)})
         mfu = f"{100 * values['perf/mfu']:.3g}%" if self.peak_tflops else "n/a"   # a tiny model: 0.0008%, not 0.0%
@@ -316,6 +320,7 @@ class Trainer:
         self.log.info(f"step {self.step}/{cfg.total_steps()} | loss {loss:.4f} | lr {lr:.2e} | "
                       f"grad norm {norm} | {tokens_per_s:,.0f} tok/s | "
                       f"{tflops:.3g} TFLOP/s | MFU {mfu} | {self.eta.words(self.step)}")
+        self.log.info(plan_line)
         for line in self.data_log.news(self.step):   # a source that began its next epoch
             self.log.info(line)
 

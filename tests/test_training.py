@@ -159,6 +159,8 @@ def tensorboard_serves_the_run(run_dir):
         # how much of the validation split the figure covers, beside its chart
         assert "over 16 of the " in tags[run]["val/ppl"]["description"], tags[run]["val/ppl"]
         assert "perf/mfu" not in tags[run]   # a CPU has no known peak: no MFU against a made-up one
+        # the time plan's predicted step, and measured ÷ predicted from the second logged window on (pretrain/plan/)
+        assert {"perf/predicted_step_s", "perf/measured_over_predicted"} <= set(tags[run])
         images = json.load(urllib.request.urlopen(f"{base}/data/plugin/images/tags", timeout=10))
         assert any("attention/layer_00" in t for t in images[run]), images
     finally:

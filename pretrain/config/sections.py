@@ -268,6 +268,9 @@ class LoggingSection:
                                           "first document of the run's validation data", None)
     sample_tokens: int = described("tokens generated for the text sample", 64)
     sample_ids: bool = described("write each step's sample ids to <run_dir>/sample_ids/rank<R>.jsonl (audits, tests)", False)
+    cluster: str | None = described("the cluster this run's predicted step is for (pretrain/plan/: the launch line and "
+                                    "perf/measured_over_predicted): a preset (h100, h200, a100, cpu) or a cluster YAML "
+                                    "file; null = the preset of the device's name", None)
     wandb: dict | None = described("Weights & Biases beside TensorBoard, from rank 0, the same scalars, images and text: "
                                    "{project, entity, mode: online|offline|disabled, tags: [...]}; a relaunch resumes "
                                    "the same W&B run (its id in <run_dir>/wandb-run-id). null = off; needs pip install "

@@ -17,23 +17,22 @@ import warnings
 
 import torch
 
-from model import ConfigError
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
 from pretrain import distributed, live, memory_plan, monitor
-from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.engine import build_engine, clips_on_device, peak_tflops
 from pretrain.faults import Faults
-from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
+from pretrain.health import GuardedAdamW, LossGuard
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
-from pretrain.supervision import supervise
+from pretrain.supervision.rank import run_rank, supervise
 from tokendata import tokenizer as tokenizers
-from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
+from tokendata.shards import check_vocab, opening, tokenizer_path
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -73,7 +72,7 @@ class Trainer:
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
-        self.started, self.stop_reason = time.time(), None
+        self.started, self.stop_reason, self.stopped_by = time.time(), None, None
         for name in cfg.train.preempt_signals:   # SLURM and other schedulers warn before they kill
             signal.signal(getattr(signal, name), self.on_signal)
         self.step = self.checkpointer.load(resume)
@@ -104,7 +103,7 @@ class Trainer:
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
         for line in data_words(self.stream):
             self.log.info(line)
-        self.watchdog = supervise(self)   # a restart logged; hang_timeout's watchdog (pretrain/supervision.py)
+        self.watchdog = supervise(self)   # timeouts, a restart logged, the hang watchdog (supervision/rank.py)
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""
@@ -165,6 +164,7 @@ class Trainer:
             if preempted:
                 self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
                               f"command to continue")
+                self.stopped_by = preempted
                 return {}
         result = self.validate()
         self.eta.timed("eval", self.log_scores)
@@ -352,29 +352,7 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0 if argv else 2
     argv = [a for a in argv if not a.startswith("--local_rank")]   # the DeepSpeed launcher may add it
-    try:
-        cfg = load_config(argv[0], argv[1:])
-        trainer = Trainer(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        trainer.train()
-    except (TrainingStopped, CheckpointError, DataError) as e:   # one line; the launcher ends the other ranks
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:
-        lost = distributed.lost_peer(e, trainer.layout)
-        if lost is None:
-            raise
-        # The launcher now ends every rank and their data workers: torch's SIGCHLD handler would raise again.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        print(f"error: {lost}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
-        distributed.shutdown()
-    return 0
+    return run_rank(lambda: load_config(argv[0], argv[1:]), Trainer)   # its log, its failure record: supervision/
 
 
 if __name__ == "__main__":

@@ -195,6 +195,7 @@ class Trainer:
         The host waits for the device once: the loss, GuardedAdamW's skip count and the stop flags come back in
         one read (`step_outcome`). DeepSpeed's skip count is a number it has already read itself."""
         self.engine.train()
+        self.faults.before_step(self.step + 1)
         ds_skips, guarded_skips = self.engine.skipped_steps, self.guarded_skips().clone()
         loss, spike = self.forward_backward(micro_batches)
         loss, guarded, preempted = self.step_outcome(loss, self.guarded_skips() - guarded_skips)

@@ -1,7 +1,7 @@
 """Failure classes: what ended a rank, and whether a relaunch can fix it.
 
-Every rank ends in one class and, before it exits, writes that class, its first error line and the step it reached to
-<run_dir>/logs/rank<k>.exit.json (`write`). A rank killed by -9 or the OOM killer writes nothing: its silence is its
+Every rank ends in one class and, before it exits, appends that class, its first error line and the step it reached to
+<run_dir>/logs/rank<k>.exits.jsonl (`write`: one line a launch, so the file is the rank's history). A rank killed by -9 or the OOM killer writes nothing: its silence is its
 record. The supervisor (relaunch.py) reads these files, not the launcher's exit status: DeepSpeed's launcher exits
 with whichever failing rank it polls first (a data error on rank 3 can surface as rank 0's failed collective), and
 torchrun's agent restarts on any non-zero exit. Of all the ranks' records, the class first in PRECEDENCE names the
@@ -79,7 +79,7 @@ class Ending:
     rank: int
     cls: str                      # a FailureClass name
     line: str                     # the first error line (or what the rank did, for done and preempted)
-    step: int                     # the last step the rank finished
+    step: int | None              # the last step the rank finished (None: it had no trainer yet)
     restart: int = 0              # which launch of the run: 0 the first, k the k-th relaunch
     time: float = field(default_factory=time.time)
     host: str = field(default_factory=socket.gethostname)
@@ -92,35 +92,39 @@ class Ending:
 
 
 def path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "logs", f"rank{rank}.exit.json")
+    return os.path.join(run_dir, "logs", f"rank{rank}.exits.jsonl")
 
 
 def write(run_dir: str, ending: Ending) -> str:
-    """The rank's record, written whole (a rename) so that a reader never sees half of it."""
+    """Append the rank's record: one line, written in one call (O_APPEND), so that a reader sees it whole or not."""
     target = path(run_dir, ending.rank)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(target + ".tmp", "w") as f:
-        json.dump(asdict(ending), f)
-    os.replace(target + ".tmp", target)
+    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(asdict(ending)) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return target
 
 
 def read(run_dir: str, restart: int, since: float) -> list[Ending]:
-    """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), by rank:
-    an older launch's record, or one of a launch by hand with the same number, is left out."""
+    """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), one a rank:
+    an older launch's, or one of a launch by hand with the same number, is left out."""
     folder = os.path.join(run_dir, "logs")
-    out = []
+    found: dict[int, Ending] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if not name.endswith(".exit.json"):
+        if not name.endswith(".exits.jsonl"):
             continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                ending = Ending(**json.load(f))
-        except (OSError, ValueError, TypeError):
-            continue
-        if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME:
-            out.append(ending)
-    return sorted(out, key=lambda e: e.rank)
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                try:
+                    ending = Ending(**json.loads(line))
+                except (ValueError, TypeError):   # a line cut short by a kill
+                    continue
+                if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME:
+                    found[ending.rank] = ending
+    return [found[rank] for rank in sorted(found)]
 
 
 @dataclass
@@ -178,7 +182,19 @@ def culprit(hung: list[Ending], first: Ending) -> tuple[int, int, str]:
     by_rank = {e.rank: e for e in hung}
     who = ("rank " if len(causes) == 1 else "ranks ") + ", ".join(map(str, causes))
     name, m, n = evidence[causes[0]]
-    waiting = sum(1 for r in waits if waits[r])
+    waiting = [r for r in sorted(waits) if waits[r]]
     return causes[0], by_rank[causes[0]].step, (
-        f"{who} hung: {waiting} other ranks wait for it in a collective ({who} entered {m} collectives of process "
-        f"group {name}, the ranks waiting {n}); {by_rank[causes[0]].line}")
+        f"{who} hung; {'rank' if len(waiting) == 1 else 'ranks'} {spans(waiting)} "
+        f"{'waits' if len(waiting) == 1 else 'wait'} for it in a collective "
+        f"({who} entered {m} collectives of process group {name}, the others {n}); {by_rank[causes[0]].line}")
+
+
+def spans(ranks: list[int]) -> str:
+    """0-4, 6, 7 for [0, 1, 2, 3, 4, 6, 7]."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r - start > 1 else ", ".join(map(str, range(start, r + 1))))
+            start = None
+    return ", ".join(out)

@@ -109,7 +109,7 @@ def supervise(trainer) -> Watchdog | None:
         setattr(owner, name, dog.after(getattr(owner, name)))
     saver = trainer.checkpointer
     saver.save = dog.during("the checkpoint save of step {0}", saver.save,
-                            lambda step: bytes_under(saver.partial_path(step)))
+                            lambda step, *_: bytes_under(saver.partial_path(step)))
     if cfg.compile:
         dog.on_compilation()
     dog.start()

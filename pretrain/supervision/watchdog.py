@@ -115,7 +115,10 @@ class Watchdog:
     def run(self) -> None:
         while not self.stopped:
             for work in list(self.active.values()):
-                value = work[0]()
+                try:
+                    value = work[0]()
+                except Exception:   # a progress reading that fails is no progress; the watchdog goes on
+                    value = work[1]
                 if value != work[1]:
                     work[1] = value
                     self.beat()

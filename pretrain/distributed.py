@@ -219,6 +219,7 @@ def init(cfg: TrainConfig) -> Layout:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
                                              pipeline_model_parallel_size=cfg.parallel.pp,
                                              distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
+    timeouts.agree(timeout.total_seconds())   # exactly, and for the groups made without one (again after the engine)
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))

@@ -113,7 +113,7 @@ def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrup
 
 
 def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path):
-    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision.py) around a launch that fails
+    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision/relaunch.py) around a launch that fails
     each time as a hung rank's does: N relaunches, each told its number and the cause; then one line, the exit status
     kept. A config error (exit 2) is not relaunched: the same command fails the same way."""
     attempts = tmp_path / "attempts"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 
 BUFFER = 2000          # entries kept per rank (torch's own default is 0: off)
 FOLDER, PREFIX = os.path.join("hang", "flight_recorder"), "rank_"
@@ -48,7 +49,9 @@ def dump(run_dir: str, rank: int) -> str | None:
     dumper = getattr(c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace", None)
     if dumper is None:
         return None
-    data = with_groups(dumper(), rank)
+    # each entry's Python stack is symbolized by torch._inductor's code, an import of tens of seconds where nothing has
+    # made it yet: then the entries go without it (every thread's stack is in hang/rank<k>.txt anyway)
+    data = with_groups(dumper(True, "torch._inductor" in sys.modules, False), rank)
     target = os.path.join(folder(run_dir), f"{PREFIX}{rank}")
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target + ".tmp", "wb") as f:
@@ -63,7 +66,7 @@ def with_groups(data: bytes, rank: int) -> bytes:
     from torch.distributed import distributed_c10d as c10d
 
     dump = pickle.loads(data)
-    if any(g.get("ranks") not in (None, "", "[]") for g in dump.get("pg_config", {}).values()):
+    if any(name and g.get("name") for name, g in dump.get("pg_config", {}).items()):   # NCCL's has it
         return data
     dump["pg_config"] = {g.group_name: {"name": g.group_name, "desc": getattr(g, "group_desc", "") or "undefined",
                                         "ranks": str(sorted(c10d._world.pg_group_ranks.get(g, {})))}

@@ -41,10 +41,11 @@ def wait_for(what, timeout, proc, interval=0.05):
 
 
 def config(tmp_path, shards, name, **logging):
-    """A short run of 2 ranks as 2 pipeline stages (DeepSpeed's pipeline groups), one data worker each, a checkpoint
-    every 3 steps, sample ids recorded."""
+    """A short run of 2 ranks as 2 pipeline stages (DeepSpeed's pipeline groups), one micro-batch a step, one data
+    worker each, a checkpoint every 3 steps, sample ids recorded."""
     return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name, data={"num_workers": 1},
-                        parallel={"pp": 2}, train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT},
+                        parallel={"pp": 2}, train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT,
+                                                   "global_batch_size": 4, "micro_batch_size": 4},
                         checkpoint={"every": 3, "keep": 2}, logging={"sample_ids": True, **logging})
 
 

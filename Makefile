@@ -100,7 +100,10 @@ gpu-check:
 PART    ?= 1
 GPU_DIR ?= docs/gpu/$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 gpu-bench: export PYTHONPATH := $(CURDIR)
-gpu-bench:
+gpu-bench:   # part 6's recursive make on its own line: `make -n gpu-bench PART=k` runs nothing for the other parts
 	mkdir -p $(GPU_DIR)
-	if [ "$(PART)" = 6 ]; then $(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log; \
-	else $(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART); fi
+ifeq ($(PART),6)
+	$(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log
+else
+	$(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART)
+endif

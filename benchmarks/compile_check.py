@@ -26,8 +26,6 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 BIG = "configs/synth-1.3b.yaml"
 SHAPE = dict(d=2048, heads=16, n=2048, batch=4, vocab=32000, layers=2)

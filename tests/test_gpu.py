@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model import build_model
-from tests.runs import ROOT, launch, losses, spawn, write_config
+from tests.runs import ROOT, launch, losses, metric_rows, spawn, write_config
 from tests.test_model import VARIANTS, assert_bf16_fused_close_to_fp32_reference, config, tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
@@ -38,15 +38,30 @@ def test_fused_matches_reference_on_cuda(variant):
 
 
 def test_bf16_run_on_the_gpu_learns_and_reports_mfu_against_the_device(shards, tmp_path):
+    """… and its time split comes from CUDA events (a step late: from the second logged step on), its profiler window
+    (steps 3-4) holds CUDA kernels, and the window's memory snapshot is PyTorch's (segments and the allocator's
+    history)."""
+    import pickle
+
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", shards, run, parallel={"zero_stage": 1},
-                       train={"precision": "bf16", "max_steps": 30}, logging={"every": 1})
+                       train={"precision": "bf16", "max_steps": 30},
+                       logging={"every": 1, "profile": {"start": 3, "steps": 2, "memory": True}})
     r = launch(cfg, 1, env=ENV)
     assert "on cuda" in r.stdout and ", bf16;" in r.stdout
     mfu = [float(x) for x in re.findall(r"MFU ([0-9.e+-]+)%", r.stdout)]
     assert len(mfu) == 30 and all(0 < x < 100 for x in mfu), r.stdout[-2000:]
     got = losses(run)
     assert got[30] < got[1] - 0.5
+    rows = [row for row in metric_rows(run) if "train/loss" in row][1:]
+    for row in rows:
+        parts = row["perf/data_wait_s"] + row["perf/fwd_bwd_s"] + row["perf/optimizer_s"]
+        assert 0 < parts <= row["perf/step_s"] * 1.001 and row["perf/fwd_bwd_s"] > 0, row
+    window = run / "profile" / "steps_3-4"
+    trace = json.loads((window / "rank0.pt.trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in trace)
+    snapshot = pickle.loads((window / "rank0.memory.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0], snapshot.keys()
 
 
 def test_a_step_makes_the_host_wait_once_on_cuda(shards, tmp_path, monkeypatch):

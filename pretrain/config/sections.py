@@ -280,6 +280,11 @@ class LoggingSection:
     eval_every: int = described("score logging.eval_tasks every this many steps (0 = only at the end of the run)", 0)
     eval_batch_size: int = described("sequences per forward pass of the scoring", 32)
     eval_limit: int | None = described("score only the first this many documents of each task (null = all)", None)
+    profile: dict | None = described("torch.profiler windows inside the run, {start, steps, ranks, every, memory} (the "
+                                     "keys below): each window writes <run_dir>/profile/steps_<a>-<b>/rank<k>.pt.trace."
+                                     "json (Perfetto, chrome://tracing, TensorBoard's profiler plugin), and on CUDA "
+                                     "with memory: true rank<k>.memory.pickle (pytorch.org/memory_viz). null = off, at "
+                                     "no cost (docs/monitoring.md)", None)
 
     def __post_init__(self):
         check_types(self, "logging")
@@ -287,6 +292,7 @@ class LoggingSection:
             low = 1 if name == "every" else 0
             need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
         check_wandb(self.wandb)
+        check_profile(self.profile)
         need(self.eval_every >= 0, "logging.eval_every", self.eval_every, "≥ 0 (0 = only at the end)")
         need(self.eval_batch_size >= 1, "logging.eval_batch_size", self.eval_batch_size, "≥ 1")
         need(self.eval_limit is None or self.eval_limit >= 1, "logging.eval_limit", self.eval_limit, "null or ≥ 1")
@@ -294,7 +300,39 @@ class LoggingSection:
               "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
 
 
-WANDB_KEYS = ("project", "entity", "mode", "tags")
+# the keys of the mapping-valued settings: (type, default, description), listed by `python -m pretrain.config --keys`
+WANDB_KEYS = {"project": ("str", "required", "the W&B project"),
+              "entity": ("str | None", None, "the W&B team or user; default your default entity"),
+              "mode": ("str", "online", "online, offline (a directory per launch under <run_dir>/wandb, for `wandb "
+                                        "sync`) or disabled"),
+              "tags": ("list[str]", [], "tags of the W&B run")}
+PROFILE_KEYS = {"start": ("int", "required", "the first optimizer step of the window (the step before it runs as the "
+                                             "profiler's warm-up)"),
+                "steps": ("int", 3, "optimizer steps in the window"),
+                "ranks": ("list[int]", [0], "the global ranks that record it (each writes its own files)"),
+                "every": ("int | None", None, "a window each this many steps from start (more than steps); null: one"),
+                "memory": ("bool", False, "CUDA: also record the allocator's history and dump a memory snapshot "
+                                          "(and one on an out-of-memory error inside the window)")}
+SUBKEYS = {"logging.wandb": WANDB_KEYS, "logging.profile": PROFILE_KEYS}
+
+
+def check_profile(settings: dict | None) -> None:
+    """logging.profile: known keys; a first step ≥ 1, ≥ 1 steps, ranks ≥ 0, windows that do not overlap."""
+    if settings is None:
+        return
+    check_keys(settings, "logging.profile", list(PROFILE_KEYS), "the config")
+    whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa: E731
+    need(whole(settings.get("start"), 1), "logging.profile.start", settings.get("start"), "the first optimizer "
+         "step of the window, ≥ 1")
+    need(whole(settings.get("steps", 3), 1), "logging.profile.steps", settings.get("steps"), "≥ 1")
+    ranks = settings.get("ranks", [0])
+    need(isinstance(ranks, list) and all(whole(r, 0) for r in ranks), "logging.profile.ranks", ranks,
+         "a list of global ranks, e.g. [0, 8]")
+    every = settings.get("every")
+    need(every is None or whole(every, settings.get("steps", 3) + 1), "logging.profile.every", every,
+         "null (one window) or more than logging.profile.steps")
+    need(isinstance(settings.get("memory", False), bool), "logging.profile.memory", settings.get("memory"),
+         "true or false")
 
 
 def check_wandb(settings: dict | None) -> None:

@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backoff", type=float, default=10.0,
                    help=f"seconds before the first relaunch, doubled per failure in a row, at most "
                         f"{relaunch.MAX_BACKOFF_S} (default 10)")
-    p.add_argument("--run-dir", help="the run's directory (train.run_dir), where the ranks write their records; "
-                                     "without it the exit status alone decides")
+    p.add_argument("--run-dir", help="the run's directory (train.run_dir), where the ranks write their records "
+                                     "(default: from the trainer's arguments in the command; none there: the exit "
+                                     "status alone decides)")
     p.add_argument("--classify", action="store_true", help="judge a launch that has ended instead of running one")
     p.add_argument("--restart", type=int, default=0, help="with --classify: the launch's number (0 the first)")
     p.add_argument("--since", type=float, default=0.0, help="with --classify: when it started (epoch seconds)")

@@ -14,8 +14,9 @@ what each rank wrote of how it ended (classes.py) to decide, rather than the lau
   `--classify`) knows the launch before it.
 
 Every node of a multi-node job runs its own supervisor around its own launcher; they read the same records (the run
-directory is shared) and so decide alike. Without --run-dir the exit status alone decides (0 done, 2 config or data
-error, 3 hang, 4 training stopped, else relaunched), and there is no crash-loop check.
+directory is shared) and so decide alike. Without --run-dir the run's directory is found from the trainer's arguments
+in the command; a command without them (not a launch of pretrain.train) is judged by its exit status alone (0 done,
+2 config or data error, 3 hang, 4 training stopped, else relaunched), with no crash-loop check.
 """
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ MAX_BACKOFF_S = 300
 STABLE_S = 600                # a launch that ran this long before failing starts the backoff again from --backoff
 RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_dir_of(command: list[str]) -> str | None:
+    """The run's directory (train.run_dir) from the trainer's arguments in a launch command (`… pretrain.train CONFIG
+    overrides`), asked of `python -m pretrain.config` (this process stays without torch); None where there are none."""
+    if "pretrain.train" not in command:
+        return None
+    args = [a for a in command[command.index("pretrain.train") + 1:] if not a.startswith("--local_rank")]
+    r = subprocess.run([sys.executable, "-m", "pretrain.config", *args, "--run-dir"], capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    return lines[-1] if r.returncode == 0 and lines else None
 
 
 def history_path(run_dir: str) -> str:
@@ -124,6 +136,7 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
     """Run `command`; after a failure a relaunch can fix, wait and run it again, at most `max_restarts` times. The
     exit status: 0, or the last launch's class's (classes.py)."""
     env, in_a_row, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run
+    run_dir = run_dir or run_dir_of(command)
     restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
     first = restarts
     for s in STOP_SIGNALS:   # also while it waits to relaunch

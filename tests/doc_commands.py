@@ -47,7 +47,7 @@ SKIP = {
     "grep": "a coreutils command, not a parser of this project",
     "ls": "a coreutils command, not a parser of this project",
     "aws": "the AWS CLI: needs credentials and the network",
-    "sbatch": "SLURM, not installed here (launch/slurm.sbatch is run by tests/test_operate.py's scripts)",
+    "sbatch": "SLURM, not installed here (tests/test_supervision.py runs launch/slurm.sbatch under a faked srun)",
     "tensorboard.main": "TensorBoard's server: its own flags (absl), and it serves until stopped",
 }
 PLACEHOLDERS = [  # (pattern, replacement), in order

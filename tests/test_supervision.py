@@ -209,8 +209,6 @@ def test_a_hung_rank_dumps_its_stacks_and_the_flight_recorder_before_it_exits(tm
     """Two gloo ranks, rank 1 stuck outside the collective rank 0 waits in: each watchdog writes its stacks, then
     PyTorch's flight recorder (on, as launch/pretrain.sh sets it) into the run, then exits (before, os._exit came with
     no dump); the records name rank 1 as the one rank 0 waits for."""
-    from pretrain.supervision.classes import conclude, read
-
     script = tmp_path / "hung.py"
     script.write_text(HUNG)
     from tests.runs import free_local_port
@@ -228,6 +226,8 @@ def test_a_hung_rank_dumps_its_stacks_and_the_flight_recorder_before_it_exits(tm
     seen = {r: [(e["profiling_name"], e["collective_seq_id"]) for e in d["entries"]] for r, d in dumps.items()}
     assert seen == {0: [("gloo:all_reduce", 1), ("gloo:all_reduce", 2)], 1: [("gloo:all_reduce", 1)]}, seen
     assert dumps[0]["pg_config"]["0"]["ranks"] == "[0, 1]"   # the group table, which gloo's recorder leaves empty
+    from pretrain.supervision.classes import conclude, read
+
     verdict = conclude(read(str(tmp_path), 0, t0), 3)
     assert verdict.rank == 1 and verdict.line.startswith("rank 1 hung; rank 0 waits for it in a collective (rank 1 "
                                                          "entered 1 collectives of process group 0, the others 2)")

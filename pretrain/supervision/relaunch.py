@@ -136,7 +136,10 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
     """Run `command`; after a failure a relaunch can fix, wait and run it again, at most `max_restarts` times. The
     exit status: 0, or the last launch's class's (classes.py)."""
     env, in_a_row, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run
-    run_dir = run_dir or run_dir_of(command)
+    found: dict = {"dir": run_dir}
+    finder = threading.Thread(target=lambda: found.update(dir=run_dir_of(command)), daemon=True)
+    if run_dir is None:   # found while the first launch runs
+        finder.start()
     restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
     first = restarts
     for s in STOP_SIGNALS:   # also while it waits to relaunch
@@ -146,6 +149,9 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
         code, errors = run_once(command, {**env, RESTARTS: str(restarts)}, stopping)
         if stopping:
             return code
+        if finder.is_alive():
+            finder.join()
+        run_dir = found["dir"]
         verdict, stop = judge(run_dir, restarts, since, code, errors)
         if verdict.cls in (classes.DONE, classes.PREEMPTED) and code == 0:
             return 0

@@ -84,7 +84,7 @@ case "${LAUNCHER:-deepspeed}" in
     elif [ "$NNODES" -gt 1 ]; then
       # One launcher per node, started by the scheduler: no ssh between nodes. The launcher wants a hostfile for the
       # world's shape (read again at each relaunch; with --no_ssh its host names are never contacted).
-      HOSTS="${TMPDIR:-/tmp}/synthformer-hosts-$(id -u)-$NNODES-$NPROC"
+      HOSTS="${TMPDIR:-/tmp}/synthformer-hosts-$(id -u)-$PORT-node$NODE_RANK"   # this job's (its port), this node's
       [ -n "$DRY_RUN" ] || for i in $(seq 0 $((NNODES - 1))); do echo "node$i slots=$NPROC"; done > "$HOSTS"
       LAUNCH+=(--hostfile "$HOSTS" --no_ssh --node_rank "$NODE_RANK")
     else

@@ -157,6 +157,8 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
             return 0
         print(failure_line(verdict, run_dir), file=sys.stderr, flush=True)
         status = verdict.cls.exit or code or 1
+        if max_restarts == 0:   # no relaunch was asked for: the failure's line says it all
+            return status
         if stop:
             print(f"error: not relaunching: {stop}", file=sys.stderr, flush=True)
             return status

@@ -100,7 +100,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}"
-                      f"{', compiled blocks' if cfg.train.compile else ''}; model {cfg.model.mixer}, "
+                      f"{', compiled blocks' + (', embedding and loss' if lay.pp == 1 else '') if cfg.train.compile else ''}; "
+                      f"model {cfg.model.mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{self.start_words()}")
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))

@@ -146,8 +146,14 @@ class TrainSection:
                                "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit "
                                "(across ranks it all-reduces fp32 gradients)", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
-                              "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
-                              "eager); the first steps pay the compile", False)
+                              "torchtitan does), and with pp 1 the embedding and the final norm + head + fused loss "
+                              "(a graph each); names and checkpoints unchanged; evaluation, samples and maps run "
+                              "eager; the first steps pay the compile", False)
+    fp8: str | None = described("FP8 training of the plain linears through torchao (pretrain/float8.py): null (off), "
+                                "'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row: more "
+                                "accurate, slower); needs train.precision=bf16, parallel.tp=1 and pp=1, a CUDA GPU of "
+                                "compute capability ≥ 8.9 (H100, H200, L40S), pip install 'synthformer[fp8]', and "
+                                "train.compile=true to be fast", None)
     seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
     stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
@@ -208,6 +214,10 @@ class TrainSection:
         if self.autocast and (self.precision != "bf16" or self.master_weights != "fp32"):
             raise ConfigError(f"train.autocast=true needs train.precision='bf16' and train.master_weights='fp32' (they "
                               f"are {self.precision!r}, {self.master_weights!r}); set them, or train.autocast=false")
+        need(self.fp8 in (None, "tensorwise", "rowwise"), "train.fp8", self.fp8, "null, tensorwise, rowwise")
+        if self.fp8 is not None and self.precision != "bf16":
+            raise ConfigError(f"train.fp8={self.fp8!r} needs train.precision='bf16' (it is {self.precision!r}): the "
+                              f"FP8 matmuls' inputs and outputs are bf16; set train.precision=bf16")
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")

@@ -75,6 +75,25 @@ def test_the_launch_class_is_the_cause_not_its_echoes():
     assert [c.name for c in classes.PRECEDENCE if c.relaunch] == ["hang", "unknown", "lost rank"]
 
 
+def test_a_rank_s_own_echo_after_its_hang_does_not_hide_the_hang(tmp_path):
+    """Ranks 2 and 7 write their watchdog's hang, then, while it dumps, the lost peer their main thread saw (as in the
+    rehearsal's 8 ranks): read keeps each rank's hang, so the line lists every rank that waits (before, the later echo
+    replaced the hang and ranks 2 and 7 were left out of it)."""
+    from pretrain.supervision.classes import Ending, conclude, read, write
+
+    t = time.time()
+    for r in range(8):
+        write(str(tmp_path), Ending(r, "hang", f"rank {r} made no progress", 7, 1, time=t,
+                                    collectives={"3": {"entered": 68 if r == 5 else 69}}))
+        if r in (2, 7):
+            write(str(tmp_path), Ending(r, "lost rank", "lost rank 5", 7, 1, time=t + 1))
+    write(str(tmp_path), Ending(0, "done", "trained to step 4", 4, 0, time=t - 100))   # an older launch's
+    records = read(str(tmp_path), 1, t)
+    assert [(e.rank, e.cls) for e in records] == [(r, "hang") for r in range(8)]
+    assert conclude(records, 3).line.startswith("rank 5 hung; ranks 0-4, 6, 7 wait for it in a collective (rank 5 "
+                                                "entered 68 collectives of process group 3, the others 69)")
+
+
 def test_the_table_in_docs_operations_is_the_code():
     """docs/operations.md's failure-class table: each class's exit status and whether it is relaunched, as the code."""
     from pretrain.supervision import classes

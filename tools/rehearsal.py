@@ -106,6 +106,9 @@ class Nodes:
     """The launchers of a job: one launch/pretrain.sh a node, each in its own session, its stderr kept."""
 
     def __init__(self, out: str, name: str, config: str, nodes: int, per_node: int, *args, env=None):
+        """args: the launcher's options (--max-restarts N) and the config's overrides (key=value), in any order."""
+        options = [a for a in args if "=" not in a or a.startswith("-")]
+        overrides = [a for a in args if "=" in a and not a.startswith("-")]
         port = free_port()
         self.procs, self.errs = [], []
         for node in range(nodes):
@@ -114,7 +117,8 @@ class Nodes:
             environ = {**os.environ, "PYTHON": PY, "NNODES": str(nodes), "NODE_RANK": str(node),
                        "NPROC": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RESTART_BACKOFF": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-            self.procs.append(subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), *args, config],
+            self.procs.append(subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), *options, config,
+                                               *overrides],
                                                cwd=ROOT, env=environ, stdout=log, stderr=err, text=True,
                                                start_new_session=True))
             self.errs.append(err)

@@ -52,6 +52,7 @@ LOST = FailureClass("lost rank", 5, True, "another rank died (kill -9, the OOM k
                                           "left no record")
 PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, LOST, PREEMPTED, DONE)   # the cause before its echoes
 BY_NAME = {c.name: c for c in PRECEDENCE}
+RANKED = {c.name: i for i, c in enumerate(PRECEDENCE)}
 BY_EXIT = {c.exit: c for c in reversed(PRECEDENCE) if c.exit}          # where no rank left a record
 
 
@@ -110,7 +111,9 @@ def write(run_dir: str, ending: Ending) -> str:
 
 def read(run_dir: str, restart: int, since: float) -> list[Ending]:
     """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), one a rank:
-    an older launch's, or one of a launch by hand with the same number, is left out."""
+    an older launch's, or one of a launch by hand with the same number, is left out. A rank that wrote two (its
+    watchdog's hang, then the lost peer its main thread saw while the watchdog was dumping) keeps the one first in
+    PRECEDENCE: the cause before its echo."""
     folder = os.path.join(run_dir, "logs")
     found: dict[int, Ending] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
@@ -122,7 +125,8 @@ def read(run_dir: str, restart: int, since: float) -> list[Ending]:
                     ending = Ending(**json.loads(line))
                 except (ValueError, TypeError):   # a line cut short by a kill
                     continue
-                if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME:
+                if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME and \
+                        (ending.rank not in found or RANKED[ending.cls] < RANKED[found[ending.rank].cls]):
                     found[ending.rank] = ending
     return [found[rank] for rank in sorted(found)]
 

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench gpu-queue wheelhouse
+.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench gpu-queue wheelhouse rehearsal
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,11 @@ demo: setup $(DEMO)/shards/manifest.json
 	NPROC=2 launch/pretrain.sh configs/demo-cpu.yaml
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
 
+# ---- a cluster in miniature on this machine (not in CI): 8 gloo ranks as 2 nodes of 4, a kill -9, a hang, a relayout
+# from 8 to 4 ranks, a data error; each claim PASS or FAIL, the time and the peak memory (tools/rehearsal.py)
+rehearsal: setup
+	$(VPY) tools/rehearsal.py
+
 # ---- benchmarks (benchmarks/bench.py): ratios to `dot`, to GPT-2, across n, loader ÷ training, TP/DP ÷ 1 process, GPU MFU.
 # The issue's sizes take ~2 h on 2 CPU cores; `make bench BENCH_ARGS=--quick` is a tiny run. Writes bench/results.*
 bench: setup $(DEMO)/shards/manifest.json
@@ -80,6 +85,11 @@ gpu-check:
 	    train.stop_after_steps=200
 	PYTHON=$(GPY) launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 train.run_dir=$(CHECK)/demo
 	$(GPY) tools/convert.py to-release $(CHECK)/demo $(CHECK)/release
+	# the flight recorder where the hang watchdog lands it: the rank made to stall at step 3 exits 3 (hence the -)
+	-PYTHON=$(GPY) SYNTHFORMER_FAULTS=stall@3@0 launch/pretrain.sh configs/demo-cpu.yaml train.precision=bf16 \
+	    train.run_dir=$(CHECK)/stall train.hang_timeout=20 train.max_steps=10
+	$(GPY) -c "import pickle; d = pickle.load(open('$(CHECK)/stall/hang/flight_recorder/rank_0', 'rb')); \
+	    print('flight recorder:', len(d['entries']), 'entries;', d['pg_status'])"
 	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
 	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench
 

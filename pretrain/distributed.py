@@ -5,6 +5,7 @@ The backend follows DeepSpeed's accelerator (NCCL on GPUs, gloo on CPU); no devi
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import TrainConfig
+from pretrain.supervision import timeouts
 
 
 @dataclass
@@ -209,12 +211,15 @@ def init(cfg: TrainConfig) -> Layout:
         torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // max(1, local)))
         if cfg.parallel.cpu_keep_freed_memory:
             keep_freed_memory()
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    timeout = timeouts.as_timedelta(timeouts.collective_timeout(cfg.train))   # every group's: supervision/timeouts.py
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     if accel.device_name() == "cpu":
         _release_shm_segment_name()
     # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
-                                             pipeline_model_parallel_size=cfg.parallel.pp)
+                                             pipeline_model_parallel_size=cfg.parallel.pp,
+                                             distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
+    timeouts.agree(timeout.total_seconds())   # exactly, and for the groups made without one (again after the engine)
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))

@@ -12,7 +12,9 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           renamed  (the directory has its final name, `latest` still names the previous one)
     hang@5@1              rank 1 stops in step 5 (after its forward) and never goes on, as a rank stuck in a
                           collective or on storage would: the other ranks wait for it in the next collective
-                          (train.hang_timeout finds them all, pretrain/supervision.py)
+                          (train.hang_timeout finds them all, pretrain/supervision/watchdog.py)
+    stall@5@1             rank 1 stops before step 5, before any forward: a hang in any layout (a pipeline stage's
+                          forward is DeepSpeed's, so `hang` does not reach it)
 
 Each fault fires once per run: before it fires it leaves a marker, <run_dir>/faults/KIND@STEP@RANK, and a relaunch of
 the run (by hand, or launch/pretrain.sh --max-restarts) with the same SYNTHFORMER_FAULTS does not fire it again.
@@ -68,6 +70,11 @@ class Faults:
         if self.fires("hang", step):
             hang()
         return loss * float("nan") if self.fires("nan", step) else loss
+
+    def before_step(self, step: int) -> None:
+        """Never returns where a `stall` fault is armed for this step."""
+        if self.fires("stall", step):
+            hang()
 
     def saving(self, phase: str, step: int) -> None:
         """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""

@@ -29,6 +29,7 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
     peak                   states at rest + buffers + max(activations at the end of the forward pass + their largest
                            temporary + the head weight's gradient, the step)
 
+Whether a peak fits a GPU, with headroom for the CUDA context, NCCL and the allocator: pretrain/memory_verdict.py.
 How close this comes to what a launch measures: tests/test_memory_plan.py (CPU, five layouts) and the H100 records
 (docs/benchmarks.md).
 """
@@ -47,6 +48,7 @@ from model.accounting import parameters
 from model.memory import FP32, Activations, Term, activations, bytes_of, per_layer_summary
 from pretrain.config import TrainConfig
 from pretrain.engine import deepspeed_config
+from pretrain.memory_verdict import verdict
 
 PERSISTENCE, PREFETCH, BUCKET = 100_000, 50_000_000, 500_000_000   # DeepSpeed's ZeRO defaults (elements)
 GIB = 2**30
@@ -267,12 +269,13 @@ def parse_size(text: str) -> int:
 
 
 def largest_micro_batch(cfg: TrainConfig, lay: Layout, budget: int, device: str, ds: dict) -> int | None:
-    """The largest micro-batch that divides the global batch over dp and fits `budget` per rank (None: not even 1)."""
+    """The largest micro-batch that divides the global batch over dp and fits a GPU of `budget` bytes with headroom
+    (pretrain/memory_verdict.py; None: not even 1)."""
     per_dp = cfg.train.global_batch_size // lay.dp
     best = None
     for micro in range(1, per_dp + 1):
         if per_dp % micro == 0 and cfg.train.global_batch_size % (micro * lay.dp) == 0:
-            if plan(cfg, lay, micro, device, ds).peak > budget:
+            if verdict(plan(cfg, lay, micro, device, ds).peak, budget, lay).status != "fits":
                 break
             best = micro
     return best
@@ -330,11 +333,11 @@ def table(p: Plan, budget: int | None = None, alternatives: list[tuple[Layout, i
         lines.append(f"    {'peak':<44}{gib(s.peak):>14}")
         lines += [f"    note: {note}" for note in s.notes]
     if budget is not None:
-        verdict = "fits" if p.peak <= budget else "does NOT fit"
-        lines.append(f"with {gib(budget)} per GPU: the peak {gib(p.peak)} {verdict}; largest micro-batch that fits: "
-                     f"{largest if largest else 'none (not even 1)'}")
+        lines.append(f"with {gib(budget)} per GPU: {verdict(p.peak, budget, lay).text}; largest micro-batch that "
+                     f"fits: {largest if largest else 'none (not even 1)'}")
     if alternatives is not None:
-        lines.append(f"layouts of {lay.tp * lay.pp * lay.dp} ranks that fit {gib(budget)} (peak of the fullest rank):")
+        lines.append(f"layouts of {lay.tp * lay.pp * lay.dp} ranks that fit {gib(budget)} with headroom (peak of the "
+                     f"fullest rank):")
         lines += [f"  tp {a.tp}  pp {a.pp}  dp {a.dp}  ZeRO-{a.zero}   {gib(peak):>12}" for a, peak in alternatives]
         if not alternatives:
             lines.append("  none: raise the world size, lower the micro-batch or turn on activation checkpointing")
@@ -365,7 +368,7 @@ def report(cfg: TrainConfig, world: int, budget: int | None = None, device: str 
             except ConfigError:
                 continue
             peak = plan(alt_cfg, alt, device=device, ds=deepspeed_config(alt_cfg, alt.dp)).peak
-            if peak <= budget:
+            if verdict(peak, budget, alt).status == "fits":
                 fitting.append((alt, peak))
         text[0] = table(p, budget, sorted(fitting, key=lambda x: x[1]),
                         largest_micro_batch(cfg, lay, budget, device, ds))

@@ -95,6 +95,14 @@ def layer_maps(cfg, maps: list[torch.Tensor]) -> list[tuple]:
             for i, (name, A) in enumerate(zip(names, maps))]
 
 
+def jsonl_rows(path: str) -> list[dict]:
+    """The rows of a JSON-lines file (none where there is no file)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def keep_rows_up_to(path: str, step: int) -> None:
     """A run resumed at `step` replays the steps after it: their rows in the JSON-lines file `path` (metrics.jsonl,
     a rank's sample ids) move to `<name>.replayed.jsonl` beside it, so that the file holds each step once, as the
@@ -134,10 +142,11 @@ class Logger:
         """metrics.jsonl without the rows of the steps after `step`, which the resumed run writes again."""
         if self.enabled:
             self.jsonl.close()
+            logged = max((row["step"] for row in jsonl_rows(self.jsonl_path)), default=None)
             keep_rows_up_to(self.jsonl_path, step)
             self.jsonl = open(self.jsonl_path, "a")
-            if self.wandb_settings:   # W&B, resumed at the same step (pretrain/monitor.py WandbRun)
-                self.wandb = WandbRun(self.wandb_settings, self.run_dir, step, self.config or {})
+            if self.wandb_settings:   # W&B, the same run; the steps up to `logged` were sent (pretrain/monitor.py)
+                self.wandb = WandbRun.open(self.wandb_settings, self.run_dir, self.config or {}, logged)
 
     def info(self, msg: str | None) -> None:
         if self.enabled and msg is not None:
@@ -175,9 +184,9 @@ class Logger:
             self.jsonl.flush()
             self.writer.flush()
             if self.wandb:
-                self.wandb.scalars(step, values)
+                self.wandb.scalars(step, values, event=True)
                 for tag, text in texts.items():
-                    self.wandb.text(step, tag, text)
+                    self.wandb.text(step, tag, text, event=True)
 
     def attention(self, step: int, layers: list[tuple]) -> None:
         """One image per layer, `attention/layer_NN`: every head's map, labelled (attention_figure)."""

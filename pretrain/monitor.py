@@ -1,9 +1,9 @@
 """Watching a run, beside TensorBoard (pretrain/metrics.py): Weights & Biases, the time left, downstream scores.
 
-    WandbRun(settings, run_dir, step, config)   logging.wandb on rank 0: the same scalars, images and text as
-                                                TensorBoard; a relaunch resumes the same W&B run, rewound to the step
-                                                the checkpoint holds (W&B's resume_from), so the replayed steps replace
-                                                the ones a crash left behind and no step is duplicated or dropped
+    WandbRun.open(settings, run_dir, config, n)  logging.wandb on rank 0: the same scalars, images and text as
+                                                TensorBoard; every launch resumes the same W&B run by its id, each row
+                                                carrying the training step as its x axis; the steps a relaunch replays
+                                                are not sent twice; a refused or unreachable W&B is one warning
     Eta                                         elapsed time and the estimate of the time left (formula below)
     deepspeed_readback(engine, passed)          what the engine reports of the `deepspeed:` section's settings
     requirements(cfg)                           one line naming the extra to install for what the config asks
@@ -13,12 +13,15 @@ from __future__ import annotations
 import html
 import math
 import os
+import secrets
+import sys
 import time
 from contextlib import contextmanager
 
 from model import ConfigError
 
 WANDB_ID_FILE = "wandb-run-id"
+STEP_METRIC = "trainer/step"   # the x axis of every W&B chart: the training step
 
 
 def requirements(cfg) -> None:
@@ -35,39 +38,68 @@ def requirements(cfg) -> None:
 
 
 class WandbRun:
-    """One W&B run per training run, from rank 0. Its id is kept in <run_dir>/wandb-run-id: a relaunch that resumes
-    at step s opens the same run with `resume_from="<id>?_step=s"`, so W&B drops what the interrupted launch logged
-    after s (metrics.jsonl moves those rows aside the same way) and takes the replayed steps in their place. In
-    offline mode each launch writes its own directory under <run_dir>/wandb; `wandb sync` uploads them in order."""
+    """One W&B run per training run, from rank 0. Its id is kept in <run_dir>/wandb-run-id, and every launch of the
+    run opens that run again (`id=…, resume="allow"`: W&B's plain resume, which every server has). Each row carries
+    the training step as its own metric (STEP_METRIC, W&B's `define_metric` step), so W&B's internal step, which only
+    grows, never decides what is kept. A relaunch that resumes at step s replays the steps after s that the launch
+    before it had already logged (up to `logged_up_to`, the last step in metrics.jsonl): those rows are not sent again,
+    so W&B holds each step once, as first logged (a resumed run replays them bit for bit; metrics.jsonl keeps the
+    replay's rows and moves the first ones aside). Events (a restart, at the step it resumed) are always sent.
 
-    def __init__(self, settings: dict, run_dir: str, step: int, config: dict):
+    `open` returns None, after one warning line, where W&B cannot be reached or refuses the run: the training goes on
+    (metrics.jsonl and TensorBoard have everything) and no restart is spent on it. In offline mode each launch writes
+    its own directory under <run_dir>/wandb with the same id; `wandb sync` uploads them in order."""
+
+    def __init__(self, settings: dict, run_dir: str, config: dict, logged_up_to: int | None = None):
         import wandb
 
-        self.wandb = wandb
+        self.wandb, self.logged_up_to = wandb, logged_up_to
         path = os.path.join(run_dir, WANDB_ID_FILE)
-        resume = {}
         if os.path.exists(path):
             run_id = open(path).read().strip()
-            resume = {"id": run_id, "resume_from": f"{run_id}?_step={step}"}
+        else:   # chosen before the first init: a launch whose init failed leaves the id for the next to use
+            run_id = secrets.token_hex(4)   # W&B's ids: 8 characters of [a-z0-9]
+            os.makedirs(run_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                f.write(run_id + "\n")
+            os.replace(path + ".tmp", path)
         self.run = wandb.init(project=settings["project"], entity=settings.get("entity"),
                               mode=settings.get("mode", "online"), tags=settings.get("tags") or None, dir=run_dir,
-                              config=config, **resume)
-        if not resume:
-            with open(path + ".tmp", "w") as f:
-                f.write(self.run.id + "\n")
-            os.replace(path + ".tmp", path)
+                              config=config, id=run_id, resume="allow")
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
 
-    def scalars(self, step: int, values: dict) -> None:
-        self.run.log({tag: float(v) for tag, v in values.items()}, step=step)
+    @classmethod
+    def open(cls, settings: dict, run_dir: str, config: dict, logged_up_to: int | None = None) -> "WandbRun | None":
+        try:
+            return cls(settings, run_dir, config, logged_up_to)
+        except Exception as e:   # unreachable, refused, a bad key: W&B is a mirror, not a reason to stop
+            line = next((l.strip() for l in str(e).splitlines() if l.strip()), "")
+            print(f"warning: W&B could not start the run ({type(e).__name__}: {line[:300]}); training goes on "
+                  f"without it (metrics.jsonl and TensorBoard have every step)", file=sys.stderr, flush=True)
+            return None
+
+    def sent(self, step: int) -> bool:
+        """Whether the launch before this one already sent `step` (a replayed step)."""
+        return self.logged_up_to is not None and step <= self.logged_up_to
+
+    def scalars(self, step: int, values: dict, event: bool = False) -> None:
+        if event or not self.sent(step):
+            self.run.log({STEP_METRIC: step, **{tag: float(v) for tag, v in values.items()}})
 
     def figure(self, step: int, tag: str, fig) -> None:
-        self.run.log({tag: self.wandb.Image(fig)}, step=step)
+        if not self.sent(step):
+            self.run.log({STEP_METRIC: step, tag: self.wandb.Image(fig)})
 
-    def text(self, step: int, tag: str, text: str) -> None:
-        self.run.log({tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+    def text(self, step: int, tag: str, text: str, event: bool = False) -> None:
+        if event or not self.sent(step):
+            self.run.log({STEP_METRIC: step, tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")})
 
     def close(self) -> None:
-        self.run.finish()
+        try:
+            self.run.finish()
+        except Exception as e:   # the server went away during the run: what was logged stays in <run_dir>/wandb
+            print(f"warning: W&B did not finish the run cleanly ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 class Eta:

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=None, help="check a launch of this many ranks: the config, "
                                                                 "the shards, a checkpoint it would resume (with "
                                                                 "--deepspeed: the config only; default 1)")
+    p.add_argument("--run-dir", action="store_true", help="print only the run's directory (train.run_dir), after the "
+                                                          "checks: where the ranks' logs and records go")
     p.add_argument("--memory", action="store_true", help="print the memory plan per rank (pretrain/memory_plan.py): "
                    "model states, DeepSpeed's buffers, activations, the peak; reads no shard")
     p.add_argument("--gpu-memory", default=None, help="with --memory: the memory of one GPU (80GiB, 80GB, 81920MiB): "
@@ -124,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             check_launch(cfg, args.world_size, relayout=True)
             print(live.StepCheck.for_run(cfg, args.world_size, live.device_cluster_name(), args.cluster).line,
                   file=sys.stderr)
-        if args.print or not args.deepspeed:
+        if args.run_dir:
+            print(cfg.train.run_dir)
+        elif args.print or not args.deepspeed:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:
             print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))

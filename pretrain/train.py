@@ -17,25 +17,24 @@ import warnings
 
 import torch
 
-from model import ConfigError
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
 from pretrain import distributed, live, memory_plan, monitor
-from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.engine import build_engine, clips_on_device, device_name, peak_tflops
 from pretrain.faults import Faults
-from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
+from pretrain.health import GuardedAdamW, LossGuard
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.observe import ProfileWindows, StepTimes
 from pretrain.plan.live import StepCheck
 from pretrain.prelaunch import check_launch
-from pretrain.supervision import supervise
+from pretrain.supervision.rank import run_rank, supervise
 from tokendata import tokenizer as tokenizers
-from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
+from tokendata.shards import check_vocab, opening, tokenizer_path
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -79,7 +78,7 @@ class Trainer:
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
-        self.started, self.stop_reason = time.time(), None
+        self.started, self.stop_reason, self.stopped_by = time.time(), None, None
         for name in cfg.train.preempt_signals:   # SLURM and other schedulers warn before they kill
             signal.signal(getattr(signal, name), self.on_signal)
         self.step = self.checkpointer.load(resume)
@@ -110,7 +109,7 @@ class Trainer:
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
         for line in data_words(self.stream):
             self.log.info(line)
-        self.watchdog = supervise(self)   # a restart logged; hang_timeout's watchdog (pretrain/supervision.py)
+        self.watchdog = supervise(self)   # timeouts, a restart logged, the hang watchdog (supervision/rank.py)
 
     def continue_release(self, path: str) -> int:
         """Carry on from a release's training step: its LR schedule position and its data position."""
@@ -172,6 +171,7 @@ class Trainer:
             if preempted:
                 self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
                               f"command to continue")
+                self.stopped_by = preempted
                 return {}
         result = self.validate()
         self.eta.timed("eval", self.log_scores)
@@ -203,6 +203,7 @@ class Trainer:
         one read (`step_outcome`). DeepSpeed's skip count is a number it has already read itself."""
         self.times.start()
         self.engine.train()
+        self.faults.before_step(self.step + 1)
         ds_skips, guarded_skips = self.engine.skipped_steps, self.guarded_skips().clone()
         loss, spike = self.forward_backward(micro_batches)
         loss, guarded, preempted = self.step_outcome(loss, self.guarded_skips() - guarded_skips)
@@ -370,29 +371,7 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0 if argv else 2
     argv = [a for a in argv if not a.startswith("--local_rank")]   # the DeepSpeed launcher may add it
-    try:
-        cfg = load_config(argv[0], argv[1:])
-        trainer = Trainer(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        trainer.train()
-    except (TrainingStopped, CheckpointError, DataError) as e:   # one line; the launcher ends the other ranks
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:
-        lost = distributed.lost_peer(e, trainer.layout)
-        if lost is None:
-            raise
-        # The launcher now ends every rank and their data workers: torch's SIGCHLD handler would raise again.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        print(f"error: {lost}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
-        distributed.shutdown()
-    return 0
+    return run_rank(lambda: load_config(argv[0], argv[1:]), Trainer)   # its log, its failure record: supervision/
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ before it in its file, else the one after) with those options in place of its ow
   in turn (the DeepSpeed runner, pretrain.supervision);
 - `deepspeed …` / `python -m deepspeed.launcher.runner …`: DeepSpeed's runner's `parse_args`, then what it would start
   (`--module M`, `--no_python` a program, or a script);
-- `torchrun …`: torch.distributed.run's parser, then what it would start;
+- `torchrun …` / `python -m torch.distributed.run …`: torch.distributed.run's parser, then what it would start;
 - `python -m pretrain.train CONFIG overrides`: its parser, load_config; `python -m <module>` (this project's, or
   another package's such as torch's fr_trace), `python tools/*.py`, `python benchmarks/*.py`: the program runs in
   this process until its argparse parser has parsed the arguments (ArgumentParser.parse_args / parse_known_args
@@ -47,7 +47,7 @@ SKIP = {
     "grep": "a coreutils command, not a parser of this project",
     "ls": "a coreutils command, not a parser of this project",
     "aws": "the AWS CLI: needs credentials and the network",
-    "sbatch": "SLURM, not installed here (launch/slurm.sbatch is run by tests/test_operate.py's scripts)",
+    "sbatch": "SLURM, not installed here (tests/test_supervision.py runs launch/slurm.sbatch under a faked srun)",
     "tensorboard.main": "TensorBoard's server: its own flags (absl), and it serves until stopped",
 }
 PLACEHOLDERS = [  # (pattern, replacement), in order
@@ -199,6 +199,8 @@ def check_words(words: list[str], env: dict) -> str:
     if program in PYTHONS:
         if args[:2] == ["-m", "deepspeed.launcher.runner"]:
             return deepspeed(args[2:], env)
+        if args[:2] == ["-m", "torch.distributed.run"]:   # torchrun, as launch/pretrain.sh starts it
+            return torchrun(args[2:], env)
         if args[:1] == ["-m"]:
             return module(args[1], args[2:], env)
         if args[:1] == ["-c"]:
@@ -242,8 +244,8 @@ def module(name: str, args: list[str], env: dict) -> str:
         return "pretrain.train's load_config"
     ns = run_parser(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True), [name, *args], name)
     if name == "pretrain.supervision":
-        inner = [w for w in ns.command if w != "--"]
-        return "pretrain.supervision's parser, then " + check_words(inner, env)
+        inner = [w for w in ns.command if w != "--"]   # none: its --help, or --classify
+        return "pretrain.supervision's parser" + (", then " + check_words(inner, env) if inner else "")
     config_args(name, args)
     return f"python -m {name}'s parser"
 

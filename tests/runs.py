@@ -211,15 +211,21 @@ def ids_per_step(run_dir, rank):
 
 
 def trainer_ranks(launcher_pid: int) -> dict[int, psutil.Process]:
-    """{local rank: process} of the trainers under a launcher (`python -u -m pretrain.train --local_rank=R ...`)."""
+    """{local rank: process} of the trainers under a launcher: `python -u -m pretrain.train --local_rank=R ...` under
+    DeepSpeed's, LOCAL_RANK in the environment under torchrun's (a DataLoader worker, a trainer's child, is none)."""
+    def trainer(args):   # python [-u] -m pretrain.train …
+        return "-m" in args and args[args.index("-m") + 1:args.index("-m") + 2] == ["pretrain.train"]
+
     ranks = {}
     for p in psutil.Process(launcher_pid).children(recursive=True):
         try:
             args, parent = p.cmdline(), p.parent().cmdline()
-        except psutil.Error:
+            if not trainer(args) or trainer(parent):
+                continue
+            flag = [a for a in args if a.startswith("--local_rank=")]
+            ranks[int(flag[0].split("=")[1]) if flag else int(p.environ()["LOCAL_RANK"])] = p
+        except (psutil.Error, KeyError):
             continue
-        if "pretrain.train" in args and not any(a.startswith("--local_rank=") for a in parent):   # not a worker
-            ranks.update({int(a.split("=")[1]): p for a in args if a.startswith("--local_rank=")})
     return ranks
 
 

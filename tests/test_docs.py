@@ -26,8 +26,9 @@ def test_every_command_shown_in_the_docs_parses():
     skipped = sorted({how for how in checked.values() if how.startswith("skipped")})
     print(f"{len(checked)} commands checked; skipped: {skipped}")
     assert not failures, "\n".join(failures)
-    assert any(how.startswith("launch/pretrain.sh --dry-run, then DeepSpeed's runner, then pretrain.train")
-               for how in checked.values())
+    for launcher in ("DeepSpeed's runner", "torchrun's parser"):   # each under the supervisor
+        assert any(how.startswith(f"launch/pretrain.sh --dry-run, then pretrain.supervision's parser, then {launcher}, "
+                                  f"then pretrain.train") for how in checked.values()), launcher
     assert all(reason for reason in SKIP.values())   # each skip says why
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pretrain.checkpoints.durable import verify
+from pretrain.supervision.classes import CONFIG, STOPPED
 from tests.runs import (PY, ROOT, finish, free_local_port, launch, losses, metric_rows, reference_config, start,
                         trainer_ranks, write_config)
 
@@ -104,7 +105,9 @@ def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(shards, tmp_pat
     # NaN loss at step 4 on rank 1 only, then at steps 6-8 (on one rank or the other): 3 in a row stop the run
     r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": "nan@4@1,nan@6,nan@7@1,nan@8"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode != 0 and errors, r.stderr[-3000:]
+    assert r.returncode == STOPPED.exit and errors, r.stderr[-3000:]   # a class a relaunch cannot fix, on every rank
+    assert {json.loads(line)["cls"] for k in (0, 1) for line in open(run / "logs" / f"rank{k}.exits.jsonl")} == \
+        {STOPPED.name}
     assert "3 optimizer steps in a row were skipped (non-finite loss or gradient; steps 6-8)" in errors[0]
     assert "step 4: update skipped (non-finite loss or gradient); 1 in a row, 1 in all" in r.stdout
     assert "step 7: update skipped (non-finite loss or gradient); 2 in a row, 3 in all" in r.stdout
@@ -197,6 +200,12 @@ def test_bad_shards_in_a_run_are_named_and_skipped_or_fatal(shards, tmp_path):
     truncated.write_bytes((Path(shards) / truncated.name).read_bytes())   # only corrupt content is left
     first_read = TokenStream(str(bad), 4, 32, dp_rank=0, dp_world=2, seed=seed).upcoming_shards()[0]
     corrupt(bad / first_read)
-    r = launch(cfg, 2, check=False, launcher=True)
+    # found while training: a data error, which --max-restarts does not relaunch (the same shard fails the same way)
+    r = launch(cfg, 2, "--max-restarts", "2", check=False, launcher=True, env={"RESTART_BACKOFF": "0.1"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode != 0 and errors and f"shard {bad / first_read} has content hash" in errors[0], r.stderr[-3000:]
+    assert r.returncode == CONFIG.exit and errors and f"shard {bad / first_read} has content hash" in errors[0], \
+        r.stderr[-3000:]
+    assert not [line for line in r.stderr.splitlines() if line.startswith("restart ")], r.stderr[-3000:]
+    assert errors[-2].startswith(f"error: rank 0 failed first (config or data error): shard {bad / first_read} "
+                                 f"has content hash"), errors
+    assert errors[-1].startswith("error: not relaunching: a relaunch cannot fix a config or data error"), errors

@@ -69,10 +69,12 @@ def kill_9_and_relaunch(cfg, run, reference):
         r = finish(proc)
         assert r.returncode != 0
         check_resumed(r.stdout, resume_at)
-        # the rank left standing says, in one line and without a traceback, which one it lost and what to do
+        # the rank left standing says, in one line and without a traceback, which one it lost and what to do; the
+        # supervisor's one line after it names that rank's record (pretrain/supervision/)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-        assert "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr and len(errors) == 2, r.stderr[-3000:]
         assert f"lost rank {victim} " in errors[0] and "relaunch the same command" in errors[0], errors[0]
+        assert errors[1].startswith(f"error: rank {1 - victim} failed first (lost rank): lost rank {victim} "), errors
         kills.append((killed_at, victim))
         resume_at = latest(run)
         assert resume_at <= killed_at

@@ -152,13 +152,13 @@ def test_memory_cli_says_what_fits_and_errors_are_one_line():
     out = r.stdout
     assert out.startswith("memory plan per rank: tp 2 × pp 1 × dp 32, ZeRO-1, micro-batch 4 × n 2048, bf16")
     for words in ("model states", "AdamW moments", "DeepSpeed buffers", "activations", "one dense+dot layer",
-                  "concatenated q·k features", "dense: hidden features", "fused loss", "peak", "fits; largest "
-                  "micro-batch that fits:", "layouts of 64 ranks that fit", "tp 8  pp 1  dp 8  ZeRO-3",
+                  "concatenated q·k features", "dense: hidden features", "fused loss", "peak", "fits with ",
+                  "GiB to spare: the peak ", "; largest micro-batch that fits:", "layouts of 64 ranks that fit", "tp 8  pp 1  dp 8  ZeRO-3",
                   "with parallel.activation_checkpointing=1"):
         assert words in out, words
     tight = memory_cli(big, "parallel.tp=1", "parallel.zero_stage=0", "--world-size", "64", "--memory",
                        "--gpu-memory", "20GiB")
-    assert "does NOT fit" in tight.stdout and tight.returncode == 0
+    assert "per GPU: does not fit: " in tight.stdout and tight.returncode == 0
     random = memory_cli(big, "model.mixer=random", "--world-size", "64", "--memory")
     assert "softmax of the map, Hl·n² = 8·2048²" in random.stdout      # random's H·n² maps, per TP rank
     bad = memory_cli(big, "--world-size", "64", "--memory", "--gpu-memory", "lots")

@@ -51,18 +51,21 @@ def wandb_records(path):
 
 
 def wandb_history(run_dir):
-    """[(branch step or None, {step: {key: value}})] of each offline run directory of `run_dir`, in launch order."""
+    """[(run record, {metric: its step metric}, {training step: {key: value}})] of each offline run directory of
+    `run_dir`, in launch order; the rows by the training step each carries (trainer/step)."""
     out = []
     for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb"))):
-        branch, rows = None, {}
+        run, metrics, rows = None, {}, {}
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
-            if kind == "run" and record.run.HasField("branch_point"):
-                branch = int(record.run.branch_point.value)
+            if kind == "run":
+                run = record.run
+            elif kind == "metric":
+                metrics[record.metric.name or record.metric.glob_name] = record.metric.step_metric
             elif kind == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                rows.setdefault(int(items["_step"]), {}).update(items)
-        out.append((branch, rows))
+                rows.setdefault(int(items["trainer/step"]), {}).update(items)
+        out.append((run, metrics, rows))
     return out
 
 
@@ -91,27 +94,55 @@ def operated(shards, tmp_path_factory):
 
 @pytest.mark.slow
 def test_wandb_offline_runs_read_back_equal_metrics_jsonl(operated):
+    """Both launches open the same W&B run by its id (no rewind: W&B's resume_from is a preview that self-managed
+    servers lack), every row carries the training step as its x axis, and the steps launch 2 replays (5, 6) are not
+    sent again: W&B holds each step once, as first logged."""
     run = operated["run"]
-    (branch1, first), (branch2, second) = wandb_history(run)
-    assert branch1 is None and branch2 == 4                   # launch 2 rewound the run to its checkpoint's step
-    assert max(first) == 6 and min(second) == 5               # launch 1 logged 5 and 6, which launch 2 replays
-    merged = {step: row for step, row in first.items() if step <= branch2}
-    merged.update(second)
-    expected = {}
-    for row in metric_rows(run):
+    (run1, metrics1, first), (run2, metrics2, second) = wandb_history(run)
+    run_id = (run / "wandb-run-id").read_text().strip()
+    assert run1.run_id == run2.run_id == run_id                           # one W&B run, both launches
+    assert not run1.HasField("branch_point") and not run2.HasField("branch_point")
+    assert metrics1 == metrics2 == {"trainer/step": "", "*": "trainer/step"}
+    assert max(first) == 6 and min(second) == 7                           # 5 and 6, replayed, not sent twice
+    merged = {**first, **second}
+    expected = {}   # each step as first logged: 5 and 6 as launch 1 logged them (metrics.replayed.jsonl)
+    for row in [r for r in metric_rows(run) if r["step"] not in (5, 6)] + metric_rows(run, replayed=True):
         expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
     assert sorted(merged) == sorted(expected) == list(range(0, 9))   # each step once, none dropped
     for step, values in expected.items():
         media = {k.removesuffix("/_type"): v for k, v in merged[step].items() if k.endswith("/_type")}
-        got = {k: v for k, v in merged[step].items() if not k.startswith("_") and k.rpartition("/")[0] not in media}
+        got = {k: v for k, v in merged[step].items()
+               if not k.startswith("_") and k != "trainer/step" and k.rpartition("/")[0] not in media}
         assert got == pytest.approx(values, rel=1e-12), step
         if step in (4, 8):   # the attention images and the text sample, as in TensorBoard
             assert media == {"attention/layer_00": "image-file", "attention/layer_01": "image-file",
                              "sample": "html-file"}, media
         else:
             assert not media
-    run_id = (run / "wandb-run-id").read_text().strip()   # one W&B run, both launches' directories
+    replayed = {r["step"]: r["train/loss"] for r in metric_rows(run) if r["step"] in (5, 6) and "train/loss" in r}
+    assert replayed == {s: first[s]["train/loss"] for s in (5, 6)}   # the replay gave the same losses, bit for bit
     assert [p.rpartition("-")[2] for p in glob.glob(str(run / "wandb" / "offline-run-*"))] == [run_id, run_id]
+
+
+def test_a_refused_wandb_is_one_warning_and_the_logger_goes_on(tmp_path, capsys, monkeypatch):
+    """A W&B server that refuses the run (403, as a self-managed server without rewind, or without the project, does):
+    one warning line, and the Logger writes metrics.jsonl and TensorBoard as without W&B (before, the refusal raised
+    from the trainer's construction, and each relaunch spent a restart on it)."""
+    from pretrain.metrics import Logger
+    from tests.wandb_server import refusing_wandb
+
+    with refusing_wandb() as wandb_env:
+        for key, value in wandb_env.items():
+            monkeypatch.setenv(key, value)
+        log = Logger(True, str(tmp_path / "tb"), str(tmp_path / "run"), {"project": "p", "mode": "online"}, {})
+        log.resume_at(0)
+        log.scalars(1, {"train/loss": 2.5})
+        log.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: W&B")]
+    assert warnings == [warnings[0]] and warnings[0].startswith("warning: W&B could not start the run (CommError: ")
+    assert "403" in warnings[0] and warnings[0].endswith("training goes on without it (metrics.jsonl and TensorBoard "
+                                                         "have every step)")
+    assert metric_rows(tmp_path / "run") == [{"step": 1, "train/loss": 2.5}]
 
 
 @pytest.mark.slow

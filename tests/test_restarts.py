@@ -1,7 +1,12 @@
-"""A run that looks after itself (pretrain/supervision.py): a rank that hangs is found within train.hang_timeout and
-leaves the stacks of its threads; launch/pretrain.sh --max-restarts relaunches after a hang and after a kill -9 and the
-run ends as one never interrupted does, bit for bit; a run that keeps failing stops after N restarts with one line."""
+"""A run that looks after itself (pretrain/supervision/): under torchrun, a rank that hangs is found within
+train.hang_timeout and leaves the stacks of its threads and the flight recorder's dump, and the supervisor names it;
+launch/pretrain.sh --max-restarts relaunches after a hang and after a kill -9 and the run ends as one never interrupted
+does, bit for bit, every process group on the timeout the watchdog precedes, W&B refusing every launch without a
+restart spent on it; a run that keeps failing stops after N restarts with one line."""
+import collections
+import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -12,9 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain.supervision import HANG_EXIT, RESTARTS, supervise
+from pretrain.supervision.rank import RESTARTS, supervise
+from pretrain.supervision.timeouts import MARGIN_S
+from pretrain.supervision.watchdog import HANG_EXIT
 from tests.runs import (PY, ROOT, finish, free_local_port, launch, logged_step, metric_rows, record, start,
                         tensorboard_scalars, trainer_ranks, write_config)
+from tests.wandb_server import refusing_wandb
 
 HANG_TIMEOUT = 15
 # SYNTHFORMER_HANG_TRIALS=N: N hangs at random steps and ranks in the run, each found and restarted (default 1)
@@ -32,58 +40,81 @@ def wait_for(what, timeout, proc, interval=0.05):
     return time.time()
 
 
-def config(tmp_path, shards, name):
-    """A short run of 2 ranks (one data worker each), a checkpoint every 3 steps, sample ids recorded."""
+def config(tmp_path, shards, name, **logging):
+    """A short run of 2 ranks as 2 pipeline stages (DeepSpeed's pipeline groups), one micro-batch a step, one data
+    worker each, a checkpoint every 3 steps, sample ids recorded."""
     return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name, data={"num_workers": 1},
-                        train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT}, checkpoint={"every": 3, "keep": 2},
-                        logging={"sample_ids": True})
+                        parallel={"pp": 2}, train={"max_steps": STEPS, "hang_timeout": HANG_TIMEOUT,
+                                                   "global_batch_size": 4, "micro_batch_size": 4},
+                        checkpoint={"every": 3, "keep": 2}, logging={"sample_ids": True, **logging})
 
 
 @pytest.mark.slow
 def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrupted_run(shards, tmp_path):
-    """A run under launch/pretrain.sh --max-restarts: rank 0 is killed (-9) after step 4, and a rank hangs at a later
-    step (SYNTHFORMER_FAULTS hang@STEP@RANK, which fires once per run). Each hang is found within hang_timeout + 10 s
-    of the step before it; every rank wrote its threads' stacks, the hung one's in faults.py's `hang`; the launcher
-    relaunched by itself, each restart logged with its cause (metrics.jsonl, TensorBoard); every loss and sample id the
-    run logged equals those of the same run uninterrupted. (A run of its own, shorter than tests/runs.py's reference
-    run: three launches of that one took three times as long.)"""
+    """A run under LAUNCHER=torchrun launch/pretrain.sh --max-restarts (torchrun itself with --max-restarts 0): rank 0
+    is killed (-9) after step 4, and a rank stalls at a later step (SYNTHFORMER_FAULTS stall@STEP@RANK, which fires
+    once per run). Each hang is found within hang_timeout + 10 s of the step before it; every rank wrote its threads'
+    stacks (the stalled one's in faults.py's `hang`) and its flight recorder's dump; the supervisor's line names the
+    stalled rank; every process group of every rank, DeepSpeed's pipeline groups among them, waits hang_timeout +
+    MARGIN_S in a collective (the ranks' records, and torch's own entries); the launcher relaunched by itself, each
+    restart logged with its cause (metrics.jsonl, TensorBoard); W&B refused every launch (one warning line each) and
+    no restart went to it; every loss and sample id the run logged equals those of the same run uninterrupted."""
     rng = random.Random(5)
     hangs = sorted((step, rng.randint(0, 1)) for step in rng.sample(range(KILL_AT + 4, STEPS), TRIALS))
     launch(config(tmp_path, shards, "straight"), 2)
-    run, cfg = tmp_path / "run", config(tmp_path, shards, "run")
-    proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
-        "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "0.05",
-        "SYNTHFORMER_FAULTS": ",".join(f"hang@{step}@{rank}" for step, rank in hangs)})
-    wait_for(lambda: logged_step(run) >= KILL_AT, 300, proc)
-    os.kill(trainer_ranks(proc.pid)[0].pid, signal.SIGKILL)
-    hang_dir = run / "hang"
-    for step, rank in hangs:
-        last_beat = wait_for(lambda: logged_step(run) >= step - 1, 300, proc)
-        found = wait_for(lambda: all((hang_dir / f"rank{r}.txt").exists() for r in (0, 1)), HANG_TIMEOUT + 60, proc)
-        assert found - last_beat <= HANG_TIMEOUT + 10, (step, found - last_beat)
-        time.sleep(0.5)   # the files are written whole before the rank's line and exit
-        stacks = (hang_dir / f"rank{rank}.txt").read_text()
-        assert stacks.startswith(f"rank {rank} (pid ") and f"after finishing step {step - 1}," in stacks, stacks[:300]
-        assert f'pretrain{os.sep}faults.py", line' in stacks and " in hang\n" in stacks, stacks
-        hang_dir.rename(run / f"hang-{step}")   # the next hang writes anew
-    r = finish(proc)
+    run = tmp_path / "run"
+    with refusing_wandb() as wandb_env:
+        cfg = config(tmp_path, shards, "run", wandb={"project": "p", "mode": "online"})
+        proc = start(cfg, "--max-restarts", str(TRIALS + 1), env={
+            "LAUNCHER": "torchrun", "NPROC": "2", "MASTER_PORT": str(free_local_port()), "RESTART_BACKOFF": "0.05",
+            "SYNTHFORMER_FAULTS": ",".join(f"stall@{step}@{rank}" for step, rank in hangs), **wandb_env})
+        wait_for(lambda: logged_step(run) >= KILL_AT, 300, proc)
+        os.kill(trainer_ranks(proc.pid)[0].pid, signal.SIGKILL)
+        hang_dir = run / "hang"
+        for step, rank in hangs:
+            last_beat = wait_for(lambda: logged_step(run) >= step - 1, 300, proc)
+            found = wait_for(lambda: all((hang_dir / f"rank{r}.txt").exists() for r in (0, 1)), HANG_TIMEOUT + 60,
+                             proc)
+            assert found - last_beat <= HANG_TIMEOUT + 10, (step, found - last_beat)
+            time.sleep(1.0)   # the files are written whole before the rank's line and exit
+            stacks = (hang_dir / f"rank{rank}.txt").read_text()
+            assert stacks.startswith(f"rank {rank} (pid ") and f"after finishing step {step - 1}," in stacks
+            assert f'pretrain{os.sep}faults.py", line' in stacks and " in hang\n" in stacks, stacks
+            dumps = {r: pickle.loads((hang_dir / "flight_recorder" / f"rank_{r}").read_bytes()) for r in (0, 1)}
+            for r, dump in dumps.items():   # torch's own record of the collectives: those of the last steps
+                assert len(dump["entries"]) > 10 and {e["timeout_ms"] for e in dump["entries"][-10:]} == \
+                    {(HANG_TIMEOUT + MARGIN_S) * 1000}, (r, collections.Counter(e["timeout_ms"] for e in
+                                                                             dump["entries"]))
+            hang_dir.rename(run / f"hang-{step}")   # the next hang writes anew
+        r = finish(proc)
     assert r.returncode == 0, r.stderr[-3000:]
     print(f"hangs (step, rank): {hangs}")
-    for step, rank in hangs:   # a rank's one line: rank, last finished step, file
-        assert any(line.startswith("error: rank ") and f"made no progress for " in line and
+    lines = r.stderr.splitlines()
+    for step, rank in hangs:   # each rank's line; the supervisor's, naming the stalled rank
+        assert any(line.startswith("error: rank ") and "made no progress for " in line and
                    f"after finishing step {step - 1}: stopped; the stacks of its threads are in {run}" in line
-                   for line in r.stderr.splitlines()), r.stderr[-3000:]
+                   for line in lines), r.stderr[-3000:]
+        named = f"error: rank {rank} hung; rank {1 - rank} waits for it in a collective (rank {rank} entered "
+        assert any(line.startswith(named) for line in lines), r.stderr[-3000:]
+    endings = [json.loads(line) for k in (0, 1) for line in open(run / "logs" / f"rank{k}.exits.jsonl")]
+    hung = [e for e in endings if e["cls"] == "hang"]
+    assert len(hung) == 2 * TRIALS
+    groups = [g for e in hung for g in e["collectives"].values()]
+    assert len(groups) >= 2 * 20 and {g["timeout_s"] for g in groups} == {HANG_TIMEOUT + MARGIN_S}
+    descs = {g["desc"].split(" (", 1)[1].split(",")[0] for g in groups}   # megatron's names; DeepSpeed's "undefined"
+    assert {"PIPELINE_MODEL_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", "default_pg", "undefined"} <= descs, descs
+    assert sum(line.startswith("warning: W&B could not start the run (CommError") for line in lines) == TRIALS + 2
     restarts = [row for row in metric_rows(run) + metric_rows(run, replayed=True) if "run/restarts" in row]
     causes = {row["run/restarts"]: row["run/restart_cause"] for row in restarts}
     assert sorted(causes) == list(range(1, TRIALS + 2)), causes
-    assert causes[1].startswith("lost rank 0 ") and all("made no progress" in causes[k] for k in causes if k > 1)
+    assert causes[1].startswith("lost rank 0 ") and all(" hung; " in causes[k] for k in causes if k > 1), causes
     shown = tensorboard_scalars(run, "run/restarts")   # one point a step: a later restart at a step replaces one
     assert shown[max(shown)] == TRIALS + 1 and set(shown.values()) <= set(causes), shown   # before it (TensorBoard)
     assert record(run) == record(tmp_path / "straight")
 
 
 def test_a_run_that_keeps_failing_stops_after_max_restarts_in_one_line(tmp_path):
-    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision.py) around a launch that fails
+    """The relauncher of launch/pretrain.sh --max-restarts N (pretrain/supervision/relaunch.py) around a launch that fails
     each time as a hung rank's does: N relaunches, each told its number and the cause; then one line, the exit status
     kept. A config error (exit 2) is not relaunched: the same command fails the same way."""
     attempts = tmp_path / "attempts"
@@ -116,8 +147,9 @@ def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(t
     work = lambda name: lambda *args: done.append(name) or name   # noqa: E731
     trainer = SimpleNamespace(step=4, log=None, layout=SimpleNamespace(rank=0),
                               cfg=SimpleNamespace(train=SimpleNamespace(hang_timeout=600.0, run_dir=str(tmp_path),
-                                                                        compile=True)),
-                              checkpointer=SimpleNamespace(save=work("save")), train_step=work("train_step"),
+                                                                        compile=True, collective_timeout=None)),
+                              checkpointer=SimpleNamespace(save=work("save"), partial_path=str),
+                              train_step=work("train_step"),
                               validate=work("validate"), log_samples=work("log_samples"),
                               log_scores=work("log_scores"), train=work("train"))
     dog = supervise(trainer)
@@ -139,7 +171,7 @@ def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(t
 def test_a_rank_that_makes_no_progress_dumps_its_stacks_and_exits_in_one_line(tmp_path):
     """The watchdog alone, in a process stuck in a function of its own: within hang_timeout (+ a poll) it writes every
     thread's stack, names the stuck frame, prints one line (rank, last finished step, file) and exits HANG_EXIT."""
-    script = (f"import time\nfrom pretrain.supervision import Watchdog\n"
+    script = (f"import time\nfrom pretrain.supervision.watchdog import Watchdog\n"
               f"Watchdog(1.0, {str(tmp_path)!r}, 3, lambda: 7).start()\n"
               f"def stuck_here():\n    time.sleep(120)\nstuck_here()\n")
     t0 = time.time()

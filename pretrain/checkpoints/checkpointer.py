@@ -71,7 +71,7 @@ class Checkpointer:
         raises CheckpointError on the rank that saw it; the other ranks then wait in a collective until the launcher,
         seeing a rank exit with an error, ends them: the previous checkpoint stays complete and `latest`."""
         tag = f"step_{step:08d}"
-        final, partial = os.path.join(self.dir, tag), os.path.join(self.dir, tag + ".partial")
+        final, partial = os.path.join(self.dir, tag), self.partial_path(step)
         previous = self.latest_tag()
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)           # a crashed earlier attempt at this step
@@ -97,6 +97,10 @@ class Checkpointer:
                                   f"relaunch to resume") from None
         dist.barrier()                                            # nobody runs on before the commit
         return final
+
+    def partial_path(self, step: int) -> str:
+        """Where the save of `step` writes until it is committed (the hang watchdog watches its bytes grow)."""
+        return os.path.join(self.dir, f"step_{step:08d}.partial")
 
     def _write(self, partial: str, tag: str, step: int) -> None:
         """This rank's files: DeepSpeed's (collective), the trainer state, and on rank 0 the config and tokenizer."""

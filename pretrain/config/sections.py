@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_keys, check_types, described, need
+from pretrain.supervision.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
 from tokendata.sources import Source, as_sources
 
@@ -165,6 +166,11 @@ class TrainSection:
                                     "<run_dir>/hang/rank<k>.txt and exits non-zero, for launch/pretrain.sh "
                                     "--max-restarts to relaunch; above the slowest save or validation; null: never",
                                     None)
+    collective_timeout: float | None = described("seconds a collective may wait, on every process group (world, TP, PP, "
+                                    "DP, DeepSpeed's pipeline groups), before it fails; above hang_timeout + "
+                                    f"{MIN_MARGIN_S}, so that the watchdog acts first. null: hang_timeout + "
+                                    f"{MARGIN_S}, or {WITHOUT_WATCHDOG_S} without a hang_timeout "
+                                    "(pretrain/supervision/timeouts.py)", None)
     preempt_signals: tuple[str, ...] = described("signals that stop the run cleanly after the current step with a "
                                           "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
                                           ("SIGTERM", "SIGUSR1"))
@@ -217,6 +223,11 @@ class TrainSection:
               self.max_wall_minutes, "null or > 0")
         need(self.hang_timeout is None or self.hang_timeout > 0, "train.hang_timeout", self.hang_timeout,
              "null or > 0 (seconds)")
+        floor = 0 if self.hang_timeout is None else self.hang_timeout + MIN_MARGIN_S
+        need(self.collective_timeout is None or self.collective_timeout > floor, "train.collective_timeout",
+             self.collective_timeout, f"null or > {floor:g} s" + (f" (train.hang_timeout={self.hang_timeout:g} + "
+                                                                  f"{MIN_MARGIN_S}: the watchdog must act first)"
+                                                                  if self.hang_timeout is not None else ""))
         need(all(s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") for s in self.preempt_signals),
               "train.preempt_signals", self.preempt_signals, "a list of SIGTERM, SIGUSR1, SIGUSR2, SIGINT")
         need(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,

@@ -1,0 +1,16 @@
+"""A run that looks after itself, on a cluster: what ends a rank and whether a relaunch can fix it, timeouts that
+agree, and the evidence a hang leaves.
+
+    classes.py          the failure classes (done, preempted, config or data error, training stopped, hang, unknown,
+                        lost rank), each rank's record of how it ended, and the launch's verdict from all of them
+    relaunch.py         the supervisor around a launcher (launch/pretrain.sh --max-restarts N; `python -m
+                        pretrain.supervision`): relaunches what a relaunch can fix, stops a crash loop
+    rank.py             what a rank does: its log, its record, the timeouts set, the watchdog wrapped around the trainer
+    watchdog.py         the hang watchdog (train.hang_timeout) and what counts as progress
+    timeouts.py         one collective timeout for every process group, longer than train.hang_timeout
+    flight_recorder.py  PyTorch's flight recorder, on, and dumped beside the stacks of a hung rank
+    ranklog.py          each rank's own log file, <run_dir>/logs/rank<k>.log
+
+Nothing is imported here: the supervisor process (relaunch.py) starts without torch, and pretrain/config reads
+timeouts.py's margins.
+"""

@@ -1,0 +1,204 @@
+"""Failure classes: what ended a rank, and whether a relaunch can fix it.
+
+Every rank ends in one class and, before it exits, appends that class, its first error line and the step it reached to
+<run_dir>/logs/rank<k>.exits.jsonl (`write`: one line a launch, so the file is the rank's history). A rank killed by -9 or the OOM killer writes nothing: its silence is its
+record. The supervisor (relaunch.py) reads these files, not the launcher's exit status: DeepSpeed's launcher exits
+with whichever failing rank it polls first (a data error on rank 3 can surface as rank 0's failed collective), and
+torchrun's agent restarts on any non-zero exit. Of all the ranks' records, the class first in PRECEDENCE names the
+launch (`conclude`): the cause before its echoes (a rank that lost its peer is an echo of the peer's error).
+
+    class                 exit  relaunched   what it is
+    done                     0  no           the launch trained what it was asked (train.max_steps, stop_after_steps)
+    preempted                0  no           a signal (train.preempt_signals) or train.max_wall_minutes: a checkpoint of
+                                             the step, then exit 0; the scheduler, or the user, relaunches
+    config or data error     2  no           ConfigError, DataError (a bad shard under data.bad_shards=fail, a hash
+                                             mismatch): the same command fails the same way
+    training stopped         4  no           TrainingStopped (train.max_consecutive_skips non-finite steps in a row), a
+                                             checkpoint that cannot be written (a full disk): replayed, it stops again
+    hang                     3  yes          the watchdog (train.hang_timeout), or a collective that timed out
+    unknown                  1  yes          anything else (a CUDA error, out of memory, a bug)
+    lost rank                5  yes          a collective failed because another rank died; a rank with no record
+
+A relaunch that fails in the same class at the same step with the same first error line as the launch before it stops
+the relaunches (a crash loop: relaunch.py), whatever the class.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    name: str
+    exit: int          # the rank's exit status, for launchers that read one
+    relaunch: bool     # whether a relaunch can fix it
+    meaning: str
+
+
+DONE = FailureClass("done", 0, False, "the launch trained what it was asked (train.max_steps, train.stop_after_steps)")
+PREEMPTED = FailureClass("preempted", 0, False, "a signal (train.preempt_signals) or train.max_wall_minutes: every "
+                                                "rank saved the step and exited; the scheduler or the user relaunches")
+CONFIG = FailureClass("config or data error", 2, False, "a bad setting, a bad or missing shard, a hash mismatch "
+                                                        "(data.bad_shards=fail): the same command fails the same way")
+STOPPED = FailureClass("training stopped", 4, False, "train.max_consecutive_skips non-finite steps in a row, or a "
+                                                     "checkpoint that cannot be written: replayed, it stops again")
+HANG = FailureClass("hang", 3, True, "no progress for train.hang_timeout (the watchdog), or a collective timed out")
+UNKNOWN = FailureClass("unknown", 1, True, "anything else: a CUDA error, out of memory, a bug (a crash loop stops it)")
+LOST = FailureClass("lost rank", 5, True, "another rank died (kill -9, the OOM killer, a node lost); a rank that "
+                                          "left no record")
+PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, LOST, PREEMPTED, DONE)   # the cause before its echoes
+BY_NAME = {c.name: c for c in PRECEDENCE}
+RANKED = {c.name: i for i, c in enumerate(PRECEDENCE)}
+BY_EXIT = {c.exit: c for c in reversed(PRECEDENCE) if c.exit}          # where no rank left a record
+
+
+def of_exit_status(code: int) -> FailureClass:
+    """A launch's class from its exit status alone (no rank's record): 0 done, 2, 3, 4 theirs, a signal lost."""
+    if code == 0:
+        return DONE
+    if code < 0 or code > 128:   # killed by a signal: -9 from Python, 137 from a shell
+        return LOST
+    return BY_EXIT.get(code, UNKNOWN)
+
+
+def first_line(e: BaseException) -> str:
+    """The line that says what went wrong: the message's first line, or for an error re-raised from a DataLoader
+    worker ("Caught DataError in DataLoader worker process 0. Original Traceback …") the original's last line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0] if lines else type(e).__name__
+
+
+@dataclass
+class Ending:
+    """One rank's record of how its launch ended."""
+    rank: int
+    cls: str                      # a FailureClass name
+    line: str                     # the first error line (or what the rank did, for done and preempted)
+    step: int | None              # the last step the rank finished (None: it had no trainer yet)
+    restart: int = 0              # which launch of the run: 0 the first, k the k-th relaunch
+    time: float = field(default_factory=time.time)
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    collectives: dict = field(default_factory=dict)   # per process group: {desc, ranks, timeout_s, entered}
+
+    @property
+    def failure(self) -> FailureClass:
+        return BY_NAME[self.cls]
+
+
+def path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "logs", f"rank{rank}.exits.jsonl")
+
+
+def write(run_dir: str, ending: Ending) -> str:
+    """Append the rank's record: one line, written in one call (O_APPEND), so that a reader sees it whole or not."""
+    target = path(run_dir, ending.rank)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(asdict(ending)) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return target
+
+
+def read(run_dir: str, restart: int, since: float) -> list[Ending]:
+    """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), one a rank:
+    an older launch's, or one of a launch by hand with the same number, is left out. A rank that wrote two (its
+    watchdog's hang, then the lost peer its main thread saw while the watchdog was dumping) keeps the one first in
+    PRECEDENCE: the cause before its echo."""
+    folder = os.path.join(run_dir, "logs")
+    found: dict[int, Ending] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".exits.jsonl"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                try:
+                    ending = Ending(**json.loads(line))
+                except (ValueError, TypeError):   # a line cut short by a kill
+                    continue
+                if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME and \
+                        (ending.rank not in found or RANKED[ending.cls] < RANKED[found[ending.rank].cls]):
+                    found[ending.rank] = ending
+    return [found[rank] for rank in sorted(found)]
+
+
+@dataclass
+class Verdict:
+    """What ended a launch: its class, the rank that names it (None: no record), and one line to print."""
+    cls: FailureClass
+    rank: int | None
+    step: int | None
+    line: str
+
+    def key(self) -> tuple:
+        """What a crash loop repeats: the class, the step and the first error line."""
+        return self.cls.name, self.step, self.line
+
+
+def conclude(endings: list[Ending], exit_status: int) -> Verdict:
+    """The launch's class: the first in PRECEDENCE among the ranks' records, its earliest rank naming it; with no
+    record, the exit status's (a rank killed by a signal leaves none); a failed launch whose records all say done or
+    preempted lost a rank that left none."""
+    if not endings:
+        cls = of_exit_status(exit_status)
+        why = ("the ranks left no record (killed before they could write one)" if cls is not DONE else "done")
+        return Verdict(cls, None, None, f"{why}; the launch ended with exit status {exit_status}")
+    best = min(endings, key=lambda e: (PRECEDENCE.index(e.failure), e.time))
+    if exit_status != 0 and best.failure in (DONE, PREEMPTED):
+        return Verdict(LOST, None, best.step, f"a rank left no record and the launch ended with exit status "
+                                              f"{exit_status} (killed: kill -9, the OOM killer)")
+    if best.failure is HANG:
+        return Verdict(HANG, *culprit([e for e in endings if e.failure is HANG], best))
+    return Verdict(best.failure, best.rank, best.step, best.line)
+
+
+def culprit(hung: list[Ending], first: Ending) -> tuple[int, int, str]:
+    """(rank, step, line) of a hang. Every rank's watchdog expires, the ranks waiting in a collective as well as the
+    one they wait for. Each rank recorded, per process group, how many collectives it entered: rank r waits for rank
+    s where they share a group in which r entered more than s. The ranks someone waits for, and who wait for nobody,
+    are the hang's cause. None such (a cycle, or every rank level): the first watchdog's line."""
+    entered: dict[str, dict[int, int]] = {}
+    for e in hung:
+        for name, g in e.collectives.items():
+            entered.setdefault(name, {})[e.rank] = g["entered"]
+    waits: dict[int, set[int]] = {e.rank: set() for e in hung}
+    evidence: dict[int, tuple[str, int, int]] = {}
+    for name, counts in entered.items():
+        for r, n in counts.items():
+            for s, m in counts.items():
+                if n > m:
+                    waits[r].add(s)
+                    evidence.setdefault(s, (name, m, n))
+    waited_for = set().union(*waits.values())
+    causes = sorted(s for s in waited_for if not waits.get(s))
+    if not causes:
+        return first.rank, first.step, (f"{first.line}; no rank stands out by the collectives it entered: compare "
+                                        f"the stacks in the run's hang/ directory")
+    by_rank = {e.rank: e for e in hung}
+    who = ("rank " if len(causes) == 1 else "ranks ") + ", ".join(map(str, causes))
+    name, m, n = evidence[causes[0]]
+    waiting = [r for r in sorted(waits) if waits[r]]
+    return causes[0], by_rank[causes[0]].step, (
+        f"{who} hung; {'rank' if len(waiting) == 1 else 'ranks'} {spans(waiting)} "
+        f"{'waits' if len(waiting) == 1 else 'wait'} for it in a collective "
+        f"({who} entered {m} collectives of process group {name}, the others {n}); {by_rank[causes[0]].line}")
+
+
+def spans(ranks: list[int]) -> str:
+    """0-4, 6, 7 for [0, 1, 2, 3, 4, 6, 7]."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r - start > 1 else ", ".join(map(str, range(start, r + 1))))
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,125 @@
+"""What each rank does to be supervised: its own log file, the flight recorder, timeouts that agree, the hang
+watchdog, and its failure record.
+
+    run_rank(load, make_trainer)   the whole life of a rank (pretrain/train.py main): the config, the rank's log
+                                   (ranklog.py), the flight recorder on (flight_recorder.py), the trainer built and run,
+                                   and how it ended written as its failure class (classes.py), with one `error:` line
+    supervise(trainer)             at the end of the trainer's construction: every process group set to the collective
+                                   timeout (timeouts.py), the restart that started this launch logged, and the hang
+                                   watchdog (watchdog.py) wrapped around the trainer's work from outside
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from model import ConfigError
+from pretrain import distributed
+from pretrain.checkpoints.checkpointer import CheckpointError
+from pretrain.health import TrainingStopped
+from pretrain.supervision import classes, flight_recorder, ranklog, timeouts
+from pretrain.supervision.watchdog import Watchdog, bytes_under
+from tokendata.shards import DataError
+
+RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
+# what a collective that timed out says: NCCL's watchdog, gloo
+TIMED_OUT = ("collective operation timeout", "Timed out waiting", "timed out waiting")
+
+
+def restart_number() -> int:
+    """Which launch of the run this is: 0 the first, k the k-th relaunch (the supervisor's, or SLURM's requeue)."""
+    return int(os.environ.get(RESTARTS) or os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def classify(e: BaseException, layout) -> tuple[classes.FailureClass, str]:
+    """The failure class of an exception that ended a rank, and its one line."""
+    if isinstance(e, (ConfigError, DataError)):
+        return classes.CONFIG, classes.first_line(e)
+    if isinstance(e, (TrainingStopped, CheckpointError)):
+        return classes.STOPPED, classes.first_line(e)
+    lost = distributed.lost_peer(e, layout) if layout is not None else None
+    if lost is not None or distributed.is_peer_loss(e):
+        return classes.LOST, lost or f"lost another rank while building the trainer ({classes.first_line(e)})"
+    if any(words in str(e) for words in TIMED_OUT):
+        return classes.HANG, f"a collective timed out (train.collective_timeout): {classes.first_line(e)}"
+    return classes.UNKNOWN, f"{type(e).__name__}: {classes.first_line(e)}"
+
+
+def run_rank(load, make_trainer) -> int:
+    """Load the config (`load()`), build the trainer (`make_trainer(cfg)`) and train; the rank's exit status. Every
+    way out but a kill writes the rank's failure record; an unknown error is raised on (its traceback in the log)."""
+    rank, restart = int(os.environ.get("RANK", 0)), restart_number()
+    try:
+        cfg = load()
+    except (ConfigError, DataError) as e:   # no run directory to write to: the exit status says it
+        print(f"error: {e}", file=sys.stderr)
+        return classes.CONFIG.exit
+    run_dir = cfg.train.run_dir
+    ranklog.start(run_dir, rank, f"rank {rank} (pid {os.getpid()} on {socket.gethostname()}), launch {restart}")
+    flight_recorder.enable(run_dir)
+    trainer = None
+    try:
+        trainer = make_trainer(cfg)
+        trainer.train()
+        stopped = getattr(trainer, "stopped_by", None)
+        cls = classes.PREEMPTED if stopped else classes.DONE
+        line = f"stopped at step {trainer.step} ({stopped})" if stopped else f"trained to step {trainer.step}"
+        classes.write(run_dir, classes.Ending(rank, cls.name, line, trainer.step, restart))
+        return 0
+    except Exception as e:
+        cls, line = classify(e, trainer.layout if trainer is not None else None)
+        classes.write(run_dir, classes.Ending(rank, cls.name, line, trainer.step if trainer is not None else None,
+                                              restart, collectives=safe_collectives()))
+        if cls is classes.UNKNOWN:
+            raise
+        if cls is classes.LOST:   # the launcher now ends every rank and their data workers: torch's SIGCHLD
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # handler would raise again
+        print(f"error: {line}", file=sys.stderr)
+        return cls.exit
+    finally:
+        if trainer is not None:
+            trainer.close()
+        distributed.shutdown()
+
+
+def safe_collectives() -> dict:
+    try:
+        return timeouts.collectives_entered()
+    except Exception:   # a broken group: the record is written without it
+        return {}
+
+
+def supervise(trainer) -> Watchdog | None:
+    """Every process group to the collective timeout; the restart that started this launch logged, if it is one; the
+    rank's hang watchdog where train.hang_timeout is set, its heartbeats wrapped around the trainer's steps,
+    validation, images and downstream scores, and its save watched while its bytes grow."""
+    cfg = trainer.cfg.train
+    agreed = timeouts.agree(timeouts.collective_timeout(cfg))
+    if agreed:
+        trainer.log.info(timeouts.words(agreed, cfg.hang_timeout))
+    log_restart(trainer.log, trainer.step)
+    if cfg.hang_timeout is None:
+        return None
+    dog = Watchdog(cfg.hang_timeout, cfg.run_dir, trainer.layout.rank, lambda: trainer.step, restart_number(),
+                   ranklog.ACTIVE)
+    for owner, name in ((trainer, "train_step"), (trainer, "validate"), (trainer, "log_samples"),
+                        (trainer, "log_scores"), (trainer, "train")):   # train: then the way out
+        setattr(owner, name, dog.after(getattr(owner, name)))
+    saver = trainer.checkpointer
+    saver.save = dog.during("the checkpoint save of step {0}", saver.save,
+                            lambda step, *_: bytes_under(saver.partial_path(step)))
+    if cfg.compile:
+        dog.on_compilation()
+    dog.start()
+    return dog
+
+
+def log_restart(log, step: int) -> None:
+    """A relaunch by the supervisor (or SLURM's requeue) in metrics.jsonl, TensorBoard and W&B, with its cause."""
+    count = restart_number()
+    if count:
+        cause = os.environ.get(RESTART_CAUSE) or "not recorded (see the previous launch's log)"
+        log.event(step, {"run/restarts": count}, {"run/restart_cause": cause})
+        log.info(f"restart {count} of this run, resumed at step {step}, after: {cause}")

@@ -1,0 +1,178 @@
+"""The supervisor: `python -m pretrain.supervision --max-restarts N --run-dir DIR -- COMMAND…` runs a launch command
+(the DeepSpeed launcher, torchrun with --max-restarts 0, or one node's launcher of several), and when it ends reads
+what each rank wrote of how it ended (classes.py) to decide, rather than the launcher's exit status:
+
+- it prints the failed rank's first error line and its log file (`error: rank 3 failed first (config or data error):
+  …; its log: DIR/logs/rank3.log`); for a hang, the rank the others wait for;
+- it relaunches only the classes a relaunch can fix (hang, lost rank, unknown), after a backoff (--backoff, doubling
+  with each failure in a row, at most MAX_BACKOFF_S; a launch that ran STABLE_S before failing starts again from
+  --backoff), at most N times; the relaunch resumes from the newest checkpoint by itself and is told its number and
+  cause (SYNTHFORMER_RESTARTS, SYNTHFORMER_RESTART_CAUSE), which the trainer logs at the step it resumed;
+- a relaunch that fails in the same class, at the same step, with the same first error line as the launch before it
+  stops the relaunches (a crash loop: the relaunch cannot help);
+- each launch's verdict is appended to DIR/logs/launches.jsonl, which is how a requeued SLURM job (a new process:
+  `--classify`) knows the launch before it.
+
+Every node of a multi-node job runs its own supervisor around its own launcher; they read the same records (the run
+directory is shared) and so decide alike. Without --run-dir the run's directory is found from the trainer's arguments
+in the command; a command without them (not a launch of pretrain.train) is judged by its exit status alone (0 done,
+2 config or data error, 3 hang, 4 training stopped, else relaunched), with no crash-loop check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from pretrain.supervision import classes
+from pretrain.supervision.ranklog import log_path
+
+MAX_BACKOFF_S = 300
+STABLE_S = 600                # a launch that ran this long before failing starts the backoff again from --backoff
+RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_dir_of(command: list[str]) -> str | None:
+    """The run's directory (train.run_dir) from the trainer's arguments in a launch command (`… pretrain.train CONFIG
+    overrides`), asked of `python -m pretrain.config` (this process stays without torch); None where there are none."""
+    if "pretrain.train" not in command:
+        return None
+    args = [a for a in command[command.index("pretrain.train") + 1:] if not a.startswith("--local_rank")]
+    r = subprocess.run([sys.executable, "-m", "pretrain.config", *args, "--run-dir"], capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    return lines[-1] if r.returncode == 0 and lines else None
+
+
+def history_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "logs", "launches.jsonl")
+
+
+def previous(run_dir: str | None, restart: int) -> dict | None:
+    """The verdict of launch `restart` − 1, from the run's history."""
+    path = history_path(run_dir) if run_dir else None
+    if not path or not os.path.exists(path):
+        return None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return next((row for row in reversed(rows) if row["restart"] == restart - 1), None)
+
+
+def judge(run_dir: str | None, restart: int, since: float, code: int, errors: list[str]) -> tuple[classes.Verdict,
+                                                                                                    str | None]:
+    """(the launch's verdict, why it must not be relaunched, or None), its row appended to the run's history."""
+    if run_dir:
+        verdict = classes.conclude(classes.read(run_dir, restart, since), code)
+    else:
+        verdict = classes.conclude([], code)
+    if verdict.rank is None and errors and verdict.cls is not classes.DONE:   # the launcher's first `error:` line
+        verdict.line = errors[0].removeprefix("error:").strip()
+    before = previous(run_dir, restart)
+    stop = None
+    if not verdict.cls.relaunch:
+        stop = f"a relaunch cannot fix a {verdict.cls.name} ({verdict.cls.meaning})"
+    elif verdict.step is not None and before and tuple(before["key"]) == verdict.key():
+        stop = (f"launch {restart} failed as launch {restart - 1} did, at step {verdict.step} with the same first "
+                f"error line: a crash loop, which a relaunch does not end")
+    if run_dir:
+        os.makedirs(os.path.dirname(history_path(run_dir)), exist_ok=True)
+        with open(history_path(run_dir), "a") as f:
+            f.write(json.dumps({"restart": restart, "time": time.time(), "exit": code, "class": verdict.cls.name,
+                                "rank": verdict.rank, "step": verdict.step, "line": verdict.line,
+                                "key": verdict.key(), "relaunch": stop is None}) + "\n")
+    return verdict, stop
+
+
+def failure_line(verdict: classes.Verdict, run_dir: str | None) -> str:
+    """`error: rank k failed first (its class): its line; its log: …` (or without a rank where none left a record)."""
+    if verdict.rank is None:
+        return f"error: the launch failed ({verdict.cls.name}): {verdict.line}"
+    where = f"; its log: {log_path(run_dir, verdict.rank)}" if run_dir else ""
+    if verdict.cls is classes.HANG:
+        return f"error: {verdict.line}{where}"
+    return f"error: rank {verdict.rank} failed first ({verdict.cls.name}): {verdict.line}{where}"
+
+
+def run_once(command: list[str], env: dict, stopping: list) -> tuple[int, list[str]]:
+    """Run the launch command in its own process group, its stderr passed through line by line; (its exit status,
+    its `error: …` lines). A signal that stops a run (SIGTERM, SIGINT, SIGUSR1/2: a scheduler's preemption) is passed
+    on to the whole group and noted in `stopping`; once the command has ended, whatever it left behind (a rank, a data
+    worker) is killed with its group."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)
+    errors: list[str] = []
+
+    def relay():
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.startswith("error:"):
+                errors.append(line.strip())
+
+    def forward(signum, frame):
+        stopping.append(signum)
+        os.killpg(proc.pid, signum)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    before = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reader.join(timeout=10)
+    return (128 - code if code < 0 else code), errors
+
+
+def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str | None = None) -> int:
+    """Run `command`; after a failure a relaunch can fix, wait and run it again, at most `max_restarts` times. The
+    exit status: 0, or the last launch's class's (classes.py)."""
+    env, in_a_row, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run
+    found: dict = {"dir": run_dir}
+    finder = threading.Thread(target=lambda: found.update(dir=run_dir_of(command)), daemon=True)
+    if run_dir is None:   # found while the first launch runs
+        finder.start()
+    restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
+    first = restarts
+    for s in STOP_SIGNALS:   # also while it waits to relaunch
+        signal.signal(s, lambda signum, frame: stopping.append(signum))
+    while True:
+        started, since = time.monotonic(), time.time()
+        code, errors = run_once(command, {**env, RESTARTS: str(restarts)}, stopping)
+        if stopping:
+            return code
+        if finder.is_alive():
+            finder.join()
+        run_dir = found["dir"]
+        verdict, stop = judge(run_dir, restarts, since, code, errors)
+        if verdict.cls in (classes.DONE, classes.PREEMPTED) and code == 0:
+            return 0
+        print(failure_line(verdict, run_dir), file=sys.stderr, flush=True)
+        status = verdict.cls.exit or code or 1
+        if max_restarts == 0:   # no relaunch was asked for: the failure's line says it all
+            return status
+        if stop:
+            print(f"error: not relaunching: {stop}", file=sys.stderr, flush=True)
+            return status
+        in_a_row = 0 if time.monotonic() - started >= STABLE_S else in_a_row   # it ran a while: a new failure
+        if restarts - first == max_restarts:
+            print(f"error: the run failed {restarts - first + 1} times (launch/pretrain.sh --max-restarts "
+                  f"{max_restarts}); not restarting again. The last failure: {verdict.line}", file=sys.stderr,
+                  flush=True)
+            return status
+        wait = min(MAX_BACKOFF_S, backoff * 2 ** in_a_row)
+        restarts, in_a_row = restarts + 1, in_a_row + 1
+        print(f"restart {restarts - first} of at most {max_restarts} in {wait:g} s, from the newest checkpoint, "
+              f"after: {verdict.line}", file=sys.stderr, flush=True)
+        time.sleep(wait)
+        if stopping:
+            return status
+        env[RESTART_CAUSE] = verdict.line

@@ -33,7 +33,7 @@ from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.prelaunch import check_launch
 from pretrain.supervision import supervise
 from tokendata import tokenizer as tokenizers
-from tokendata.shards import DataError, check_vocab, opening, tokenizer_path
+from tokendata.shards import DataError, opening, tokenizer_path
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -42,11 +42,11 @@ OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a valid
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        check_launch(cfg, distributed.world_size())   # config, shards, checkpoint: before any process group
+        checked = check_launch(cfg, distributed.world_size())   # config, manifests, checkpoint: before any group
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
-        self.stream = train_stream(cfg, lay)   # pretrain/data.py: one shard set, or sources blended by weight
+        self.stream = train_stream(cfg, lay, checked.sources)   # pretrain/data.py: one shard set, or a blend
         self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.retries_read = 0   # network fetches the train batches' workers retried
         # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
@@ -69,7 +69,7 @@ class Trainer:
                                          lay.rank, lay.world, self.faults)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
-        self.log.info(check_vocab(self.stream.manifest, cfg.model.vocab_size))   # a note, or None (padded ids)
+        self.log.info(checked.vocab_note)   # a note, or None (padded ids)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
@@ -270,10 +270,12 @@ class Trainer:
         return 0, float("nan")
 
     def data_faults(self) -> tuple[int, int]:
-        """(bad shards left out so far: at the start, every rank alike, + found while reading, summed over DP;
+        """(bad shards left out so far: at the start, every rank alike, + found while reading by any DP rank;
         fetches retried after network faults by this run's processes, summed over DP), in one collective."""
         found, retries = self.read(distributed.dp_sum([len(self.bad_shards_read),
                                                        self.retries_read + self.stream.retries], self.layout))
+        if found:   # a shard that two ranks found bad counts once
+            found = len(distributed.dp_union(self.bad_shards_read, self.layout))
         return len(self.stream.skipped_shards) + round(found), round(retries)
 
     # ---- reporting -----------------------------------------------------------------------------------------

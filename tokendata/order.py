@@ -8,16 +8,19 @@ rule over the sources' weights w (`Blend`; m sources): after every pick each sou
 dataset_sample_index).
 
 Canonical streams (MosaicML Streaming's canonical nodes). A run has C of them (data.canonical_streams, 1 ≤ C ≤ G,
-fixed when it starts). Draw t of a source belongs to stream t mod C, as that stream's draw j = t div C. A global
-batch lists its picks stream by stream, each stream's in pick order (`layout`); data-parallel rank r of D serves its
-positions [rG/D, (r+1)G/D) (`rank_slice`), for every D that divides G. So the G samples of global batch g, in their
-order, are the same for every D, worker count and micro-batch. Stream c's band of a batch starts within m of c·G/C,
-so a rank reads the streams of its positions, about C/D + 1 + 3mC/G of them (`rank_streams`), not all C.
+fixed when it starts). Draw t of a source belongs to stream a·t mod C, as that stream's draw j = t div C: each
+stream takes one residue class of t, the draws of each source dealt round robin; a (`stride`) is coprime to C and
+near C/φ, so a batch's consecutive draws of a source spread over the streams rather than crowd into an arc of them. A
+global batch lists its picks stream by stream, each stream's in pick order (`layout`); data-parallel rank r of D
+serves its positions [rG/D, (r+1)G/D) (`rank_slice`), for every D that divides G. So the G samples of global batch
+g, in their order, are the same for every D, worker count and micro-batch. Stream c's band of a batch starts within
+2m positions of c·G/C (m sources; tests/test_order.py and tests/test_order_scale.py hold it), so a rank reads the
+streams of its positions, at most C/D + 2 + 4m·C/G of them (`rank_streams`), not all C.
 
 Epochs, exact. Epoch e of a source (n samples in N shards) is its shard list shuffled with Random(f"{key}/{e}") (key:
 the seed, and the source's name when it has one), read as one sequence of n slots, each shard's samples in file
 order. Stream c's span of epoch e is the a_c(e) slots after the spans of streams 0 … c − 1, where
-a_c(e) = #{t ∈ [e·n, (e+1)·n) : t ≡ c (mod C)} is exactly the number of its draws in that epoch. So draws
+a_c(e) = #{t ∈ [e·n, (e+1)·n) : a·t ≡ c (mod C)} is exactly the number of its draws in that epoch. So draws
 e·n … (e+1)·n − 1 of a source are each of its samples once: no sample of a source is drawn twice before every sample
 of it has been drawn once, whether it has 1 shard, fewer shards than streams, or many. A stream reads its span in
 windows of W = mix × ⌈n/N⌉ slots (about `mix` shards; data's mix_shards), each in the order Random(f"{key}/{e}/{c}/{k}")
@@ -56,6 +59,15 @@ def check_streams(streams: int, global_batch: int, key: str = "data.canonical_st
         raise DataError(f"{key}={streams} must be between 1 and train.global_batch_size={global_batch} (each stream "
                         f"gives about G/C samples to every global batch): set {key}=null (min(64, G)) or a number "
                         f"≤ {global_batch}")
+
+
+def stride(streams: int) -> int:
+    """a: the integer nearest C/φ that is coprime to C (1 for C ≤ 2). t ↦ a·t mod C is a bijection of the residues
+    that sends consecutive draws about 0.618·C streams apart, a low-discrepancy (Kronecker) spread."""
+    if streams <= 2:
+        return 1
+    target = streams * 2 / (1 + 5 ** 0.5)
+    return min((a for a in range(1, streams) if math.gcd(a, streams) == 1), key=lambda a: (abs(a - target), a))
 
 
 def rank_slice(global_batch: int, dp_rank: int, dp_world: int) -> tuple[int, int]:
@@ -143,7 +155,7 @@ def layout(blend: Blend, pos: Position, global_batch: int, streams: int) -> Layo
     for s, first in enumerate(before):
         mine = src == s
         t[mine] = first + np.arange(int(mine.sum()))
-    stream = t % streams
+    stream = stride(streams) * t % streams
     order = np.argsort(stream, kind="stable")                          # stream by stream, pick order within
     return Layout(src[order], stream[order], (t // streams)[order])
 
@@ -181,6 +193,8 @@ class SourceOrder:
         self.shards, self.key, self.streams = list(shards), key, streams
         self.n = sum(count for _, count in self.shards)
         self.window = mix * -(-self.n // len(self.shards))   # W: mix shards of the mean size
+        a = stride(streams)
+        self.residue = [pow(a, -1, streams) * c % streams for c in range(streams)]   # stream c takes t ≡ r_c (mod C)
         self._epochs = Recent(4)   # streams are within one draw of each other: two epochs at most are read at once
         self._windows = Recent(2 * streams + 8)   # each stream's window and the one it fetches ahead
 
@@ -194,18 +208,18 @@ class SourceOrder:
         random.Random(f"{self.key}/{e}").shuffle(order)
         starts = np.cumsum([0] + [count for _, count in order]).tolist()
         phase, spans = e * self.n % self.streams, [0]
-        for c in range(self.streams):   # a_c(e): the slots u < n with u ≡ c − phase (mod C)
-            r = (c - phase) % self.streams
+        for c in range(self.streams):   # a_c(e): the slots u < n with e·n + u ≡ r_c (mod C)
+            r = (self.residue[c] - phase) % self.streams
             spans.append(spans[-1] + (-(-(self.n - r) // self.streams) if r < self.n else 0))
         return [name for name, _ in order], starts, spans
 
     def before(self, stream: int, e: int) -> int:
-        """Stream c's draws of this source before epoch e: #{t < e·n : t ≡ c (mod C)}."""
-        return max(0, -(-(e * self.n - stream) // self.streams))
+        """Stream c's draws of this source before epoch e: #{t < e·n : t ≡ r_c (mod C)}."""
+        return max(0, -(-(e * self.n - self.residue[stream]) // self.streams))
 
     def where(self, stream: int, j: int) -> tuple[int, int, int]:
-        """(epoch, window, place in the window's order) of stream c's draw j."""
-        e = (j * self.streams + stream) // self.n
+        """(epoch, window, place in the window's order) of stream c's draw j: t = j·C + r_c."""
+        e = (j * self.streams + self.residue[stream]) // self.n
         k, p = divmod(j - self.before(stream, e), self.window)
         return e, k, p
 

@@ -26,6 +26,7 @@ import threading
 
 from tokendata.shards import DataError
 
+STATS = {"peak_in_flight": 0, "fetched": 0}   # of every pool of this process: for the data bench and its tests
 SPILL = "synthformer-spill"   # under data.cache_dir or the temporary folder: <pid>-<n> per reader
 OPEN_FILES = 64               # local files kept open for reading samples
 
@@ -107,6 +108,7 @@ class ShardPool:
                 entry.state = "running"
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+                STATS["peak_in_flight"] = max(STATS["peak_in_flight"], self.in_flight)
             try:
                 result = entry.opener(self.spill_dir)
             except DataError as e:
@@ -114,6 +116,7 @@ class ShardPool:
             with self._lock:
                 self.in_flight -= 1
                 self.fetched += 1
+                STATS["fetched"] += 1
                 entry.state, entry.result = "done", result
                 entry.done.set()
                 if entry.users <= 0 and self._entries.get(key) is not entry:   # dropped while it ran

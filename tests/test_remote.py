@@ -4,6 +4,7 @@ and a bearer token; through a `pipe:` command; through fsspec. The batches must 
 sample for sample, whatever the network did."""
 import contextlib
 import http.server
+import itertools
 import os
 import shutil
 import ssl
@@ -13,10 +14,12 @@ import threading
 import pytest
 import trustme
 
+from model.config import ConfigError
 from tokendata import remote
 from pretrain.config import load_config
 from tokendata.stream import TokenStream
 from pretrain.prelaunch import check_launch
+from tokendata.shard_files import folder_for
 from tokendata.shards import DataError, read_manifest
 from tests.http_shards import ShardServer
 from tests.runs import (built_once, launch, losses, ids_per_step, metric_rows, reference_config, tensorboard_scalars,
@@ -153,9 +156,41 @@ def test_a_bearer_token_comes_from_the_environment_and_is_never_shown(few_shards
         assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 1
         assert TOKEN not in os.environ[remote.HTTP_SETTINGS]   # what workers inherit names the variable only
         with redirecting_to(srv.url) as elsewhere:   # a server that sends the client on: the token does not follow
+            remote.configure(pem, {"Authorization": "SHARDS_TOKEN"}, headers_over_http=True)   # (a plain http:// one)
             with pytest.raises(DataError) as e:
                 remote.fetch(f"{elsewhere}/manifest.json")
         assert "HTTP 401 Unauthorized" in str(e.value) and srv.refused == 2, e.value
+
+
+def test_a_token_is_refused_over_plain_http_unless_allowed(few_shards, tmp_path, monkeypatch):
+    """Headers configured for an http:// source: the config is refused in one line naming the key, and so is every
+    request of a process configured so (the manifest, a shard, a PUT of make_shards); nothing reaches the server.
+    data.headers_over_http=true lets them through (a network the user trusts)."""
+    monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
+    with ShardServer(few_shards, token=TOKEN) as srv:
+        headers = {"http_headers_from_env": {"Authorization": "SHARDS_TOKEN"}}
+        with pytest.raises(ConfigError) as e:
+            load_config(write_config(tmp_path / "c.yaml", srv.url, tmp_path / "run", data=headers), [])
+        assert str(e.value) == (f"data.shard_dir={srv.url} is plain http://: data.http_headers_from_env (Authorization) "
+                                "would go out unencrypted; serve it over https://, or set data.headers_over_http=true "
+                                "on a network you trust")
+        sources = [{"name": "a", "path": few_shards, "weight": 1}, {"name": "b", "path": srv.url, "weight": 1}]
+        with pytest.raises(ConfigError) as e:
+            load_config(write_config(tmp_path / "c.yaml", None, tmp_path / "run",
+                                     data={"sources": sources, **headers}), [])
+        assert str(e.value).startswith(f"data.sources[1].path={srv.url} is plain http://"), e.value
+        remote.configure(None, {"Authorization": "SHARDS_TOKEN"})
+        for attempt in (lambda: stream(srv.url), lambda: remote.fetch(f"{srv.url}/train-000000.tar"),
+                        lambda: remote.writer(f"{srv.url}/new.tar")):
+            with pytest.raises(remote.CredentialError) as e:
+                attempt()
+            assert "\n" not in str(e.value) and "would be sent unencrypted over plain http://" in str(e.value)
+            assert "data.headers_over_http=true" in str(e.value) and TOKEN not in str(e.value)
+        assert not srv.gets and not srv.heads and srv.connections == 0
+        allowed = load_config(write_config(tmp_path / "c.yaml", srv.url, tmp_path / "run",
+                                           data={**headers, "headers_over_http": True}), [])
+        remote.configure(None, allowed.data.http_headers_from_env, allowed.data.headers_over_http)
+        assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 0
 
 
 @contextlib.contextmanager
@@ -197,14 +232,19 @@ def test_a_404_shard_fails_in_one_line_or_is_skipped_as_a_local_bad_shard_is(few
     name = first_read(local, 3)[1]
     with ShardServer(few_shards) as srv:
         srv.missing.add(name)
+        s = stream(srv.url)   # nothing is asked of a shard before a batch reads it
+        assert not srv.heads and not any(n.endswith(".tar") for n in srv.gets)
         with pytest.raises(DataError) as e:
-            stream(srv.url)
-        assert str(e.value) == (f"shard {srv.url}/{name} cannot be read: HTTP 404 Not Found: rebuild {srv.url} with "
+            batches(s)
+        assert str(e.value) == (f"shard {srv.url}/{name}: HTTP 404 Not Found: rebuild {srv.url} with "
                                 "tools/make_shards.py, or set data.bad_shards=skip to train without it")
         s = stream(srv.url, bad_shards="skip")
-        assert s.skipped_shards == [(f"{srv.url}/{name}", "cannot be read: HTTP 404 Not Found")]
-        got = batches(s)[0]
-    # the same order as a local directory where that shard is damaged (empty) and skipped at the start
+        got, reported = [], []
+        for b in itertools.islice(iter(s), BATCHES):
+            got.append((b["ids"], b["tokens"].tolist()))
+            reported += b["skipped_shards"]
+        assert reported == [f"{srv.url}/{name}"]
+    # the same order as a local directory where that shard is damaged (empty)
     damaged = tmp_path / "shards"
     shutil.copytree(few_shards, damaged)
     (damaged / name).write_bytes(b"")
@@ -230,7 +270,7 @@ def test_cache_dir_fetches_each_shard_once(few_shards, tmp_path):
         # prefetch reached beyond them)
         assert all(count == 1 for name, count in srv.gets.items() if name != "manifest.json"), srv.gets
     sizes = {s["name"]: s["bytes"] for s in read_manifest(few_shards)["splits"]["train"]["shards"]}
-    assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in cache.iterdir()}
+    assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in (cache / folder_for(srv.url)).iterdir()}
 
 
 def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):

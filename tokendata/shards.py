@@ -60,6 +60,8 @@ def read_manifest(shard_dir):
     if remote.is_remote(shard_dir):
         try:
             text = remote.fetch(path, what="manifest")[0]
+        except remote.CredentialError:
+            raise   # the settings, not the location
         except DataError as e:
             raise DataError(f"{e}: is data.shard_dir={shard_dir} right? (shards written with {MAKE} --out, "
                             "manifest.json beside them)") from None

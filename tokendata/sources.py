@@ -86,7 +86,7 @@ def open_sources(sources: list, cache_dir: str | None = None, verify: str = "has
         try:
             m = read_manifest(s.path)
         except DataError as e:
-            raise DataError(f"source '{s.name}': {e}" if s.name else str(e)) from None
+            raise type(e)(f"source '{s.name}': {e}" if s.name else str(e)) from None   # a CredentialError stays one
         opened.append(Opened(s, m, ShardFiles(s.path, m, cache_dir, verify)))
         need(m["splits"]["train"]["shards"], f"{s.label} has no train shards (its manifest.json lists none): "
                                              f"rebuild it with {MAKE}")

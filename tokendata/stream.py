@@ -260,7 +260,8 @@ class TokenStream:
                 f"on this rank: the same global batches on any data-parallel size dividing {G}")
 
     def upcoming_shards(self, worker=0, source=0):
-        """The shards the DataLoader worker `worker` of this rank fetches first for `source`, in that order."""
+        """The shards of `source` that the draws of DataLoader worker `worker` of this rank read first (in the next
+        global batch), in the order of those draws: the ones it waits for first."""
         if self._v1 is not None:
             return self._v1.upcoming(worker, source, self._bad[source])
         lay, order, out = layout(self.blend, self._pos.copy(), self.global_batch_size, self.canonical_streams), \
@@ -268,8 +269,8 @@ class TokenStream:
         for i in range(self.lo, self.hi):
             c = int(lay.streams[i])
             if lay.sources[i] == source and c % max(1, self.workers) == worker:
-                e, k, _ = order.where(c, int(lay.draws[i]))
-                out += [n for n in order.window_shards(c, e, k) if n not in out and n not in self._bad[source]]
+                name = order.draw(c, int(lay.draws[i]), lambda shard: shard in self._bad[source])[0]
+                out += [name] if name not in out else []
         return out
 
     def progress(self):

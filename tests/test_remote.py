@@ -284,16 +284,28 @@ def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):
                                    f"data.shard_dir={srv.url}/nothing right?"), str(e.value)
 
 
-def test_make_shards_writes_through_a_pipe_command_the_files_it_writes_to_a_directory(shards, tmp_path):
-    src, piped = os.path.dirname(shards), tmp_path / "piped"
+def test_make_shards_writes_through_a_pipe_command_and_https_the_files_it_writes_to_a_directory(shards, tmp_path, tls,
+                                                                                                 monkeypatch):
+    """The same files in a directory, through a pipe: command, and PUT to a private HTTPS server (its CA and a bearer
+    token from the environment, as training reads it: --ca-bundle, --header-from-env); the token is in no output."""
+    src, piped, put = os.path.dirname(shards), tmp_path / "piped", tmp_path / "put"
     piped.mkdir()
+    put.mkdir()
     args = ["--input", f"{src}/corpus.txt", "--tokenizer", f"{src}/tokenizer.model", "--seq-len", SEQ,
             "--samples-per-shard", 50, "--quiet"]
     tool("make_shards.py", *args, "--out", tmp_path / "local")
     tool("make_shards.py", *args, "--out", f"pipe:cat > {piped}/{{}}")
+    context, pem = tls
+    monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
+    with ShardServer(str(put), tls=context, token=TOKEN) as srv:
+        r = tool("make_shards.py", *args, "--out", srv.url, "--ca-bundle", pem, "--header-from-env",
+                 "Authorization=SHARDS_TOKEN")
     names = sorted(os.listdir(tmp_path / "local"))
-    assert sorted(os.listdir(piped)) == names and "manifest.json" in names and len(names) > 5
-    assert all((piped / n).read_bytes() == (tmp_path / "local" / n).read_bytes() for n in names)
+    assert sorted(os.listdir(piped)) == sorted(os.listdir(put)) == names and "manifest.json" in names and len(names) > 5
+    assert all((piped / n).read_bytes() == (put / n).read_bytes() == (tmp_path / "local" / n).read_bytes()
+               for n in names)
+    assert set(srv.puts) == set(names) and set(srv.puts.values()) == {1} and srv.refused == 0
+    assert TOKEN not in r.stdout + r.stderr
 
 
 def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):

@@ -14,6 +14,7 @@ import collections
 import http.server
 import json
 import os
+import signal
 import threading
 
 import numpy as np
@@ -129,3 +130,84 @@ class SyntheticServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def run_reader(spec: dict) -> dict:
+    """A rank's reader memory: one rank (no DataLoader workers: the reader is this process) reading `batches` global
+    batches of spec["global_batch"] samples from three local sources blended 0.5 / 0.3 / 0.2, in the default order
+    (C = min(64, G)). Its resident memory is sampled every 5 ms while it reads; the figure is the peak above the
+    process before reading. Also: the most shards held in memory at once (being fetched), and the shards fetched."""
+    import shutil
+    import tempfile
+    import time
+
+    import psutil
+
+    from tokendata import shard_pool
+    from tokendata.sources import Source
+    from tokendata.stream import TokenStream
+
+    G, tmp = spec["global_batch"], tempfile.mkdtemp(prefix="bench-reader-")
+    try:
+        sources = [Source(Synthetic(spec["shards"], spec["per_shard"], spec["seq_len"], 4096).write(f"{tmp}/{name}"),
+                          weight, name) for name, weight in (("one", 0.5), ("two", 0.3), ("three", 0.2))]
+        stream = TokenStream(sources, G, spec["seq_len"], global_batch_size=G, fetch_threads=spec["fetch_threads"])
+        me, peak, done = psutil.Process(), [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], me.memory_info().rss)
+                time.sleep(0.005)
+
+        base = me.memory_info().rss
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        t0, batches = time.perf_counter(), iter(stream)
+        for _ in range(spec["batches"]):
+            next(batches)
+        seconds = time.perf_counter() - t0
+        done.set()
+        watcher.join()
+        shard_mb = len(Synthetic(1, spec["per_shard"], spec["seq_len"], 4096).shard("train-000000.tar")) / 2**20
+        return {"rss_mb": [(peak[0] - base) / 2**20], "held_shards": [shard_pool.STATS["peak_in_flight"]],
+                "fetched": shard_pool.STATS["fetched"], "streams": stream.canonical_streams, "shard_mb": shard_mb,
+                "seconds": seconds, "rank": 0}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_startup(spec: dict) -> dict:
+    """Seconds from starting the trainer (configs/demo-cpu.yaml, 1 rank, launch/pretrain.sh as a scheduler starts
+    it) to its first step, with data.shard_dir a server of spec["shards"] synthetic shards on 127.0.0.1 (its
+    tokenizer the demo's); and the requests the server answered by then."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from pretrain.distributed import free_local_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = Synthetic(spec["shards"], 2, 128, 4096)
+    run = tempfile.mkdtemp(prefix="bench-startup-")
+    with SyntheticServer(source, os.path.join(root, spec["tokenizer"])) as srv:
+        env = {**os.environ, "PYTHONPATH": root, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port()), "PYTHON": sys.executable}
+        overrides = [f"data.shard_dir={srv.url}", f"train.run_dir={run}", "train.max_steps=1", "logging.every=1",
+                     "logging.val_every=0", "logging.image_every=0", "checkpoint.every=1000", "data.num_workers=1"]
+        t0, first = time.perf_counter(), None
+        proc = subprocess.Popen([os.path.join(root, "launch", "pretrain.sh"), os.path.join(root, spec["config"]),
+                                 *overrides], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        metrics = os.path.join(run, "metrics.jsonl")
+        while proc.poll() is None and first is None and time.perf_counter() - t0 < 1200:
+            if os.path.exists(metrics) and any('"train/loss"' in line for line in open(metrics)):
+                first = time.perf_counter() - t0   # the first step's row: the step is done
+            time.sleep(0.05)
+        requests = {f"{m} {k}": n for (m, k), n in srv.requests.items()}
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+    if first is None:
+        raise RuntimeError(f"the trainer gave no step: {(out or '').strip().splitlines()[-1:]}")
+    return {"seconds": [first], "requests": requests, "shards": spec["shards"], "rank": 0}

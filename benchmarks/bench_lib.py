@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import bench_data
 from pretrain.metrics import memory_mb, reset_peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -324,6 +325,6 @@ def run_shards(spec: dict) -> dict:
 def run_point(spec: dict) -> None:
     """The `_one` subcommand: measure one point and print it as one marked JSON line (every rank its own; the parent
     reports rank 0's, with the others' under `by_rank`)."""
-    runs = {"data": run_data, "shards": run_shards}
+    runs = {"data": run_data, "shards": run_shards, "reader": bench_data.run_reader, "startup": bench_data.run_startup}
     out = runs.get(spec["kind"], run_train)(spec)
     print(RESULT_MARK + json.dumps(out), flush=True)

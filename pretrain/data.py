@@ -32,8 +32,11 @@ def named(stream: TokenStream) -> bool:
 def data_words(stream: TokenStream) -> list[str]:
     """What the log says of the data when a run starts."""
     blend = ", ".join(f"{p.source.name} {w:.3g}" for p, w in zip(stream.parts, stream.blend.w))
+    known = sorted(stream.bad_found())
     return ([f"data: sources blended by weight: {blend}" if named(stream) else f"data: {stream.shard_dir}"] +
-            [f"data order: {stream.order_words}"] + stream.notes)
+            [f"data order: {stream.order_words}"] + stream.notes +
+            ([f"data: skipping {len(known)} shards found bad before this checkpoint (data.bad_shards=skip): "
+              + "; ".join(known)] if known else []))
 
 
 class DataLog:

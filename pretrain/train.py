@@ -47,7 +47,6 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
         self.stream = train_stream(cfg, lay, checked.sources)   # pretrain/data.py: one shard set, or a blend
-        self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
         self.retries_read = 0   # network fetches the train batches' workers retried
         # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
         self.tokenizer = tokenizers.local_copy(cfg.data.tokenizer or tokenizer_path(self.stream.manifest),
@@ -180,7 +179,6 @@ class Trainer:
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""
         for batch in batches:
-            self.bad_shards_read.update(batch["skipped_shards"])
             self.retries_read += batch["retries"]
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
@@ -270,12 +268,12 @@ class Trainer:
         return 0, float("nan")
 
     def data_faults(self) -> tuple[int, int]:
-        """(bad shards left out so far: at the start, every rank alike, + found while reading by any DP rank;
-        fetches retried after network faults by this run's processes, summed over DP), in one collective."""
-        found, retries = self.read(distributed.dp_sum([len(self.bad_shards_read),
+        """(bad shards left out so far: at the start, every rank alike, + found while reading by any DP rank, before
+        a resume too; fetches retried after network faults by this run's processes, summed over DP)."""
+        found, retries = self.read(distributed.dp_sum([len(self.stream.bad_found()),
                                                        self.retries_read + self.stream.retries], self.layout))
-        if found:   # a shard that two ranks found bad counts once
-            found = len(distributed.dp_union(self.bad_shards_read, self.layout))
+        if found:   # a shard that two ranks found bad counts once (a second collective, once one is found)
+            found = len(distributed.dp_union(self.stream.bad_found(), self.layout))
         return len(self.stream.skipped_shards) + round(found), round(retries)
 
     # ---- reporting -----------------------------------------------------------------------------------------

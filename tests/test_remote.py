@@ -319,7 +319,7 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     """tests/runs.py's reference run (2 ranks, 2 data workers each, 40 steps), its shards served over HTTP: the first
     shard of each worker has its connection dropped half-way or gets a 503. Same losses and sample ids, bit for bit,
     as the run from the local directory; the four retries are counted in metrics.jsonl and TensorBoard (its own
-    reader). The shards' sizes are checked once, by one rank, for both."""
+    reader). No shard is asked for its size: each is checked when read.""" 
     firsts = first_shards_of_each_worker(shards)
     with ShardServer(shards) as srv:
         srv.faults.update({name: [fault] for name, fault in zip(firsts, ["drop", "503", "503", "drop"])})
@@ -330,19 +330,17 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     assert [r["data/retries"] for r in metric_rows(run) if "data/retries" in r][-1] == 4
     retries = tensorboard_scalars(run, "data/retries")
     assert sorted(retries) == list(range(1, 41)) and retries[40] == 4, retries
-    assert all(srv.gets[n] == 2 for n in firsts)
-    listed = [s["name"] for split in read_manifest(shards)["splits"].values() for s in split["shards"]]
-    assert sorted(srv.heads) == sorted(listed) and set(srv.heads.values()) == {1}
+    assert all(srv.gets[n] >= 2 for n in firsts) and not srv.heads   # (a shard two ranks read: fetched by both)
 
 
 @pytest.mark.slow
 def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_across_a_kill(few_shards, tls, tmp_path):
     """A real run on 2 ranks from a server that wants a bearer token, over TLS with the test's CA (data.ca_bundle,
     data.http_headers_from_env: {Authorization: SHARDS_TOKEN}), one train shard answered 404 under
-    data.bad_shards=skip; rank 1 is killed (SIGKILL, in the save of step 6) and the run relaunched. data/skipped_shards
-    is 1 at every step before and after the kill, in metrics.jsonl and in TensorBoard; every request carried the token
-    (manifest, size checks, shards, tokenizer); the token's value is in no file of the run directory (grep -r) and in
-    nothing the run printed."""
+    data.bad_shards=skip (found when the first step reads it, then kept in the checkpoints); rank 1 is killed (SIGKILL,
+    in the save of step 6) and the run relaunched. data/skipped_shards is 1 at every step before and after the kill,
+    in metrics.jsonl and in TensorBoard; every request carried the token (manifest, shards, tokenizer); the token's
+    value is in no file of the run directory (grep -r) and in nothing the run printed."""
     context, pem = tls
     name = first_read(stream(few_shards), 3)[1]
     run = tmp_path / "run"
@@ -356,14 +354,15 @@ def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_acros
         assert killed.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_00000003"
         resumed = launch(cfg, 2, env=token)
     assert "resumed at step 3" in resumed.stdout and "done: validation perplexity" in resumed.stdout
-    for r in (killed, resumed):
-        assert (f"skipping 1 bad shards (data.bad_shards=skip): {srv.url}/{name} (cannot be read: HTTP 404 Not "
-                "Found)") in r.stdout, r.stdout[-3000:]
+    assert (f"warning: shard {srv.url}/{name}: HTTP 404 Not Found; skipping it (data.bad_shards=skip)" in
+            killed.stdout + killed.stderr), killed.stderr[-3000:]
+    assert (f"data: skipping 1 shards found bad before this checkpoint (data.bad_shards=skip): {srv.url}/{name}" in
+            resumed.stdout), resumed.stdout[-3000:]
     skipped = [(row["step"], row["data/skipped_shards"]) for row in metric_rows(run) + metric_rows(run, replayed=True)
                if "data/skipped_shards" in row]
     assert sorted(skipped) == sorted([(s, 1) for s in range(1, 10)] + [(4, 1), (5, 1), (6, 1)]), skipped   # 4-6 twice
     assert tensorboard_scalars(run, "data/skipped_shards") == {s: 1 for s in range(1, 10)}
-    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and srv.heads
+    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and not srv.heads
     grep = lambda text: subprocess.run(["grep", "-r", "-l", text, str(run)], capture_output=True, text=True)  # noqa
     assert grep("SHARDS_TOKEN").returncode == 0   # the copies of the config name the variable: grep reads them
     assert grep(TOKEN).returncode == 1, grep(TOKEN).stdout

@@ -104,7 +104,7 @@ class Reader:
         self.nbytes = plan.fmt[1]
         self.bad = [set(part.bad) for part in plan.parts]
         self.windows: dict = {}   # (stream, source) -> (epoch, window, [keys wanted])
-        self.skipped, self.retries, self.counted = [], 0, set()
+        self.skipped, self.retries = [], 0
 
     def opener(self, s: int, name: str):
         part = self.plan.parts[s]
@@ -129,10 +129,8 @@ class Reader:
         self._follow(c, s, *part.order.where(c, j)[:2])
         name, index = part.order.draw(c, j, lambda shard: self._is_bad(s, shard))
         loaded = self.pool.get((s, name), self.opener(s, name))
-        if (s, name) not in self.counted:   # the retries of a shard's fetch, once
-            self.counted.add((s, name))
-            self.retries += loaded.retries
-        key, offset = loaded.index[index]
+        self.retries += self.pool.take_retries()   # of every fetch done by now, prefetched ones too
+        key, offset = loaded.locate(index)
         sample = {"__key__": f"{part.prefix}/{key}" if part.prefix else key,
                   self.plan.member: self.pool.read(loaded, offset, self.nbytes)}
         if self.skipped or self.retries:

@@ -179,7 +179,7 @@ def _chunks(url: str, offset: int, got: dict):
     elif "://" in url:
         fs, path = _fsspec(url)
         try:   # one request (an object store's GET, ranged from `offset`): no size asked first
-            data = fs.cat_file(path, start=offset or None)
+            data = fs.cat_file(path, start=offset)
             got["total"] = offset + len(data)
             yield data
         except (FileNotFoundError, PermissionError):

@@ -38,12 +38,19 @@ def folder_for(location: str) -> str:
 @dataclasses.dataclass
 class Loaded:
     """One shard, fetched and checked, to be read sample by sample from a local file: `path` (the source's own file,
-    data.cache_dir's copy, or a spilled copy: `spilled`, deleted when no stream needs it), `index` [(sample id,
-    byte offset)], and the retries its fetch took."""
+    data.cache_dir's copy, or a spilled copy: `spilled`, deleted when no stream needs it), where its samples are
+    (`locate`), and the retries its fetch took. Small: a reader keeps one for each shard of the windows it reads."""
     path: str
-    index: list
+    index: tuple   # (stem, first byte, sample bytes): sample k is "<stem>-kkkkkk" at first + k·bytes; or [(id, byte)]
     retries: int
     spilled: bool = False
+
+    def locate(self, k: int) -> tuple[str, int]:
+        """(sample id, byte offset) of sample k."""
+        if isinstance(self.index, list):   # manifest format 1: a tar member a sample
+            return self.index[k]
+        stem, first, nbytes = self.index
+        return f"{stem}-{k:06d}", first + k * nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +128,8 @@ class ShardFiles:
             index = sample_index(data, self.manifest, dict(self.records[name], samples=count), url, nbytes)
         except DataError as e:
             raise DataError(f"{e}: {fix(self.location)}") from None
+        if self.manifest["format"] >= 2:   # evenly spaced: three numbers, not a list
+            index = (index[0][0].rsplit("-", 1)[0], index[0][1], nbytes) if index else ("", 0, nbytes)
         if not remote.is_remote(self.location):
             return Loaded(url, index, retries)
         cache = self.cache_path(name)

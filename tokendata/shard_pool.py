@@ -48,6 +48,7 @@ class ShardPool:
         self._files: collections.OrderedDict = collections.OrderedDict()   # path -> open file descriptor
         self._spill: str | None = None
         self.in_flight = self.peak_in_flight = self.fetched = 0   # for the data bench and its tests
+        self.retries = 0   # the retries of the fetches done since `take_retries` last took them
 
     # ---- fetching ----
 
@@ -85,6 +86,12 @@ class ShardPool:
         entry.done.wait()
         return entry.result
 
+    def take_retries(self) -> int:
+        """The retries of the fetches done since the last call (prefetched shards' too, used or not)."""
+        with self._lock:
+            retries, self.retries = self.retries, 0
+        return retries
+
     def sweep(self) -> None:
         """Drop the shards nobody wants (fetched by get() alone)."""
         with self._lock:
@@ -118,6 +125,7 @@ class ShardPool:
                 self.fetched += 1
                 STATS["fetched"] += 1
                 entry.state, entry.result = "done", result
+                self.retries += getattr(result, "retries", 0)
                 entry.done.set()
                 if entry.users <= 0 and self._entries.get(key) is not entry:   # dropped while it ran
                     self._delete(result)

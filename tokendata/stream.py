@@ -17,6 +17,7 @@ Public API (the shard format, the manifest, DataError and the checks against a m
                             while this batch was read; usually []], "retries": fetches retried (network faults)}; each
                             G / (B × dp_world) of them in a row are this rank's share of one global batch
         skipped_shards      [(URL, reason)]: shards dropped before reading (only an older checkpoint's order does)
+        bad_found()         the URLs of the shards found bad while reading, before a resume too
         retries             fetches retried in this process (validation); the workers' ride on batches
         notes               what the stream decided that a log should say, as lines
         state_dict(), load_state_dict(sd)      Stateful: the position, in any layout (below)
@@ -272,6 +273,10 @@ class TokenStream:
                 name = order.draw(c, int(lay.draws[i]), lambda shard: shard in self._bad[source])[0]
                 out += [name] if name not in out else []
         return out
+
+    def bad_found(self) -> set[str]:
+        """The URLs of the shards found bad while reading (data.bad_shards=skip), before a resume too."""
+        return {self.parts[i].files.url(name) for i, bad in enumerate(self._bad) for name in bad}
 
     def progress(self):
         """Per source {"name", "samples", "tokens", "epochs"}: what all ranks have read of it so far."""

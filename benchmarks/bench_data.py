@@ -59,7 +59,7 @@ class Synthetic:
         i = int(name[len("train-"):-len(".tar")]) if name.startswith("train-") else 10 ** 9
         payload, member = payload or self._payload(i), f"{name[:-4]}.{self.member}".encode()
         header = bytearray(self._template)
-        header[:len(member)] = member
+        header[:100] = member.ljust(100, b"\0")
         header[148:156] = b"%06o\0 " % (self._template_sum + sum(member))
         return bytes(header) + payload + bytes(-len(payload) % 512 + 1024)
 
@@ -193,7 +193,7 @@ def run_startup(spec: dict) -> dict:
     with SyntheticServer(source, os.path.join(root, spec["tokenizer"])) as srv:
         env = {**os.environ, "PYTHONPATH": root, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port()), "PYTHON": sys.executable}
-        overrides = [f"data.shard_dir={srv.url}", f"train.run_dir={run}", "train.max_steps=1", "logging.every=1",
+        overrides = [f"data.shard_dir={srv.url}", f"train.run_dir={run}", "train.max_steps=2", "train.warmup_steps=1", "logging.every=1",
                      "logging.val_every=0", "logging.image_every=0", "checkpoint.every=1000", "data.num_workers=1"]
         t0, first = time.perf_counter(), None
         proc = subprocess.Popen([os.path.join(root, "launch", "pretrain.sh"), os.path.join(root, spec["config"]),

@@ -16,7 +16,7 @@ import trustme
 
 from model.config import ConfigError
 from tokendata import remote
-from pretrain.config import load_config
+from pretrain.config import DataSection, load_config
 from tokendata.stream import TokenStream
 from pretrain.prelaunch import check_launch
 from tokendata.shard_files import folder_for
@@ -342,7 +342,8 @@ def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_acros
     in metrics.jsonl and in TensorBoard; every request carried the token (manifest, shards, tokenizer); the token's
     value is in no file of the run directory (grep -r) and in nothing the run printed."""
     context, pem = tls
-    name = first_read(stream(few_shards), 3)[1]
+    seed = DataSection(shard_dir=few_shards).seed   # the run's: data.seed's default
+    name = TokenStream(few_shards, 4, SEQ, dp_world=2, seed=seed).upcoming_shards()[1]   # rank 0 reads it first
     run = tmp_path / "run"
     with ShardServer(few_shards, tls=context, token=TOKEN) as srv:
         srv.missing.add(name)

@@ -111,7 +111,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(True)
 
 
-class SyntheticServer:
+class Serving:
+    """`with` it: its `httpd` serves in a daemon thread until the block ends (then shut down and closed)."""
+    httpd: http.server.HTTPServer
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class SyntheticServer(Serving):
     """`with SyntheticServer(source, tokenizer) as srv:` serves a Synthetic source at srv.url (http://127.0.0.1:PORT):
     its manifest, `tokenizer` (a file, optional) as tokenizer.model, and each shard made when asked."""
 
@@ -122,14 +135,6 @@ class SyntheticServer:
         h.shards = collections.Counter()
         h.names = {s["name"] for split in source.manifest["splits"].values() for s in split["shards"]}
         self.url, self.requests, self.shards = f"http://127.0.0.1:{h.server_address[1]}", h.requests, h.shards
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def run_reader(spec: dict) -> dict:

@@ -13,6 +13,7 @@ import sys
 import threading
 from functools import partial
 
+from benchmarks.bench_data import Serving
 from tools.serve_shards import Handler, Server
 
 
@@ -117,7 +118,7 @@ class PlannedServer(Server):
             raise
 
 
-class ShardServer:
+class ShardServer(Serving):
     """`with ShardServer(root) as srv:` serves root at srv.url (http://127.0.0.1:PORT, or https:// with `tls`).
     srv.faults[name] = ["drop", "503", …]: the next GETs of that file fail that way, one each; srv.missing holds
     names answered with 404; srv.gets, srv.heads and srv.puts count the GETs, HEADs and PUTs (a file written into
@@ -137,11 +138,3 @@ class ShardServer:
 
     def __getattr__(self, name):   # the plan and the counts live on the server, which the handlers see
         return getattr(self.httpd, name)
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()

@@ -16,13 +16,15 @@ import urllib.parse
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
 
+from benchmarks.bench_data import Serving
+
 
 class QuietHandler(MotoRequestHandler):
     def log_request(self, *args):   # a run reads hundreds of objects
         pass
 
 
-class S3Server:
+class S3Server(Serving):
     def __init__(self):
         self.requests, self.lock = collections.Counter(), threading.Lock()
         app = DomainDispatcherApplication(create_backend_app)
@@ -33,18 +35,10 @@ class S3Server:
                 self.requests[(environ["REQUEST_METHOD"], path if "/" in path else f"{path}/")] += 1
             return app(environ, start_response)
 
-        self.server = make_server("127.0.0.1", 0, counted, threaded=True, request_handler=QuietHandler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.httpd = make_server("127.0.0.1", 0, counted, threaded=True, request_handler=QuietHandler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.env = {"AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret",
                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.url}
-
-    def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
     def bucket(self, name: str) -> str:
         import boto3

@@ -52,15 +52,25 @@ class ShardPool:
 
     # ---- fetching ----
 
+    def _entry(self, key, opener, urgent: bool) -> _Entry:
+        """The key's entry, queued for a fetch if new (first in the queue if `urgent`); call with the lock held."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(opener)
+            if urgent:
+                self._queue.appendleft(key)
+            else:
+                self._queue.append(key)
+            self._start()
+            self._lock.notify()
+        elif urgent and entry.state == "queued":   # waited for: before those wanted ahead
+            self._queue.remove(key)
+            self._queue.appendleft(key)
+        return entry
+
     def want(self, key, opener) -> None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = _Entry(opener)
-                self._queue.append(key)
-                self._start()
-                self._lock.notify()
-            entry.users += 1
+            self._entry(key, opener, urgent=False).users += 1
 
     def release(self, key) -> None:
         with self._lock:
@@ -74,15 +84,7 @@ class ShardPool:
     def get(self, key, opener):
         """The shard's Loaded or DataError, fetched now if nobody wanted it (then it is dropped at the next sweep)."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = _Entry(opener)
-                self._queue.appendleft(key)
-                self._start()
-                self._lock.notify()
-            elif entry.state == "queued":   # waited for: before those wanted ahead
-                self._queue.remove(key)
-                self._queue.appendleft(key)
+            entry = self._entry(key, opener, urgent=True)
         entry.done.wait()
         return entry.result
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from tokendata.order import Blend as Picks
-from tokendata.reading import as_is, collate, in_background, worker_info
-from tokendata.shard_files import ShardFiles, ShardReader
+from tokendata.reading import Part, as_is, collate, in_background, worker_info
+from tokendata.shard_files import ShardReader
 from tokendata.shards import DataError
 
 ORDER = "canonical streams"
@@ -160,15 +160,6 @@ def _pooled(groups, group, fetched, fetch, reader, prefix):
             sample = reader.tag(samples[j])
             yield dict(sample, __key__=f"{prefix}/{sample['__key__']}") if prefix else sample
         group = upcoming
-
-
-@dataclasses.dataclass
-class Part:
-    order: SourceOrder
-    files: ShardFiles
-    counts: dict
-    prefix: str | None
-    bad: frozenset
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench wheelhouse
+.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench gpu-queue wheelhouse
 
 setup: $(VENV)/.installed
 
@@ -83,14 +83,26 @@ gpu-check:
 	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
 	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench
 
-# ---- the GPU measurement queue: one short part per command on a lent GPU (each ≤ 4 min on an H100), its points
-# appended as each is measured: 1 the binding MFU points (dot and the flagship, bf16 master + compiled blocks, beside
-# fp32 master), 2 engine ÷ plain loop, 3 and 4 half the variants each ÷ dot, 5 memory, 6 `make gpu-check`.
+# ---- the GPU measurement queue (benchmarks/gpu_queue.py): one short part per command on a lent GPU (each ≤ 4 min on
+# an H100), its points appended as each is measured, and census.json beside them (the kernel census of what it
+# measured): 0 compiled = eager (benchmarks/compile_check.py), 1 the binding MFU points, 2 engine ÷ plain loop, 3 and
+# 4 half the variants each ÷ dot, 5 memory at n 4096 ÷ 1024, 6 `make gpu-check`, 7 the convergence check of master
+# weights (demo shards), 8 FP8 (torchao). `make gpu-queue`: which parts' figures stand, and which runs next.
 # Outputs under docs/gpu/<date>-<commit>/part<k>, naming the device (GPU_DIR to put them elsewhere).
 PART    ?= 1
 GPU_DIR ?= docs/gpu/$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 gpu-bench: export PYTHONPATH := $(CURDIR)
-gpu-bench:
+gpu-bench:   # part 6's recursive make on its own line: `make -n gpu-bench PART=k` runs nothing for the other parts
 	mkdir -p $(GPU_DIR)
-	if [ "$(PART)" = 6 ]; then $(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log; \
-	else $(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART); fi
+ifeq ($(PART),6)
+	$(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log
+	$(GPY) benchmarks/bench.py --gpu-part 6 --census-only --out $(GPU_DIR)/part6
+else
+	if [ "$(PART)" = 7 ] || [ "$(PART)" = 8 ]; then test -f $(DEMO)/shards/manifest.json || \
+	    { $(GPY) $(DEMO_TOKENIZER) && $(GPY) $(DEMO_SHARDS); }; fi
+	$(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART)
+endif
+
+gpu-queue: export PYTHONPATH := $(CURDIR)
+gpu-queue:
+	$(GPY) benchmarks/bench.py --gpu-queue

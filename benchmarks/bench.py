@@ -44,8 +44,13 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               under the engine, eager and with compiled blocks, goals GPU_GOALS (benchmarks/bench_plan.py).
   gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
               random, random+dot).
-              The GPU parts form a queue of short commands for a lent GPU (--gpu-part, make gpu-bench PART=k):
-              1 gpu-binding, 2 engine, 3 and 4 gpu-variants (half the variants each), 5 gpu-memory, 6 make gpu-check.
+  convergence the convergence check of master weights (synth-125m's widths on the demo shards, 600 steps, fp32
+              master, train.autocast, bf16 master: validation loss ÷ fp32 master's); fp8: FP8 tokens/s ÷ bf16 and its
+              validation loss over that run (benchmarks/bench_runs.py).
+The GPU parts form a queue of short commands for a lent GPU (--gpu-part k, make gpu-bench PART=k; --gpu-queue says
+which parts' figures stand and which runs next; benchmarks/gpu_queue.py): 0 benchmarks/compile_check.py, 1
+gpu-binding, 2 engine, 3 and 4 gpu-variants (half the variants each), 5 gpu-memory, 6 make gpu-check, 7 convergence,
+8 fp8. Each writes census.json, the kernel census of the configurations it measured (benchmarks/kernel_census.py).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
 live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
@@ -65,7 +70,9 @@ import tempfile
 import time
 
 from benchmarks.bench_lib import RESULT_MARK
-from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, gpu_queue, plan, variant_configs
+from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
+from benchmarks.bench_runs import full_plan
+from benchmarks.gpu_queue import gpu_queue, part0_or_census, report as queue_report, standing, write_part_census
 from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,8 +195,8 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         if reps:
             e["value"], e["spread"] = summary(reps)
         for k in ("params", "train_flops_per_token", "tokens_per_step", "device", "after_init_mb",
-                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb", "requests", "fetched", "streams",
-                  "shard_mb", "shards"):
+                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb", "cuda_memory", "val_step", "seconds",
+                  "requests", "fetched", "streams", "shard_mb", "shards"):
             if k in res:
                 e[k] = res[k]
         if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):
@@ -225,9 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "for tests")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run (default all): "
                                                              f"{', '.join(PARTS)}")
-    ap.add_argument("--gpu-part", type=int, choices=range(1, 6), help="one part of the GPU measurement queue "
-                    "(make gpu-bench PART=k): 1 the binding MFU points, 2 engine ÷ loop, 3 and 4 the variants' halves, "
-                    "5 memory; sets --only and --variants")
+    ap.add_argument("--gpu-part", type=int, choices=range(0, 9), help="one part of the GPU measurement queue "
+                    "(make gpu-bench PART=k): 0 the compile check (benchmarks/compile_check.py), 1 the binding MFU "
+                    "points, 2 engine ÷ loop, 3 and 4 the variants' halves, 5 memory, 6 gpu-check's bench points, 7 "
+                    "convergence, 8 FP8; sets --only and --variants, and writes OUT/census.json")
+    ap.add_argument("--gpu-queue", action="store_true", help="print, per GPU part, whether its figures stand at this "
+                    "checkout (the kernel census of what it measured unchanged) and which part runs next")
+    ap.add_argument("--census-only", action="store_true",
+                    help="with --gpu-part: write OUT/census.json, measure nothing")
+    ap.add_argument("--no-census", action="store_true", help="with --gpu-part: write no census.json")
     ap.add_argument("--variants", default=None, help="comma-separated variant names for throughput and memory "
                                                      "(default: every config in configs/variants/)")
     ap.add_argument("--reps", type=int, help="repetitions per figure (default 3; --quick 2)")
@@ -263,11 +276,11 @@ def parse_args(argv) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.only = [s.strip() for s in a.only.split(",") if s.strip()]
-    if a.gpu_part:
+    if a.gpu_part is not None:
         queued = gpu_queue(list(variant_configs()))[a.gpu_part]
         a.only, a.variants = queued["only"], ",".join(queued["variants"]) if queued["variants"] else a.variants
     bad = [s for s in a.only if s not in PARTS]
-    if bad or not a.only:
+    if bad or not (a.only or a.gpu_part == 0):
         raise ValueError(f"--only: unknown part {', '.join(map(repr, bad)) or '(none given)'}; valid parts: "
                          f"{', '.join(PARTS)}")
     try:
@@ -283,6 +296,7 @@ def parse_args(argv) -> argparse.Namespace:
     import torch
 
     cuda = torch.cuda.is_available()
+    a.gpu = torch.cuda.get_device_name(0) if cuda else None   # the GPU parts are planned for it
     a.precision = ("bf16" if cuda else "fp32") if a.precision == "auto" else a.precision
     if a.mem_budget_gb is None:
         import psutil
@@ -305,10 +319,15 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.gpu_queue:
+        print(queue_report(standing(parse_args)))
+        return 0
+    if a.gpu_part is not None and (a.gpu_part == 0 or a.census_only):
+        return part0_or_census(a)
     from tqdm import tqdm
 
     t0, machine = time.time(), machine_info()
-    p = plan(a)
+    p = full_plan(a)
     results, paired = {}, [(k, s) for k, s in p.points.items() if s.get("paired") and k != p.reference]
     bar = tqdm(total=len(p.points), desc="bench", unit="point")
     if p.reference:   # the throughput and peer points, each alternated with our dot's live process
@@ -344,6 +363,7 @@ def main(argv=None) -> int:
     failed = [e["id"] for e in entries if e["error"]]
     print(f"goals: {status.count('ok')} ok, {status.count('MISSED')} MISSED; {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else "") + f"; wrote {os.path.join(a.out, 'results.json')} and .md")
+    write_part_census(a)
     return 1 if failed else 0
 
 

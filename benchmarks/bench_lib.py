@@ -12,11 +12,13 @@ Inside a measurement process (a fresh interpreter per point, so no two points sh
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 from benchmarks import bench_data
 from pretrain.metrics import memory_mb, reset_peak_memory
@@ -52,30 +54,53 @@ class Memory:
     its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss).
     Readings: after imports (`after_init`), once the engine is built (`after_engine`), and at rest between steps after
     the warm-up (`at_rest`: parameters and optimizer states, Adam's being created by the first step). `phase(name)`
-    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins."""
+    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins.
+    On CUDA each reading also keeps the allocator's and the driver's view (`cuda`): max_memory_allocated,
+    max_memory_reserved (the caching allocator's segments: what the process holds) and torch.cuda.mem_get_info
+    (free and total on the device, other processes included), in MB, for memory verdicts against the device."""
 
     def __init__(self, device):
         self.device = device
+        self.reserved = 0.0   # the highest max_memory_reserved over the phases since reset_peak
         self.after_init = self.now()   # after imports and the process group's start
         self.after_engine = self.at_rest = self.tensors_at_rest = None
+        self.cuda = {"after_engine": None, "at_rest": None, "reps": []}
         self.phases = {}
+
+    def cuda_reading(self, allocated_mb: float | None = None) -> dict | None:
+        """{max_allocated_mb, max_reserved_mb, free_mb, total_mb} now (since reset_peak; `allocated_mb`: the peak
+        over the phases), or None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
+        return {"max_allocated_mb": allocated_mb if allocated_mb is not None else memory_mb(self.device),
+                "max_reserved_mb": reserved, "free_mb": free / 2**20, "total_mb": total / 2**20}
 
     def now(self) -> float:
         return memory_mb(self.device, peak=False)
 
     def engine_built(self) -> None:
         self.after_engine = self.now()
+        self.cuda["after_engine"] = self.cuda_reading()
 
     def rest(self) -> None:
         self.at_rest = self.now()
         self.tensors_at_rest = tensor_mb()
+        self.cuda["at_rest"] = self.cuda_reading()
 
     def reset_peak(self) -> None:
-        self.phases = {}
+        self.phases, self.reserved = {}, 0.0
         reset_peak_memory(self.device)
 
     def phase(self, name: str) -> None:
         self.phases[name] = max(self.phases.get(name, 0.0), memory_mb(self.device))
+        if self.device.type == "cuda":
+            import torch
+
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
         reset_peak_memory(self.device)
 
     def peak(self) -> float:
@@ -108,6 +133,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
         seconds.append(dt / steps)
         if mem:
             peak.append(mem.peak())
+            mem.cuda["reps"].append(mem.cuda_reading(peak[-1]))
 
     if serve:
         print(READY_MARK, flush=True)
@@ -123,7 +149,9 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
-                   at_rest_mb=mem.at_rest, tensors_at_rest_mb=mem.tensors_at_rest, phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()})
+                   at_rest_mb=mem.at_rest, tensors_at_rest_mb=mem.tensors_at_rest,
+                   phase_mb={k: v - mem.at_rest for k, v in mem.phases.items()},
+                   cuda_memory=mem.cuda if mem.device.type == "cuda" else None)
     return out
 
 
@@ -160,13 +188,16 @@ def peer_engine(cfg, lay):
 class PlainLoop:
     """The training step a PyTorch user writes for the same model, the fair reference for our engine: fp32 master
     weights, torch.autocast at train.precision, torch's fused AdamW with the run's parameter groups, gradient
-    clipping at train.grad_clip, gradients accumulated over the micro-batches. Called like the engine."""
+    clipping at train.grad_clip, gradients accumulated over the micro-batches, and the run's LR schedule
+    (pretrain/engine.py lr_lambda, warm-up included, stepped after each optimizer step as DeepSpeed steps it), so that
+    it and the engine differ only in the engine. Called like the engine. `schedule=False`: train.lr from step 0 (how
+    the loop ran before, for the H200 record's point: benchmarks/compile_check.py --harness)."""
 
-    def __init__(self, cfg, lay):
+    def __init__(self, cfg, lay, schedule: bool = True):
         import torch
 
         from model import build_model
-        from pretrain.engine import param_groups
+        from pretrain.engine import lr_lambda, param_groups
 
         t = cfg.train
         self.torch, self.device, self.clip, self.accum = torch, lay.device, t.grad_clip, lay.grad_accum
@@ -175,6 +206,8 @@ class PlainLoop:
         self.model = self.module
         self.optimizer = torch.optim.AdamW(param_groups(self.module, t.weight_decay), lr=t.lr, betas=t.betas,
                                            eps=t.eps, fused=lay.device.type in ("cpu", "cuda"))
+        factor = lr_lambda(t, cfg.total_steps()) if schedule else (lambda step: 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.micro = 0
 
     def compile(self):
@@ -196,13 +229,17 @@ class PlainLoop:
             self.torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
 
 
 def training_step(spec: dict):
     """A training step of spec's config (our engine, the GPT-2 peer, or the plain loop) on random tokens, in this
     process (one rank of spec's world: the parent sets RANK/WORLD_SIZE/... in the environment), compiled where spec
-    says so. Returns (step, sync, engine, cfg, layout, memory): `step()` is one optimizer step of grad_accum
-    micro-batches, as Trainer.train_step does them; `sync()` waits for the device and the other ranks."""
+    says so. Each micro-batch is a fresh one (drawn once the engine is built, on the device: `batches`; past
+    warm-up + reps × steps optimizer steps they come round again), the same for every kind of engine; spec
+    "same_batch": one batch every step, and "schedule": false, the plain loop at train.lr from step 0 (how the H200
+    record's loop ran). Returns (step, sync, engine, cfg, layout, memory): `step()` is one optimizer step of
+    grad_accum micro-batches, as Trainer.train_step does them; `sync()` waits for the device and the other ranks."""
     import torch
     import torch.distributed as dist
 
@@ -217,24 +254,29 @@ def training_step(spec: dict):
         torch.set_num_threads(spec["threads"])
     mem = Memory(lay.device)
     torch.manual_seed(cfg.train.seed)
-    engine = {"peer": peer_engine, "loop": PlainLoop}.get(spec["kind"], build_engine)(cfg, lay)
+    loop = partial(PlainLoop, schedule=spec.get("schedule", True))
+    engine = {"peer": peer_engine, "loop": loop}.get(spec["kind"], build_engine)(cfg, lay)
     if spec.get("compile") and not compiled:   # the plain loop: torch.compile of the whole model, as a user would
         engine.compile()
     mem.engine_built()
     B, n = cfg.train.micro_batch_size, cfg.model.max_seq_len
     # Same tokens on the ranks of one TP group (they must see one batch), different ones across data-parallel ranks.
     g = torch.Generator().manual_seed(lay.dp_rank)
-    tokens = torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    steps = 1 if spec.get("same_batch") else spec.get("warmup", 1) + spec.get("reps", 1) * spec.get("steps", 1)
+    batches = [torch.randint(cfg.model.vocab_size, (B, n + 1), generator=g).to(lay.device)
+               for _ in range(steps * lay.grad_accum)]
+    drawn = itertools.cycle(batches)
     losses = []   # each step's loss, detached: read once after the timing (no host read inside a step)
 
     def step():
         if lay.pp > 1:   # the PipelineEngine runs the step's micro-batches itself (its phases are not told apart)
-            losses.append(engine.train_batch(iter([(inputs, targets)] * lay.grad_accum)).detach())
+            micro = [next(drawn) for _ in range(lay.grad_accum)]
+            losses.append(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in micro])).detach())
             mem.phase("pipeline step")
             return
         for _ in range(lay.grad_accum):
-            loss = engine(inputs, targets)
+            tokens = next(drawn)
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
             losses.append(loss.detach())
             mem.phase("forward")
             engine.backward(loss)
@@ -248,7 +290,7 @@ def training_step(spec: dict):
         if lay.world > 1:
             dist.barrier()
 
-    step.losses = losses
+    step.losses, step.batches = losses, batches
     return step, sync, engine, cfg, lay, mem
 
 
@@ -325,6 +367,9 @@ def run_shards(spec: dict) -> dict:
 def run_point(spec: dict) -> None:
     """The `_one` subcommand: measure one point and print it as one marked JSON line (every rank its own; the parent
     reports rank 0's, with the others' under `by_rank`)."""
-    runs = {"data": run_data, "shards": run_shards, "reader": bench_data.run_reader, "startup": bench_data.run_startup}
+    from benchmarks.bench_runs import run_training
+
+    runs = {"data": run_data, "shards": run_shards, "run": run_training,
+            "reader": bench_data.run_reader, "startup": bench_data.run_startup}
     out = runs.get(spec["kind"], run_train)(spec)
     print(RESULT_MARK + json.dumps(out), flush=True)

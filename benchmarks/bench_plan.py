@@ -10,7 +10,7 @@ from tools.variant_configs import file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("throughput", "peer", "memory", "data", "parallel", "engine", "gpu-binding", "gpu", "gpu-variants",
-         "gpu-memory")
+         "gpu-memory", "convergence", "fp8")
 DEMO, BIG, SHARDS = "configs/demo-cpu.yaml", "configs/synth-1.3b.yaml", "build/demo/shards"
 PRESETS = {   # the issue's sizes, and tiny ones for tests
     "default": dict(d_model=512, layers=8, heads=8, seq_len=1024, lengths="1024,2048,4096", batch=4, vocab=4096,
@@ -216,15 +216,9 @@ def plan(a) -> Plan:
         plan_engine(a, p)
     for part, plan_part in (("gpu-variants", plan_gpu_variants), ("gpu-memory", plan_gpu_memory)):
         if part in a.only:
-            plan_part(a, p) if cuda() else p.entry(part, part, "every variant", None, "rate", "tokens/s",
-                                                   skipped="no CUDA device (torch.cuda.is_available() is False)")
-    return p
-
-
-def cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+            plan_part(a, p) if a.gpu else p.entry(part, part, "every variant", None, "rate", "tokens/s",
+                                                  skipped="no CUDA device (torch.cuda.is_available() is False)")
+    return p   # the convergence and fp8 parts: benchmarks/bench_runs.py full_plan
 
 
 def big_model(a, mixer: str) -> list[str]:
@@ -236,19 +230,15 @@ def big_model(a, mixer: str) -> list[str]:
             *(QUICK_BIG if a.quick else [])]
 
 
-def modes() -> list[bool]:
+def modes(a) -> list[bool]:
     """Compiled or not: eager everywhere, compiled too on CUDA (on the CPU a compile takes minutes for little)."""
-    import torch
-
-    return [False, True] if torch.cuda.is_available() else [False]
+    return [False, True] if a.gpu else [False]
 
 
 def plan_engine(a, p: Plan) -> None:
-    import torch
-
-    cuda = torch.cuda.is_available()
+    cuda = a.gpu is not None
     config, over = (BIG, big_model(a, "dot")) if cuda else (a.all_variants["dot"], shape(a, a.seq_len, a.layers))
-    for compiled in modes():
+    for compiled in modes(a):
         mode = "compiled" if compiled else "eager"
         loop, engine = (p.point(kind, config, over, compile=compiled) for kind in ("loop", "train"))
         p.entry(f"engine:loop:{mode}", "engine", f"plain loop ({mode})", loop, "step_s", "s")
@@ -261,16 +251,14 @@ def plan_engine(a, p: Plan) -> None:
 
 
 def plan_gpu(a, p: Plan) -> None:
-    import torch
-
     from pretrain.config import load_config
     from pretrain.engine import peak_tflops_of
 
-    if not torch.cuda.is_available():
+    if not a.gpu:
         p.entry("gpu:mfu", "gpu", "synth-1.3b", None, "tflops", "TFLOP/s",
                 skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
         return
-    name = torch.cuda.get_device_name(0)
+    name = a.gpu
     peak = peak_tflops_of(name, "bf16")   # the trainer's table (pretrain/engine.py)
     p.entry("gpu:peak", "gpu", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
             skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
@@ -280,14 +268,14 @@ def plan_gpu(a, p: Plan) -> None:
         goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None
         p.entry(f"gpu:{m}", "gpu", f"synth-1.3b ({m}), fp32 master", p.point("train", BIG, big_model(a, m)), "tflops",
                 "TFLOP/s", to_peak, goal_min=goal)
-    for compiled in modes():   # the same dot model in the plain loop, and compiled under both
+    for compiled in modes(a):   # the same dot model in the plain loop, and compiled under both
         mode = "compiled" if compiled else "eager"
         p.entry(f"gpu:loop:{mode}", "gpu", f"synth-1.3b (dot), plain loop (fp32 master), {mode}",
                 p.point("loop", BIG, big_model(a, "dot"), compile=compiled), "tflops", "TFLOP/s", to_peak)
         if compiled:
             p.entry("gpu:dot:compiled", "gpu", "synth-1.3b (dot), fp32 master, compiled",
                     p.point("train", BIG, big_model(a, "dot"), compile=True), "tflops", "TFLOP/s", to_peak)
-    for compiled in modes():   # the engine with ZeRO's weights and moments in bf16 (train.master_weights=bf16)
+    for compiled in modes(a):   # the engine with ZeRO's weights and moments in bf16 (train.master_weights=bf16)
         mode = "compiled" if compiled else "eager"
         p.entry(f"gpu:dot:bf16-master:{mode}", "gpu", f"synth-1.3b (dot), bf16 master weights, {mode}",
                 p.point("train", BIG, big_model(a, "dot") + ["train.master_weights=bf16"], compile=compiled),
@@ -298,17 +286,15 @@ def plan_gpu_binding(a, p: Plan, device: str | None = None) -> None:
     """The binding MFU points (GPU part 1): synth-1.3b's dot twin and the flagship under the engine as the goals are
     configured (bf16 master weights, compiled blocks; fp32 master weights under train.autocast, compiled blocks), each
     beside its fp32-master eager run, whose loss over the same steps the bf16-master loss must stay within LOSS_SLACK
-    of. `device`: the GPU's name (default: CUDA device 0's, where there is one)."""
-    import torch
-
+    of. `device`: the GPU's name (default a.gpu: CUDA device 0's, where there is one)."""
     from pretrain.config import load_config
     from pretrain.engine import peak_tflops_of
 
-    if device is None and not torch.cuda.is_available():
+    if device is None and not a.gpu:
         p.entry("gpu-binding", "gpu-binding", "synth-1.3b", None, "tflops", "TFLOP/s",
                 skipped="no CUDA device (torch.cuda.is_available() is False): MFU needs a GPU")
         return
-    name = device or torch.cuda.get_device_name(0)
+    name = device or a.gpu
     peak = peak_tflops_of(name, "bf16")
     p.entry("gpu-binding:peak", "gpu-binding", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
             skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
@@ -340,16 +326,6 @@ def plan_gpu_variants(a, p: Plan) -> None:
             p.entry(f"gpu:{mode}:{v}", f"gpu throughput (engine, {mode})", v,
                     p.point("train", config, over, compile=compiled), "rate", "tokens/s",
                     None if v == "dot" else f"gpu:{mode}:dot", goal_min=GPU_GOALS.get(v), n=t["n"])
-
-
-def gpu_queue(variants: list[str]) -> dict[int, dict]:
-    """The GPU measurement queue, one part per lent-GPU command (each ≤ 4 minutes on an H100, start-up included):
-    {part: {"only": parts, "variants": names or None}}; part 6 is `make gpu-check`, not the bench."""
-    rest = [v for v in variants if v != "dot"]
-    half = (len(rest) + 1) // 2
-    return {1: {"only": ["gpu-binding"], "variants": None}, 2: {"only": ["engine"], "variants": None},
-            3: {"only": ["gpu-variants"], "variants": rest[:half]}, 4: {"only": ["gpu-variants"], "variants": rest[half:]},
-            5: {"only": ["gpu-memory"], "variants": None}}
 
 
 def plan_gpu_memory(a, p: Plan) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """GPU part 0: is the whole model compiled (the plain loop's `torch.compile`) the eager model, loss and gradients?
 
-    python benchmarks/compile_check.py [--quick] [--mixers dot,dense+dot] [--out DIR]
-    make gpu-bench PART=0
+    python benchmarks/compile_check.py [--quick] [--mixers dot,dense+dot] [--checks loss,grads,loop,harness]
+                                       [--harness-at DIR ...] [--fx-graph-cache off] [--out DIR]
+    make gpu-bench PART=0            (benchmarks/bench.py --gpu-part 0: the GPU queue's part 0, PART0_ARGS below)
 
 At the bench's shape (synth-1.3b's widths, B 4, n 2048, V 32000, 2 layers; --quick: d 64, n 64, V 512, and the fused
 loss's chunks forced small, so that it runs in several chunks as at the bench shape), one batch, bf16 autocast over
@@ -14,6 +15,11 @@ fp32 weights as the plain loop runs:
           model with the unfused head (logits, then cross-entropy): which piece a wrong gradient comes from.
   loop    the plain loop as the H200 record ran it (lr 2e-4 from step 0, no warm-up, the same batch every step), eager
           and compiled: each step's loss. Eager falls; a compiled run whose loss rises reproduces the record.
+  harness the record's point through the bench's own harness (`benchmarks/bench.py _one HARNESS`: the plain loop
+          compiled, synth-1.3b's dot, lr 2e-4 from step 0 on one batch, warm-up 2, 2 × 3 steps; loss = each
+          repetition's mean) in each checkout of --harness-at (a git worktree of 5ee72c4 reproduced the rise on an
+          H200: docs/gpu/2026-11-27-7f38757-h200/); with --fx-graph-cache off, inductor's FX graph cache is off
+          (TORCHINDUCTOR_FX_GRAPH_CACHE=0) here and in those processes.
 Writes DIR/compile-check.json and prints one line per comparison.
 """
 from __future__ import annotations
@@ -26,13 +32,22 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 BIG = "configs/synth-1.3b.yaml"
 SHAPE = dict(d=2048, heads=16, n=2048, batch=4, vocab=32000, layers=2)
 QUICK = dict(d=64, heads=4, n=64, batch=2, vocab=512, layers=2)
 QUICK_CHUNK = 2**12   # logits per chunk under --quick: 8 rows at V 512, so 16 chunks
+# The record's point (docs/gpu/2026-11-26-5ee72c4-h200/part2-points.jsonl), in the form any checkout's bench.py reads:
+# `schedule`/`same_batch` give today's loop the old one's lr 2e-4 from step 0 on one batch (older code ignores them).
+HARNESS = {"kind": "loop", "config": BIG, "overrides": ["parallel.tp=1", "train.global_batch_size=4", "model.mixer=dot",
+           "train.precision=bf16"], "world": 1, "env": {}, "warmup": 2, "reps": 2, "steps": 3, "threads": None,
+           "compile": True, "schedule": False, "same_batch": True}
+HARNESS_QUICK = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.max_seq_len=64",
+                 "model.vocab_size=512", "train.micro_batch_size=1", "train.global_batch_size=1"]
+CHECKS = ("loss", "grads", "loop", "harness")
+# GPU part 0 (benchmarks/gpu_queue.py): both binding mixers, and the record's point (synth-1.3b's depth) here and, if
+# present, in .old (a git worktree of 5ee72c4), with inductor's FX graph cache off.
+PART0_ARGS = ["--mixers", "dot,dense+dot", "--checks", ",".join(CHECKS), "--fx-graph-cache", "off"]
 
 
 def model_config(shape: dict, mixer: str):
@@ -181,7 +196,7 @@ def check_loop(shape, mixer, device, dtype, steps, log) -> list[dict]:
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(cfg.train.seed)
-        loop = PlainLoop(cfg, SimpleNamespace(device=device, grad_accum=1))
+        loop = PlainLoop(cfg, SimpleNamespace(device=device, grad_accum=1), schedule=False)
         if compiled:
             loop.compile()
         losses = []
@@ -196,6 +211,58 @@ def check_loop(shape, mixer, device, dtype, steps, log) -> list[dict]:
     return out
 
 
+def harness_spec(quick: bool) -> dict:
+    return {**HARNESS, "overrides": HARNESS["overrides"] + (HARNESS_QUICK if quick else []),
+            **({"compile": False, "warmup": 1, "reps": 2, "steps": 1} if quick else {})}
+
+
+def check_harness(trees: list[str], quick: bool, timeout: float, log) -> list[dict]:
+    """The record's point (HARNESS; under --quick tiny and eager) by `bench.py _one` in each checkout of `trees`, a
+    fresh process each: its loss per repetition and step time."""
+    import subprocess
+
+    from benchmarks.bench_lib import RESULT_MARK
+    from pretrain.distributed import free_local_port
+
+    spec, out = harness_spec(quick), []
+    for tree in trees:
+        tree = os.path.abspath(tree)
+        env = {**os.environ, "PYTHONPATH": tree, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
+        t = time.time()
+        try:
+            r = subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "bench.py"), "_one", json.dumps(spec)],
+                               cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+            text = r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            text = f"timeout after {timeout:g} s"
+        lines = [line for line in text.splitlines() if line.startswith(RESULT_MARK)]
+        res = json.loads(lines[-1][len(RESULT_MARK):]) if lines else {"error": text.strip()[-500:]}
+        out.append(dict(check="harness: the record's point (loop compiled, lr 2e-4 from step 0, one batch)",
+                        tree=tree, fx_graph_cache=os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE", "default"),
+                        seconds=round(time.time() - t, 1), loss=res.get("loss"), step_s=res.get("step_s"),
+                        peak_mb=res.get("peak_mb"), error=res.get("error")))
+        log(out[-1])
+    return out
+
+
+def configurations(mixers: list[str], repro_layers: int, harness: bool, quick: bool = False) -> list[dict]:
+    """The training configurations this check runs, as bench points (kind, config, overrides) for the kernel census
+    (benchmarks/kernel_census.py): the plain loop's model at the shape, per mixer, at --repro-layers, and HARNESS."""
+    shape = QUICK if quick else SHAPE
+
+    def over(s, m):   # model_config's overrides
+        return [f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}", f"model.n_layers={s['layers']}",
+                f"model.n_heads={s['heads']}", f"model.max_seq_len={s['n']}", f"model.mixer={m}", "parallel.tp=1",
+                f"train.micro_batch_size={s['batch']}", f"train.global_batch_size={s['batch']}"]
+
+    specs = [{"kind": "loop", "config": BIG, "overrides": over(shape, m), "compile": True} for m in mixers]
+    if repro_layers:
+        specs.append({"kind": "loop", "config": BIG, "overrides": over({**shape, "layers": repro_layers}, "dot"),
+                      "compile": True})
+    return specs + ([harness_spec(quick)] if harness else [])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shape with the fused loss in 16 chunks (CPU tests)")
@@ -206,8 +273,19 @@ def main(argv=None) -> int:
                     "synth-1.3b's, as the record ran it), if --budget-s allows")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip the --repro-layers check past this many "
                                                                   "seconds (default 420)")
+    ap.add_argument("--checks", default="loss,grads,loop", help=f"comma-separated checks to run, of "
+                                                               f"{', '.join(CHECKS)} (default loss,grads,loop)")
+    ap.add_argument("--harness-at", action="append", metavar="DIR", help="a checkout the harness check runs the "
+                    "record's point in (repeatable; default: this one, and .old where it is a checkout)")
+    ap.add_argument("--fx-graph-cache", choices=("default", "off"), default="default",
+                    help="off: TORCHINDUCTOR_FX_GRAPH_CACHE=0 here and in the harness's processes")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench"), help="directory of compile-check.json")
     a = ap.parse_args(argv)
+    checks = [c.strip() for c in a.checks.split(",") if c.strip()]
+    if not checks or any(c not in CHECKS for c in checks):
+        ap.error(f"--checks={a.checks!r}: give some of {', '.join(CHECKS)}")
+    if a.fx_graph_cache == "off":   # before torch is imported: inductor reads it when its config loads
+        os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
 
     import torch
 
@@ -235,16 +313,21 @@ def main(argv=None) -> int:
     rows = lce.chunk_rows(shape["vocab"], shape["batch"] * shape["n"])
     print(f"compile check on {device}: {shape}, the fused loss in chunks of {rows} rows "
           f"({-(-shape['batch'] * shape['n'] // rows)} chunks)", flush=True)
-    check_loss_alone(shape, device, dtype, backends, log)
-    for mixer in a.mixers.split(","):
+    if "loss" in checks:
+        check_loss_alone(shape, device, dtype, backends, log)
+    for mixer in a.mixers.split(",") if "grads" in checks else []:
         check_grads(shape, mixer, device, dtype, backends, log)
-    if a.loop_steps:
+    if a.loop_steps and "loop" in checks:
         check_loop(shape, "dot", device, dtype, a.loop_steps, log)
-    if a.loop_steps and a.repro_layers:
+    if a.loop_steps and a.repro_layers and "loop" in checks:
         if time.time() - t0 < a.budget_s:
             check_loop({**shape, "layers": a.repro_layers}, "dot", device, dtype, a.loop_steps, log)
         else:
             log(dict(check=f"loop at {a.repro_layers} layers", skipped=f"past --budget-s {a.budget_s:g}"))
+    if "harness" in checks:
+        old = os.path.join(ROOT, ".old")
+        trees = a.harness_at or [ROOT] + ([old] if os.path.exists(os.path.join(old, "benchmarks", "bench.py")) else [])
+        check_harness(trees, a.quick, 150.0 if device.type == "cuda" else 600.0, log)
     print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Pretrain with the DeepSpeed launcher:   launch/pretrain.sh [--max-restarts N] CONFIG [section.key=value ...]
+# Pretrain with the DeepSpeed launcher:   launch/pretrain.sh [--max-restarts N] [--dry-run] CONFIG [section.key=value ...]
 #
+# --dry-run: print the command this script would run on this node, one argument a line, and exit (it checks nothing
+# else: `python -m pretrain.config CONFIG ... --world-size N` is the check before a launch).
 # --max-restarts N: after a failure (a hung rank ended by train.hang_timeout, a lost rank, a crash; not a config or
 # data error) wait (RESTART_BACKOFF s, doubled per failure in a row) and relaunch, at most N times; each relaunch
 # resumes from the newest checkpoint and is logged as run/restarts with its cause (pretrain/supervision.py). Under
@@ -10,8 +12,8 @@
 # Multi-node, ssh:   HOSTFILE=hostfile launch/pretrain.sh CONFIG        (hostfile lines: "node1 slots=8")
 # Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node
 #   NNODES=2 NODE_RANK=<i> MASTER_ADDR=<node 0> MASTER_PORT=29500 launch/pretrain.sh CONFIG
-# As the per-rank command of a launcher that already started the ranks (RANK/LOCAL_RANK set):
-#   deepspeed --no_python launch/pretrain.sh CONFIG ...
+# In a rank that a scheduler or another launcher already started (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+# MASTER_PORT set: srun, torchrun --no-python), the same command runs the trainer in that process.
 #
 # Environment (defaults): NPROC (GPUs on this node, else 2), HOSTFILE, NNODES (1), NODE_RANK (0),
 # MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), PYTHON (.venv/bin/python if present, else python3),
@@ -22,11 +24,12 @@ cd "$ROOT"
 PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-MAX_RESTARTS=0 ARGS=()
-while [ $# -gt 0 ]; do   # --max-restarts N, anywhere: the rest goes to the trainer
+MAX_RESTARTS=0 ARGS=() DRY_RUN=
+while [ $# -gt 0 ]; do   # --max-restarts N and --dry-run, anywhere: the rest goes to the trainer
   case "$1" in
     --max-restarts) MAX_RESTARTS="${2:-}"; shift $(( $# > 1 ? 2 : 1 )) ;;
     --max-restarts=*) MAX_RESTARTS="${1#*=}"; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
@@ -50,6 +53,7 @@ if [ -n "${RANK:-}" ] && [ -n "${LOCAL_RANK:-}" ]; then
   if [ "$MAX_RESTARTS" -gt 0 ] && [ "$RANK" = 0 ]; then
     echo "note: --max-restarts is ignored in a rank started by a scheduler: restart the job there" >&2
   fi
+  [ -n "$DRY_RUN" ] && printf '%s\n' "$PYTHON" -m pretrain.train "$@" && exit 0
   exec "$PYTHON" -m pretrain.train "$@"
 fi
 
@@ -70,6 +74,13 @@ elif [ "${NNODES:-1}" -gt 1 ]; then
   DS+=(--hostfile "$HOSTS" --no_ssh --node_rank "${NODE_RANK:-0}")
 else
   DS+=(--num_gpus "$NPROC")
+fi
+if [ -n "$DRY_RUN" ]; then
+  if [ "$MAX_RESTARTS" -gt 0 ]; then
+    printf '%s\n' "$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}" --
+  fi
+  printf '%s\n' "${DS[@]}" --module pretrain.train "$@"
+  exit 0
 fi
 # Check the config for this world size once, before any process starts (one-line errors, exit 2).
 "$PYTHON" -m pretrain.config "$@" --world-size $(( ${NNODES:-1} * NPROC )) > /dev/null || exit 2

@@ -32,7 +32,9 @@ class ModelConfig:
     n_layers: int = field(metadata={"help": "number of blocks"})
     n_heads: int = field(metadata={"help": "heads H per mixer; d_h = d/H; must divide by the TP size"})
     max_seq_len: int = field(metadata={"help": "L: the longest sequence; position-indexed weights have length L"})
-    mixer: Any = field(default="dot", metadata={"help": "one mixer name for every layer, or a list with one per layer"})
+    mixer: Any = field(default="dot", metadata={"help": "one mixer name for every layer, or a list with one per layer "
+                                                "(the names: model/variants.py, docs/DESIGN.md §1)",
+                                                "type": "str | list[str]"})
     factorized_k: int = field(default=8, metadata={"help": "rank k of factorized_random (R1, R2 ∈ R^{L×k})"})
     factorized_a: int | None = field(default=None, metadata={"help": "a of factorized_dense (a·b = L); default: a≈√L"})
     factorized_b: int | None = field(default=None, metadata={"help": "b of factorized_dense (a·b = L)"})

@@ -6,10 +6,10 @@ positions of its input x (B, n, d), from `fused(x, inputs)`; `inputs[layer]` is 
 
     QKForm(q, k, scale, key_bias)   S = scale · q kᵀ (+ b_j, one term per key): q (B or 1, Hl, n, f), k likewise,
                                     key_bias (Hl, n) or None. dot, dense, factorized_random. In a mixture the q·k
-                                    members' features are concatenated into one SDPA call.
+                                    members' features go to one kernel call as groups (concatenated for SDPA).
     MapForm(S)                      S (Hl, n, n), the same for every sample: random, random_fixed. Alone or beside
                                     other input-independent members: one map for the batch; beside q·k members: added
-                                    block by block (kernels.biased_qk_attention).
+                                    block by block (qk_attention.biased_qk_attention).
     FactorForm(A, B)                S_i[j] = A_i[j mod a] · B_i[⌊j/a⌋], A (B, Hl, n, a), B (B, Hl, n, b):
                                     factorized dense. Its own kernel; never a member of a mixture.
 

@@ -162,11 +162,16 @@ class SynthesizerLM(nn.Module):
     def logits(self, x):
         return Head.forward(self, x, self.wte.weight)                    # (B, n, V/TP)
 
+    def head_loss(self, x, targets):
+        """The mean cross-entropy of the blocks' output x (B, n, d): final LayerNorm, head and loss fused, no
+        logits materialized (Head.fused_loss)."""
+        return Head.fused_loss(self, x, targets, self.wte.weight)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.logits(x) if targets is None else Head.fused_loss(self, x, targets, self.wte.weight)
+        return self.logits(x) if targets is None else self.head_loss(x, targets)
 
     @torch.no_grad()
     def attention_maps(self, tokens: torch.Tensor) -> list[torch.Tensor]:

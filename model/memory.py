@@ -10,7 +10,9 @@ whether it has a per-key bias; each synthesizer names what it keeps itself (`act
 kernels keep (model/kernels.py, model/gpu_kernels/), per layer:
     q·k members (dot, dense, factorized_random and their mixtures), one SDPA call: q, k, v, out at the common width
         W (v's, or f rounded up to 8 when the concatenated features are wider: dense+dot's 2·d_h + 1 bias column),
-        its logsumexp (fp32); on the GPU past 256 features the key-bias flash kernel keeps q, k at f and v, out at d_h
+        its logsumexp (fp32); on the GPU where f fills 256 beside a key bias, SDPA keeps q, k, the values [e ⊙ v, e]
+        and out at f and v itself, or, with the key-bias kernel (SYNTHFORMER_KEY_BIAS_KERNEL=triton), q at f, the
+        per-sample keys (dot's, not W_2's), v and out at d_h (model/qk_attention.py)
     a map beside q·k members (random+dot): the same, block by block (CPU) or a Triton kernel (GPU): nothing n²
     maps alone (random, factorized_random): the values with the batch in their columns and the output; on a GPU
         also the softmax of the map, Hl·n² ("random's H·n² maps": one per layer, shared by the batch)
@@ -35,9 +37,9 @@ from .forms import FactorForm, MapForm, QKForm
 from .linear_cross_entropy import CHUNK_ELEMENTS
 from .mixers import SynthesizedAttention
 from .parallel import joint_column
+from .qk_attention import SDPA_MAX_WIDTH, key_bias_kernel
 
 FP32, INDEX = 4, 8
-SDPA_MAX_WIDTH = 256   # the widest q/k CUDA's flash kernel takes (model/kernels.py)
 
 
 class Term(NamedTuple):
@@ -46,7 +48,7 @@ class Term(NamedTuple):
 
 
 def _width(f: int, d_h: int) -> int:
-    """The common width of q, k, v on the SDPA path (model/kernels.py _common_width)."""
+    """The common width of q, k, v on the SDPA path (model/qk_attention.py _common_width)."""
     return d_h if f <= d_h else -(-f // 8) * 8
 
 
@@ -89,18 +91,33 @@ def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int
         key_bias = any(form.key_bias is not None for form in qk)
         shared_k = len(qk) == 1 and qk[0].k.shape[0] == 1
         has_map = any(isinstance(form, MapForm) for form in forms)
-        if gpu and (has_map or (key_bias and f + 1 > SDPA_MAX_WIDTH >= f)):   # Triton: no padding, k per sample
-            width, v_width, k_rows, copy_out = f, d_h, head_rows, True
+        wide = gpu and not has_map and key_bias and f + 1 > SDPA_MAX_WIDTH >= f   # b fits no column
+        if wide and key_bias_kernel() == "triton":   # the groups apart, shared keys a view of W_2, v at d_h
+            f_shared = sum(form.k.shape[-1] for form in qk if form.k.shape[0] == 1)
+            out += [Term(f"q·k features: q at width {f}, the per-sample keys at {f - f_shared}",
+                         a * head_rows * (2 * f - f_shared)), value_term,
+                    Term("attention output (laid out as V: no copy for the output projection) and row log-sum-exp",
+                         values + FP32 * head_rows)]
+            copy_out = False
+        elif wide:   # SDPA, b on the values: [e ⊙ v, e] padded to f, kept with v; the quotient's output copied
+            out += [Term(f"concatenated q·k features at width {f} (q, k)", a * 2 * head_rows * f), value_term,
+                    Term(f"values [e ⊙ v, e] padded to width {f}", a * head_rows * f),
+                    Term(f"attention output (width {f}) and row log-sum-exp", a * head_rows * f + FP32 * head_rows)]
         else:
-            width = _width(f + key_bias, d_h)
-            v_width, k_rows = width, head_rows // B if shared_k and not gpu else head_rows
-            copy_out = width != d_h
-        what = "concatenated q·k features" if len(qk) > 1 or key_bias else "q, k"
-        out.append(Term(f"{what} at width {width} (q, k)", a * (head_rows + k_rows) * width))
-        out.append(Term(f"values padded to width {v_width}", a * head_rows * v_width) if v_width != d_h
-                   else value_term)
-        out.append(Term(f"attention output (width {v_width}) and row log-sum-exp",
-                        a * head_rows * v_width + FP32 * head_rows))
+            if gpu and has_map:   # Triton: no padding, k per sample
+                width, v_width, k_rows, copy_out = f, d_h, head_rows, True
+            else:
+                width = _width(f + key_bias, d_h)
+                v_width, k_rows = width, head_rows // B if shared_k and not gpu else head_rows
+                copy_out = width != d_h
+            what = "concatenated q·k features" if len(qk) > 1 or key_bias else "q, k"
+            out.append(Term(f"{what} at width {width} (q, k)", a * (head_rows + k_rows) * width))
+            out.append(Term(f"values padded to width {v_width}", a * head_rows * v_width) if v_width != d_h
+                       else value_term)
+            out.append(Term(f"attention output (width {v_width}) and row log-sum-exp",
+                            a * head_rows * v_width + FP32 * head_rows))
+        if wide:
+            out.append(Term("the key bias (α·b_2, or e^{b − max b} on the values)", a * Hl * n))
     if copy_out:
         out.append(Term("output projection input", values))
     if mixer.dropout:

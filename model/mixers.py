@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from . import kernels, parallel as tp
 from .config import ModelConfig
 from .forms import FactorForm, MapForm, QKForm
+from .qk_attention import biased_qk_attention, concat_features, qk_attention, with_key_bias
 from .synthesizers import linear_flops, per_head
 from .variants import build_synthesizer, parse_mixer
 
@@ -79,9 +80,10 @@ class SynthesizedAttention(nn.Module):
         return (A @ v).transpose(1, 2), A                                # (B, m, Hl, d_h), (B, Hl, m, t1)
 
     def _fused(self, x, v, inputs):
-        """Each member's logits in its fused form (model/forms.py), grouped by form: q·k features concatenated (scaled
-        by α), a shared map weighted by α, factors on their own kernel (never mixed)."""
-        alpha, B = self._weights(), x.shape[0]
+        """Each member's logits in its fused form (model/forms.py), grouped by form: q·k features in one group per
+        member (scaled by α; concatenated where a kernel takes one q and k), a shared map weighted by α, factors on
+        their own kernel (never mixed)."""
+        alpha = self._weights()
         forms = [synth.fused(x, inputs) for synth in self.synth.values()]
         if isinstance(forms[0], FactorForm):   # factorized dense: its own kernel
             return kernels.factorized_dense_attention(forms[0].A, forms[0].B, v.transpose(1, 2)).transpose(1, 2)
@@ -115,19 +117,13 @@ class SynthesizedAttention(nn.Module):
         # under autocast, fp32 parameters among the features (dense's W_2 rows, R_1/R_2) are cast while Hl·n·f,
         # not as the (B, Hl, n, Σf) concatenation that SDPA would cast again
         qs, ks = kernels.at_autocast_dtype(*qs), kernels.at_autocast_dtype(*ks)
-        q, k = self._concat(qs, B), self._concat(ks, B)                  # (B or 1, Hl, n, Σf)
         v = v.transpose(1, 2)                                            # (B, Hl, n, d_h)
-        if bias is None:
-            y = kernels.qk_attention(q, k, v, scale, key_bias)
+        if bias is None:   # the groups (B or 1, Hl, n, f_m), concatenated only where the kernel needs it
+            y = qk_attention(list(qs), list(ks), v, scale, key_bias)
         else:   # in a mixture: weight α, no n² copy; scale 1 (folded into q)
-            y = kernels.biased_qk_attention(*kernels.with_key_bias(q, k, key_bias, 1.0), bias, bias_weight, v)
+            q, k = concat_features(qs), concat_features(ks)              # (B or 1, Hl, n, Σf)
+            y = biased_qk_attention(*with_key_bias(q, k, key_bias, 1.0), bias, bias_weight, v)
         return y.transpose(1, 2)                                         # (B, n, Hl, d_h)
-
-    @staticmethod
-    def _concat(parts, B):
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([p.expand(B, -1, -1, -1) for p in parts], dim=-1)
 
     # ---- accounting --------------------------------------------------------------------------------
     def synthesizer_parameters(self):

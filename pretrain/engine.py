@@ -1,8 +1,9 @@
 """The DeepSpeed engine of a run, and what its speed is measured against.
 
-    build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → activation checkpointing →
-                                compiled blocks → pipeline stages (PP > 1) → deepspeed.initialize (ZeRO, AdamW, LR
-                                schedule)
+    build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → FP8 linears (train.fp8) →
+                                activation checkpointing → compiled blocks, embedding and head + loss → pipeline
+                                stages (PP > 1) →
+                                deepspeed.initialize (ZeRO, AdamW, LR schedule)
     deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
     lr_lambda(train, T)         the LR schedule
     peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
@@ -23,9 +24,9 @@ import torch.utils.checkpoint
 
 from model import build_model
 from model import release
-from model.lm import Block
+from model.lm import Block, SynthesizerLM
 from model.parallel import is_sharded, tp_rank
-from pretrain import distributed
+from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.config.files import merge
 from pretrain.health import GuardedAdamW
@@ -140,17 +141,21 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
 
 def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_clip: bool | None = None):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → activation checkpointing → compiled blocks (train.compile) → pipeline stages (PP > 1) → DeepSpeed
-    (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed decides
-    this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
+    TP slice) → FP8 linears (train.fp8: torchao's Float8Linear for the plain linears, pretrain/float8.py) →
+    activation checkpointing → compiled blocks, embedding and head + loss (train.compile) → pipeline stages (PP > 1)
+    → DeepSpeed (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed
+    decides this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
+    float8.check(cfg, lay.device)   # a one-line error before any model is built
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
         model, mpu = build_model(cfg.model), distributed.MegatronMPU()
     rename = getattr(model, "canonical_name", lambda name: name)
+    if cfg.train.fp8:
+        float8.convert(model, cfg.train.fp8)
     checkpoint_activations(model, cfg.parallel.activation_checkpointing, rename)
     if cfg.train.compile:
-        compile_blocks(model)
+        compile_model(model)
     if cfg.train.init_from:   # full tensors of a release; each rank keeps its TP slice of its stage's tensors
         release.load_into(model, release.read_release(cfg.train.init_from)[1], rename=rename)
     return initialize(model, cfg, lay, mpu, load_universal, device_clip)
@@ -167,14 +172,22 @@ def checkpoint_activations(model: torch.nn.Module, every: int, rename=lambda nam
             module.forward = partial(_recomputed, module.forward)
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """torch.compile every transformer block in place (`nn.Module.compile`: parameter names, and so checkpoints, do
-    not change), as torchtitan does: the blocks share their code, so one compiled graph serves them all, and what
-    lies between them (embedding, head, DeepSpeed's hooks) stays eager. A recomputed block compiles with its
-    recomputation. The trainer runs evaluation, samples and maps eager (`torch.compiler.set_stance`)."""
+def compile_model(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """torch.compile the model's parts in place, names (and so checkpoints) unchanged:
+      - every transformer block (`nn.Module.compile`), as torchtitan does: the blocks share their code, so one
+        compiled graph serves them all; a recomputed block compiles with its recomputation;
+      - the whole LM's (PP 1) embedding and its final LayerNorm + head + fused loss (`SynthesizerLM.embed`,
+        `head_loss`), each one graph of its own (torchtitan compiles its loss apart too), so that the loss's chunk
+        loop runs as fused kernels rather than a dozen elementwise ones a chunk. Under PP the stages between the
+        blocks stay eager: an embedding lookup and a LayerNorm, and the loss is DeepSpeed's `loss_fn` on logits.
+    What lies between them (DeepSpeed's hooks) stays eager. The trainer runs evaluation, samples and maps eager
+    (`torch.compiler.set_stance`). `backend`: torch.compile's (the tests trace with "aot_eager")."""
     for module in model.modules():
         if isinstance(module, Block):
-            module.compile()
+            module.compile(backend=backend)
+    if isinstance(model, SynthesizerLM):   # bound methods replaced on this instance only
+        model.embed = torch.compile(model.embed, backend=backend)
+        model.head_loss = torch.compile(model.head_loss, backend=backend)
 
 
 def _recomputed(forward, *args, **kwargs):

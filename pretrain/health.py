@@ -45,13 +45,16 @@ class GuardedAdamW(torch.optim.AdamW):
     A non-finite norm becomes `found_inf` for the fused kernel, which then leaves parameters, moments and step
     counts as they were (torch.amp.GradScaler's way of skipping), in every group alike, and `skipped` counts the
     step. Otherwise, with `clip` > 0, the gradients are scaled by min(1, clip / (norm + 1e-6)), DeepSpeed's and
-    torch's rule (torch.nn.utils.clip_grads_with_norm_)."""
+    torch's rule (torch.nn.utils.clip_grads_with_norm_), inside the fused kernel: it divides each gradient by
+    `grad_scale` = max(1, (norm + 1e-6) / clip) as it reads it (GradScaler's unscaling), so clipping costs no pass
+    of its own over the gradients (a foreach multiply reads and writes every gradient once more)."""
 
     def __init__(self, params, layout, clip: float = 0.0, **adamw):
         super().__init__(params, fused=True, **adamw)
         self.layout, self.clip = layout, clip
         self.skipped = torch.zeros((), device=layout.device)
         self.grad_norm = torch.zeros((), device=layout.device)
+        self.grad_scale: torch.Tensor | None = None   # what the fused kernel divides the gradients by (clipping)
         self.elsewhere: dict[int, torch.Tensor | None] = {}
         self.norm_of_step: Callable[[], torch.Tensor] | None = None
 
@@ -94,8 +97,8 @@ class GuardedAdamW(torch.optim.AdamW):
             self.grad_norm = norm
             self.found_inf = (~norm.isfinite()).float()   # read by the fused kernel: 1.0 changes nothing
             self.skipped += self.found_inf
-        if self.clip > 0 and params:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, self.grad_norm)
+            # read by the fused kernel too: g / grad_scale = g · min(1, clip / (norm + 1e-6))
+            self.grad_scale = ((norm + 1e-6) / self.clip).clamp(min=1.0) if self.clip > 0 else None
         return super().step(closure)
 
 

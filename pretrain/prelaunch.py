@@ -6,6 +6,7 @@ launches without the script.
 
     python -m pretrain.config configs/demo-cpu.yaml train.lr=1e-3 [--print] [--deepspeed] [--world-size 2]
     python -m pretrain.config configs/synth-1.3b.yaml --world-size 64 --memory [--gpu-memory 80GiB]
+    python -m pretrain.config --keys [SECTION] [--markdown]      every key: type, default, description
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import yaml
 from model import ConfigError
 from pretrain.checkpoints import universal
 from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem, resume_point
-from pretrain.config import Runtime, TrainConfig, load_config
+from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import parse_size, report
 from pretrain.monitor import requirements
@@ -61,7 +62,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.config",
                                 description="Load, validate and print a training config.")
-    p.add_argument("config", help="YAML file, e.g. configs/demo-cpu.yaml")
+    p.add_argument("config", nargs="?", help="YAML file, e.g. configs/demo-cpu.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value, value parsed as YAML (train.lr=3e-4 "
                                                 "model.mixer=[random,dot])")
     p.add_argument("--print", action="store_true", help="print the resolved config as YAML (the default output)")
@@ -76,7 +77,21 @@ def main(argv: list[str] | None = None) -> int:
                                                       "the (tp, pp, ZeRO) layouts of --world-size ranks that fit")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --memory: the device the ranks "
                    "run on (default cuda; on a CPU a buffer counts only with the pages written)")
+    p.add_argument("--keys", nargs="?", const="", metavar="SECTION", help="print every config key (or those of "
+                   "SECTION: logging, or a key prefix: logging.profile) with its type, default and description; "
+                   "needs no config")
+    p.add_argument("--markdown", action="store_true", help="with --keys: as markdown (docs/config.md)")
     args = p.parse_args(argv)
+    if args.keys is not None:
+        try:
+            print(reference.markdown() if args.markdown else reference.text(args.keys or None), end="")
+        except KeyError:
+            print(f"error: no config key starts with '{args.keys}'; sections: {', '.join(TrainConfig.SECTIONS)}",
+                  file=sys.stderr)
+            return 2
+        return 0
+    if args.config is None:
+        p.error("the following arguments are required: config")
     try:
         cfg = load_config(args.config, args.overrides)
         if args.memory or args.gpu_memory:   # the plan before a launch: the config alone, no shard read

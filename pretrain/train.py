@@ -30,6 +30,7 @@ from pretrain.engine import build_engine, clips_on_device, peak_tflops
 from pretrain.faults import Faults
 from pretrain.health import GuardedAdamW, LossGuard, TrainingStopped
 from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
+from pretrain.observe import ProfileWindows, StepTimes
 from pretrain.prelaunch import check_launch
 from pretrain.supervision import supervise
 from tokendata import tokenizer as tokenizers
@@ -69,6 +70,8 @@ class Trainer:
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.log.info(checked.vocab_note)   # a note, or None (padded ids)
+        self.times = StepTimes(lay.device, lay.grad_accum, self.pipeline)   # perf/*_s (pretrain/observe/)
+        self.profile = ProfileWindows(cfg.logging.profile, lay.rank, lay.device, cfg.train.run_dir, self.times)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
@@ -97,7 +100,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}"
-                      f"{', compiled blocks' if cfg.train.compile else ''}; model {cfg.model.mixer}, "
+                      f"{', compiled blocks' + (', embedding and loss' if lay.pp == 1 else '') if cfg.train.compile else ''}; "
+                      f"model {cfg.model.mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; "
                       f"{self.start_words()}")
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))
@@ -142,7 +146,8 @@ class Trainer:
         batches = self.micro_batches(iter(self.stream))
         window_t, window_tokens = time.time(), 0
         while self.step < stop:
-            loss, skipped, preempted = self.train_step(batches)
+            with self.profile.step(self.step + 1):   # logging.profile's windows; nothing when off
+                loss, skipped, preempted = self.train_step(batches)
             self.step += 1
             note = self.guard.record(self.step, loss, skipped is not None, skipped or "")   # raises after K in a row
             if note:
@@ -192,10 +197,12 @@ class Trainer:
 
         The host waits for the device once: the loss, GuardedAdamW's skip count and the stop flags come back in
         one read (`step_outcome`). DeepSpeed's skip count is a number it has already read itself."""
+        self.times.start()
         self.engine.train()
         ds_skips, guarded_skips = self.engine.skipped_steps, self.guarded_skips().clone()
         loss, spike = self.forward_backward(micro_batches)
         loss, guarded, preempted = self.step_outcome(loss, self.guarded_skips() - guarded_skips)
+        self.times.end()
         if spike:
             return loss, "loss spike", preempted
         skipped = guarded or self.engine.skipped_steps > ds_skips
@@ -207,19 +214,24 @@ class Trainer:
         losses, spike = [], False
         for _ in range(self.layout.grad_accum):
             inputs, targets = next(micro_batches)
+            self.times.lap("data_wait")
             loss = self.faults.loss(self.engine(inputs, targets), self.step + 1)
             this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.read(
                 distributed.dp_mean(loss, self.layout))[0])   # opt-in: a host read per micro-batch
             spike |= this_spike
             self.engine.backward(loss * float("nan") if this_spike else loss)
+            self.times.lap("fwd_bwd")
             self.engine.step()
+            self.times.lap("optimizer")
             losses.append(loss.detach())
         return torch.stack(losses).mean(), spike
 
     def pipeline_forward_backward(self, micro_batches) -> tuple[torch.Tensor, bool]:
         """The PipelineEngine schedules all micro-batches and returns their loss, already averaged over DP ranks
         (the same on every rank, so averaging it again changes nothing)."""
-        return self.engine.train_batch(micro_batches), False
+        loss = self.engine.train_batch(self.times.fetches(micro_batches, "train_batch"))
+        self.times.lap("train_batch")
+        return loss, False
 
     def plain_val_loss(self, batches) -> torch.Tensor:
         return distributed.dp_mean(torch.stack([self.engine(x, y) for x, y in batches]).mean(), self.layout)
@@ -290,6 +302,7 @@ class Trainer:
                   "progress/samples_seen": self.step * cfg.train.global_batch_size,
                   "progress/tokens_seen": self.step * cfg.tokens_per_step,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
+                  **self.times.values(),   # where the steps' time went (pretrain/observe/step_times.py)
                   **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults())), **self.data_log.values()}
         if grad_norm is not None:   # none where DeepSpeed computes none
             values["train/grad_norm"] = float(grad_norm)
@@ -341,6 +354,7 @@ class Trainer:
                             self.log)
 
     def close(self) -> None:
+        self.profile.close()
         self.log.close()
         if self.ids_file:
             self.ids_file.close()

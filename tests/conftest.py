@@ -39,8 +39,8 @@ def reference_run(shards, tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """`make demo`, shortened: its tokenizer and shards built by the Makefile's own commands and settings (so the
-    same files: the shipped tasks' tokenizer check holds), configs/demo-cpu.yaml on 2 ranks for 20 steps, and the
-    release of its checkpoint."""
+    same files: the shipped tasks' tokenizer check holds), configs/demo-cpu.yaml on 2 ranks for 20 steps (steps 5-6
+    under the profiler on rank 1: tests/test_observe.py), and the release of its checkpoint."""
     tmp = built_once(tmp_path_factory, "demo", build_demo)
     return {"shards": str(tmp / "shards"), "run": str(tmp / "run"), "release": str(tmp / "release")}
 
@@ -52,7 +52,7 @@ def build_demo(tmp):
          "--seq-len", 128, "--samples-per-shard", 200, "--val-fraction", 0.02, "--force", "--quiet")
     launch(os.path.join(ROOT, "configs", "demo-cpu.yaml"), 2, f"data.shard_dir={shards}", f"train.run_dir={run}",
            "train.max_steps=20", "train.warmup_steps=5", "checkpoint.every=20", "logging.val_every=0",
-           "logging.image_every=0")
+           "logging.image_every=0", "logging.profile={start: 5, steps: 2, ranks: [1]}")
     tool("convert.py", "to-release", run, release, "--quiet")
 
 

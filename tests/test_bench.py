@@ -220,15 +220,66 @@ def test_a_point_whose_port_was_taken_is_started_again():
 
 def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu():
     """make gpu-bench PART=k: parts 3 and 4 hold every variant but dot once (dot, their reference, in both); on a
-    machine without CUDA the GPU parts plan one skipped entry each, saying why."""
+    machine without CUDA the GPU parts plan one skipped entry each, saying why; part 0 plans no bench point (it runs
+    benchmarks/compile_check.py), part 7 the three convergence runs (also on the CPU: --quick sizes)."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import GPU_GOALS, plan
+    from benchmarks.bench_plan import GPU_GOALS
+    from benchmarks.bench_runs import SETTINGS, full_plan
 
-    parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(1, 6)}
-    assert [parts[k].only for k in range(1, 6)] == [["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],
-                                                    ["gpu-memory"]]
+    parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(9)}
+    assert [parts[k].only for k in range(9)] == [[], ["gpu-binding"], ["engine"], ["gpu-variants"], ["gpu-variants"],
+                                                 ["gpu-memory"], ["engine", "gpu"], ["convergence"], ["fp8"]]
     halves = [set(parts[k].variant_paths) - {"dot"} for k in (3, 4)]
     assert not halves[0] & halves[1] and halves[0] | halves[1] == set(GPU_GOALS) and "dot" in parts[3].variant_paths
-    for k in (1, 3, 5):
-        entries = plan(parts[k]).entries
+    for k in (1, 3, 5, 8):
+        entries = full_plan(parts[k]).entries
         assert len(entries) == 1 and "no CUDA device" in entries[0]["skipped"], entries
+    assert full_plan(parts[0]).entries == []
+    runs = full_plan(parts[7])
+    assert [e["id"] for e in runs.entries] == [f"convergence:{s}" for s in SETTINGS]
+    assert all(runs.points[e["point"]]["kind"] == "run" and e["field"] == "val_loss" for e in runs.entries)
+    assert [e["goal_max"] for e in runs.entries] == [None, 1.01, 1.01]
+
+LOSS_TOLERANCE = 1e-6   # relative, per step: loop and engine at fp32 on the CPU (measured: equal bit for bit)
+
+
+def loop_and_engine_worker(rank, world):
+    """The --quick engine part's two eager points stepped over the bench's steps (warm-up + reps × steps) in this
+    process: each step's loss and learning rate, and the batches drawn."""
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_lib import training_step
+    from benchmarks.bench_plan import plan
+    from pretrain import distributed
+
+    a = parse_args(["--quick", "--only", "engine"])
+    p = plan(a)
+    points = {e["id"]: p.points[e["point"]] for e in p.entries}
+    out = {}
+    for name, spec in (("loop", points["engine:loop:eager"]), ("engine", points["engine:eager"])):
+        step, _, engine, cfg, _, _ = training_step(spec)
+        lrs = []
+        for _ in range(spec["warmup"] + spec["reps"] * spec["steps"]):
+            lrs.append(engine.optimizer.param_groups[0]["lr"] if name != "engine" else engine.get_lr()[0])
+            step()
+        out[name] = {"losses": [float(x) for x in step.losses], "lr": lrs, "peak_lr": cfg.train.lr,
+                     "warmup": cfg.train.warmup_steps, "batches": [b[0, :16].tolist() for b in step.batches]}
+        distributed.shutdown()
+    return out
+
+
+def test_the_plain_loop_runs_the_engines_schedule_on_fresh_batches():
+    """The engine part's plain loop and engine, eager at fp32 on the CPU (--quick sizes), over the bench's steps: the
+    same learning rate each step (lr_lambda's warm-up: 0 at the first step), a fresh batch each step, and so the same
+    loss each step within LOSS_TOLERANCE (the loop as it ran before, at train.lr from step 0 on one batch, is 3e-3
+    off by the last step)."""
+    from tests.distributed import run_distributed
+
+    got = run_distributed(loop_and_engine_worker, 1)[0]
+    loop, engine = got["loop"], got["engine"]
+    print({k: v["losses"] for k, v in got.items()})
+    steps = len(loop["losses"])
+    assert steps == 5 and len(engine["losses"]) == steps
+    assert loop["lr"] == engine["lr"] == [loop["peak_lr"] * s / loop["warmup"] for s in range(steps)]
+    assert len({tuple(b) for b in loop["batches"]}) == steps and loop["batches"] == engine["batches"]
+    for a, b in zip(loop["losses"], engine["losses"]):
+        assert abs(a - b) <= LOSS_TOLERANCE * abs(b), (loop["losses"], engine["losses"])

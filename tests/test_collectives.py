@@ -4,6 +4,7 @@ NCCL takes only CUDA tensors, gloo only CPU ones: on a CPU machine a tensor buil
 run, and crashes the first GPU run (it did: `No backend type associated with device type cpu`). So the layout's
 device is made `meta` here, which gloo reduces as a no-op: every tensor the trainer reduces must be built there.
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -41,7 +42,8 @@ def test_trainer_collectives_build_their_tensors_on_the_layouts_device():
 
 
 def guarded_steps(rank, world):
-    """Two steps of GuardedAdamW on every rank: in the first, rank 1 alone has a NaN gradient (as a TP rank can)."""
+    """Two steps of GuardedAdamW on every rank: in the first, rank 1 alone has a NaN gradient (as a TP rank can).
+    Then `clipped_steps`."""
     from pretrain.health import GuardedAdamW
 
     lay = layout("cpu", world)
@@ -55,17 +57,62 @@ def guarded_steps(rank, world):
     p.grad, ref.grad = torch.ones(4), torch.ones(4)
     opt.step()
     plain.step()
-    return after_bad, (p.detach().clone(), ref.detach().clone(), opt.state[p]["step"].item(), opt.skipped.item())
+    return after_bad, (p.detach().clone(), ref.detach().clone(), opt.state[p]["step"].item(), opt.skipped.item()), \
+        clipped_steps(lay)
 
 
-def test_guarded_adamw_drops_a_step_that_is_nonfinite_on_any_rank_without_touching_its_state():
-    for rank, ((p_bad, state_bad, skipped_bad), (p, ref, step, skipped)) in enumerate(run_distributed(guarded_steps,
-                                                                                                       2)):
+def clipped_steps(lay):
+    """Three steps of GuardedAdamW with clipping binding (global norms ~ 100 × the threshold), and beside them the
+    rule as GuardedAdamW ran it before clipping moved into the fused kernel: torch's clip_grads_with_norm_ with the
+    same global norm (a foreach multiply over every gradient), then the fused AdamW step; the kernels of each
+    (benchmarks/kernel_census.py)."""
+    from pretrain.health import GuardedAdamW
+    from benchmarks.kernel_census import Kernels
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 33), (33,), (7, 5)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    opt = GuardedAdamW(ours, lay, clip=0.5, lr=0.1, weight_decay=0.1)
+    plain = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, fused=True)
+    for step in range(3):
+        grads = [torch.randn(s, generator=g) * 10 * (step + 1) for s in shapes]
+        for p, r, grad in zip(ours, ref, grads):
+            p.grad, r.grad = grad.clone(), grad.clone()
+        with Kernels(lambda: False) as guarded:
+            opt.step()
+        with Kernels(lambda: False) as before:
+            torch.nn.utils.clip_grads_with_norm_(ref, 0.5, opt.grad_norm)
+            plain.step()
+    updates = [((p - s).detach(), (r - s).detach()) for p, r, s in zip(ours, ref, start)]
+    return (max(((a - b).abs().max() / b.abs().max()).item() for a, b in updates), opt.grad_norm.item(),
+            dict(guarded.ops), dict(before.ops))
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    return run_distributed(guarded_steps, 2)
+
+
+def test_guarded_adamw_drops_a_step_that_is_nonfinite_on_any_rank_without_touching_its_state(guarded):
+    for rank, ((p_bad, state_bad, skipped_bad), (p, ref, step, skipped), _) in enumerate(guarded):
         assert torch.equal(p_bad, torch.arange(4.0)), rank             # rank 0's finite gradient was not applied
         assert state_bad["step"].item() == 0 and not state_bad["exp_avg"].any(), rank   # nor counted in Adam
         assert skipped_bad == 1 and skipped == 1, rank
         torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)      # the next step is Adam's first step
         assert step == 1, rank
+
+
+def test_guarded_adamw_clips_inside_the_fused_step(guarded):
+    """Clipping folded into the optimizer step: the fused AdamW kernel divides each gradient by
+    max(1, (norm + 1e-6) / clip) as it reads it, where clip_grads_with_norm_ multiplies every gradient by
+    min(1, clip / (norm + 1e-6)) in a pass of its own. The updates of three clipped steps equal that rule's within
+    1e-6 (relative to the largest update) on every rank; the step launches no foreach multiply, one fused AdamW."""
+    for rank, (_, _, (error, norm, ours, before)) in enumerate(guarded):
+        print(f"rank {rank}: update error {error:.2e}; kernels a step: GuardedAdamW {sum(ours.values())}, "
+              f"before (clip_grads_with_norm_ + fused AdamW step) {sum(before.values())} {before}")
+        assert norm > 100 * 0.5 and error <= 1e-6, (norm, error)
+        assert "_foreach_mul_" in before and "_foreach_mul_" not in ours and ours["_fused_adamw_"] == 1
 
 
 def decided_on_rank0(rank, world):

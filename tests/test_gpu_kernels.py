@@ -85,6 +85,15 @@ def key_bias_inputs(B, H, n, f, d_h, spread, shared_q=False):
     return [q, k, v, b.bfloat16().float()]
 
 
+def flagship_inputs(B, H, n, d_h, spread):
+    """dense+dot's groups at its own widths: dense's q₁ (B, Hl, n, d_h) and keys k₁ = W₂'s rows (1, Hl, n, d_h),
+    shared by the batch; dot's q₂, k₂ (B, Hl, n, d_h); v (B, Hl, n, d_h); b (Hl, n) as in `key_bias_inputs`."""
+    g = torch.Generator().manual_seed(n + 1)
+    q1, k1, v, b = key_bias_inputs(B, H, n, d_h, d_h, spread)
+    q2, k2 = (torch.randn(B, H, n, d_h, generator=g) / d_h ** 0.25 for _ in range(2))
+    return [q1, k1, q2, k2, v, b]
+
+
 def key_bias_formula(n, scale=1.0):
     """softmax(scale·q kᵀ + b + M) v, materialized: b (Hl, n) added to every query row's scores."""
     def formula(q, k, v, b):
@@ -93,58 +102,108 @@ def key_bias_formula(n, scale=1.0):
     return formula
 
 
+def two_group_formula(n, scale=1.0):
+    """softmax(scale·(q₁k₁ᵀ + q₂k₂ᵀ) + b + M) v: the groups' features concatenated, then `key_bias_formula`."""
+    return lambda q1, k1, q2, k2, v, b: key_bias_formula(n, scale)(
+        torch.cat((q1, q2), -1), torch.cat((k1.expand(q2.shape[0], -1, -1, -1), k2), -1), v, b)
+
+
 def without_key_bias_kernel(monkeypatch):
     """As in a Hugging Face export (no model/gpu_kernels): `qk_attention` falls back to the value-factor form."""
-    import model.kernels as kernels
+    import model.qk_attention as qk
 
-    monkeypatch.setattr(kernels, "triton_kernel", lambda name, f=kernels.triton_kernel: None
+    monkeypatch.setattr(qk, "triton_kernel", lambda name, f=qk.triton_kernel: None
                         if name == "key_bias_attention" else f(name))
 
 
-@pytest.mark.parametrize("B,H,n,f,d_h,scale,dtype,spread", [
-    (2, 2, 40, 256, 128, 1.0, torch.float32, 60.0), (2, 2, 40, 256, 128, 1.0, torch.bfloat16, 60.0),
-    (2, 3, 37, 20, 24, 0.5, torch.float32, 60.0), (2, 3, 37, 20, 24, 0.5, torch.bfloat16, 8.0)],
-    ids=["f256-fp32", "f256-bf16", "f20-fp32", "f20-bf16"])
-def test_key_bias_flash_kernel_matches_the_formula(B, H, n, f, d_h, scale, dtype, spread):
-    """dense+dot at its own widths (f 256, d_h 128; queries and keys shared by the batch, a batch stride of 0) and
-    at ragged ones (n, f, d_h no multiple of the tile, scale ≠ 1): softmax(scale·q kᵀ + b + M) v with b's tile added
-    to each score tile. Values and the gradients of q, k, v and b (Σ over batch and queries of dS) within 2e-5 of
-    the fp32 formula in fp32, b spread over 60; in bf16 within 3e-2 (or 1.5× the formula's own bf16 error), b spread
-    over 60 at f 256 and over 8 at f 20: there, over 60, the softmax is so peaked that dQ's error, from D = dO · O
-    read from the bf16 O as in FlashAttention, is 3.8% (the formula's own 2.5%; 0.7% from an fp32 O)."""
-    inputs = key_bias_inputs(B, H, n, f, d_h, spread, shared_q=f == 256)
-    assert_close_to_the_formula(lambda q, k, v, b: key_bias_flash_attention(q, k, v, b, scale),
-                                key_bias_formula(n, scale), inputs, dtype)
+@pytest.mark.parametrize("B,H,n,f,d_h,scale,dtype,spread,deterministic", [
+    (2, 2, 40, 256, 128, 1.0, torch.float32, 60.0, False), (2, 2, 40, 256, 128, 1.0, torch.bfloat16, 60.0, False),
+    (2, 3, 37, 20, 24, 0.5, torch.float32, 60.0, False), (2, 3, 37, 20, 24, 0.5, torch.bfloat16, 8.0, False),
+    (1, 2, 21, 20, 24, 0.5, torch.float32, 60.0, True)],
+    ids=["flagship-fp32", "flagship-bf16", "f20-fp32", "f20-bf16", "f20-fp32-deterministic"])
+def test_key_bias_flash_kernel_matches_the_formula(B, H, n, f, d_h, scale, dtype, spread, deterministic):
+    """dense+dot at its own widths (two groups of 128: dense's q₁ with W₂'s keys k₁, shared by the batch, a batch
+    stride of 0, and dot's q₂, k₂; d_h 128) and one group at ragged widths (n, f, d_h no multiple of the tile,
+    scale ≠ 1): softmax(scale·Σ_g q_g k_gᵀ + b + M) v with b's tile added to each score tile. Values and the
+    gradients of every q_g, k_g, v and b (Σ over batch and queries of dS) within 2e-5 of the fp32 formula in fp32, b
+    spread over 60; in bf16 within 3e-2 (or 1.5× the formula's own bf16 error), b spread over 60 at f 256 and over 8
+    at f 20: there, over 60, the softmax is so peaked that dQ's error, from D = dO · O read from the bf16 O as in
+    FlashAttention, is 3.8% (the formula's own 2.5%; 0.7% from an fp32 O). dQ by atomics (one pass), and, where
+    torch.use_deterministic_algorithms is on, by its own kernel."""
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        if f == 256:
+            assert_close_to_the_formula(lambda q1, k1, q2, k2, v, b: key_bias_flash_attention(
+                [q1, q2], [k1, k2], v, b, scale), two_group_formula(n, scale), flagship_inputs(B, H, n, d_h, spread),
+                dtype)
+        else:
+            assert_close_to_the_formula(lambda q, k, v, b: key_bias_flash_attention(q, k, v, b, scale),
+                                        key_bias_formula(n, scale), key_bias_inputs(B, H, n, f, d_h, spread), dtype)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_the_key_bias_kernel_refuses_widths_past_256():
-    """Its tiles are F, DV ≤ 256 wide: wider q·k features or values are refused in one line, not miscomputed."""
+    """Its tiles are F1 + F2, DV ≤ 256 wide, two groups: wider q·k features or values, or a third group, are refused
+    in one line, not miscomputed."""
     q, v, b = torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 8), torch.zeros(1, 4)
     with pytest.raises(ValueError, match="widths ≤ 256"):
         key_bias_flash_attention(q, q, v, b)
+    with pytest.raises(ValueError, match="two feature groups"):
+        key_bias_flash_attention([v] * 3, [v] * 3, v, b)
+
+
+def test_an_unknown_key_bias_kernel_is_refused_in_one_line(monkeypatch):
+    """SYNTHFORMER_KEY_BIAS_KERNEL takes sdpa or triton: a misspelt value is refused, not run as the default."""
+    import model.qk_attention as qk
+
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "tritn")
+    monkeypatch.setattr(qk, "SDPA_MAX_WIDTH", 8)   # q·k features of 8 fill it: the key bias's choice is made
+    q, b = torch.zeros(1, 1, 4, 8), torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="SYNTHFORMER_KEY_BIAS_KERNEL='tritn': set it to sdpa"):
+        qk.qk_attention([q], [q], q, 1.0, b)
+
+
+def test_the_key_bias_kernel_compiles_whole():
+    """torch.compile with fullgraph (no graph break) over the kernel, as compiled blocks run it: its launches are
+    torch.library custom ops, which dynamo and AOT autograd keep whole (aot_eager here: their joint graph, as
+    inductor gets it); values and gradients as eager's. (Before, the kernel's autograd Function launched Triton
+    itself, and a compiled-blocks run with it exited on an H200 without a Python error.)"""
+    inputs = flagship_inputs(2, 1, 16, 16, 8.0)
+    run = lambda q1, k1, q2, k2, v, b: key_bias_flash_attention([q1, q2], [k1, k2], v, b, 0.5)   # noqa: E731
+    results = []
+    for f in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
+        xs = [x.detach().to(DEVICE, copy=True).requires_grad_() for x in inputs]
+        out = f(*xs)
+        out.square().sum().backward()
+        results.append([out.detach()] + [x.grad for x in xs])
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
 
 
 def test_qk_attention_runs_the_key_bias_kernel_at_the_flagship_widths(monkeypatch):
-    """On the GPU path dense+dot's q·k (f 256) with its key bias and v at d_h 128 go to the Triton key-bias kernel,
-    not to the value-factor form (v padded to 256); values and gradients equal the CPU path's (b a feature column
-    of q and k, SDPA at width 264) to 1e-5 of their largest magnitude."""
-    import model.kernels as kernels
+    """On the GPU path, opted in, dense+dot's q·k groups (128 + 128, W₂'s keys shared by the batch) with its key bias
+    and v at d_h 128 go to the Triton key-bias kernel apart, not concatenated, nor to the value-factor form (v
+    padded to 256); values and the gradients of every group, v and b equal the CPU path's (the groups concatenated,
+    b a feature column of q and k, SDPA at width 264) to 1e-5 of their largest magnitude."""
+    import model.qk_attention as qk
     from model.gpu_kernels import key_bias_attention
 
     used = []
     monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "triton")   # opted in (the value-factor form is the default)
     monkeypatch.setattr(key_bias_attention, "key_bias_flash_attention",
-                        lambda *a, f=key_bias_attention.key_bias_flash_attention: used.append(1) or f(*a))
-    monkeypatch.setattr(kernels, "_values_with_key_bias", None)   # never called
-    inputs = key_bias_inputs(2, 2, 40, 256, 128, 60.0)
-    results = []
+                        lambda qs, *a, f=key_bias_attention.key_bias_flash_attention: used.append(len(qs)) or f(qs, *a))
+    inputs = flagship_inputs(2, 2, 40, 128, 60.0)
+    results, concat_features = [], qk.concat_features
     for path, device in (("gpu", DEVICE), ("cpu", "cpu")):   # CPU tensors and SYNTHFORMER_KERNELS=cpu: the CPU path
         monkeypatch.setenv("SYNTHFORMER_KERNELS", path)
-        xs = [x.to(device, copy=True).requires_grad_() for x in inputs]
-        out = kernels.qk_attention(*xs[:3], 0.5, xs[3])
+        monkeypatch.setattr(qk, "concat_features", None if path == "gpu" else concat_features)   # not on the GPU
+        q1, k1, q2, k2, v, b = xs = [x.to(device, copy=True).requires_grad_() for x in inputs]
+        out = qk.qk_attention([q1, q2], [k1, k2], v, 0.5, b)
         out.backward(torch.ones_like(out) / out.numel() ** 0.5)
         results.append([t.detach().cpu() for t in [out] + [x.grad for x in xs]])
-    assert used == [1]
+    assert used == [2]
     for a, b in zip(*results):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
@@ -158,14 +217,14 @@ def test_a_key_bias_as_a_factor_of_the_values_matches_the_formula(B, H, n, f, d_
     (e spans e^{−60}…1), in bf16 over 8, where the gradient of b, a difference of two sums each rounded to bf16,
     stays within the formula's own bf16 error (over 40 it is 2× it, as the feature-column form's is 1.5×). `limit`
     lowers the width limit for small sizes."""
-    import model.kernels as kernels
+    import model.qk_attention as qk
 
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
     without_key_bias_kernel(monkeypatch)
     if limit:
-        monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", limit)
-    assert f == kernels.SDPA_MAX_WIDTH   # the features fill the limit: the value-factor form is the one run
-    assert_close_to_the_formula(lambda q, k, v, b: kernels.qk_attention(q, k, v, 1.0, b), key_bias_formula(n),
+        monkeypatch.setattr(qk, "SDPA_MAX_WIDTH", limit)
+    assert f == qk.SDPA_MAX_WIDTH   # the features fill the limit: the value-factor form is the one run
+    assert_close_to_the_formula(lambda q, k, v, b: qk.qk_attention([q], [k], v, 1.0, b), key_bias_formula(n),
                                 key_bias_inputs(B, H, n, f, d_h, spread), dtype)
 
 
@@ -302,19 +361,19 @@ def test_a_mixture_whose_features_fill_flash_s_width_matches_the_reference(varia
     """The whole model with q·k features at the width limit (lowered to the test model's q·k width), dense's bias
     added to the scores by the Triton key-bias kernel, or, without it, carried on the values: logits and every
     gradient to 1e-5 of the reference, b_2's included."""
-    import model.kernels as kernels
+    import model.qk_attention as qk
     from model.gpu_kernels import key_bias_attention
 
     monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
     width = {"dense+dot": 16, "dot+dense+factorized_random": 20}[variant]   # d_h 8 each, factorized_k 4
-    monkeypatch.setattr(kernels, "SDPA_MAX_WIDTH", width)
+    monkeypatch.setattr(qk, "SDPA_MAX_WIDTH", width)
     if form == "values":
         without_key_bias_kernel(monkeypatch)
     else:
         monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "triton")
     used = []
-    monkeypatch.setattr(kernels, "_values_with_key_bias",
-                        lambda *a, f=kernels._values_with_key_bias: used.append("values") or f(*a))
+    monkeypatch.setattr(qk, "_values_with_key_bias",
+                        lambda *a, f=qk._values_with_key_bias: used.append("values") or f(*a))
     monkeypatch.setattr(key_bias_attention, "key_bias_flash_attention",
                         lambda *a, f=key_bias_attention.key_bias_flash_attention: used.append("kernel") or f(*a))
     assert_fused_matches_reference(variant, 11)

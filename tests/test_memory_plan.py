@@ -49,6 +49,25 @@ def test_activation_terms_equal_the_tensors_autograd_saves(label):
         assert predicted == pytest.approx(measured, rel=0.01), (label, B, n)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_the_flagship_s_attention_on_the_gpu_path_keeps_what_the_plan_says(kernel, monkeypatch):
+    """dense+dot at d_h 128, where its q·k features (128 + 128) fill SDPA's 256 beside dense's key bias, on the GPU
+    path (CPU tensors; the Triton kernel under TRITON_INTERPRET=1): the plan's bytes equal those autograd saves for
+    the SDPA form (q, k, [e ⊙ v, e] and the output at 256, v, the quotient's output) and for the key-bias kernel
+    (q at 256; dot's keys, v and the output at 128; W_2's keys a view), which keeps 5 × B·Hl·n·128 fewer."""
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", kernel)
+    B, n, d, H, V = 2, 32, 256, 2, 64
+    cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=1, n_heads=H, max_seq_len=n, mixer="dense+dot")
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(V, (2, B, n))
+    measured, plan = saved_bytes(build_model(cfg), tokens, targets), activations(cfg, B, n, gpu=True)
+    assert plan.total == pytest.approx(measured, rel=0.001), (measured, plan)
+    if kernel == "triton":
+        monkeypatch.setenv("SYNTHFORMER_KEY_BIAS_KERNEL", "sdpa")
+        assert activations(cfg, B, n, gpu=True).total - plan.total == 5 * 4 * B * H * n * 128   # fp32
+
+
 def test_checkpointed_layers_keep_their_input_only():
     from pretrain.engine import checkpoint_activations
 

@@ -320,7 +320,7 @@ def test_error_mixture_of_unmixable():
 
 def test_biased_kernel_multi_block_matches_materialized():
     """The tiled backward of random+dot's kernel over several (ragged) blocks, against autograd on the formula."""
-    from model.kernels import biased_qk_attention
+    from model.qk_attention import biased_qk_attention
 
     g = torch.Generator().manual_seed(0)
     B, H, n, f = 3, 2, 150, 8

@@ -7,7 +7,8 @@ import urllib.request
 
 import pytest
 
-from tests.runs import PY, ROOT, free_local_port, ids_per_step, launch, losses, reference_config, spawn, write_config
+from tests.runs import (PY, ROOT, free_local_port, ids_per_step, launch, losses, metric_rows, reference_config, spawn,
+                        write_config)
 
 
 @pytest.mark.slow
@@ -234,6 +235,10 @@ def test_tensor_and_pipeline_parallel_runs_show_every_head_and_a_sample(shards, 
                            train={"max_steps": 4, "micro_batch_size": 2},
                            logging={"every": 2, "image_every": 4, "sample_tokens": 6})
         r = launch(cfg, 1 if name == "tp1" else 2)
+        split = [set(row) & {"perf/data_wait_s", "perf/fwd_bwd_s", "perf/optimizer_s", "perf/pipeline_step_s"}
+                 for row in metric_rows(run) if "train/loss" in row]   # the time split: around train_batch under PP
+        assert split == [{"perf/data_wait_s", "perf/pipeline_step_s"} if name == "pp2" else
+                         {"perf/data_wait_s", "perf/fwd_bwd_s", "perf/optimizer_s"}] * 2, (name, split)
         events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0, "tensors": 0})
         events.Reload()
         images = events.Tags()["images"]

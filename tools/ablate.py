@@ -6,8 +6,18 @@ write a table with the spread over seeds, a ranking that says where the seeds ca
     python tools/ablate.py --quick                   # the short single-seed run: configs/studies/quick.yaml
     python tools/ablate.py --preset configs/studies/cpu.yaml --variants dot,random --steps 100 --seeds 3
 
-A preset (YAML) names the training config, the variants, the steps (the token budget), the seeds and the processes;
-flags override it. For each variant and seed k: `launch/pretrain.sh CONFIG model.mixer=<variant>` with model.seed,
+A preset (configs/studies/*.yaml) has these keys, and the flag of the same name overrides each:
+
+    config     the training config every run starts from (configs/demo-cpu.yaml)
+    variants   the mixers, a YAML list: [dot, dense, random+dot]
+    steps      optimizer steps of each run: the token budget
+    seeds      runs per variant
+    nproc      processes per run
+    tasks      lm-eval tasks from tasks/, comma-separated ("" for none)
+    out        the study directory: a run directory per variant and seed, results.md, results.json, the plot
+    overrides  optional: section.key=value for every run, before the command line's own
+
+For each variant and seed k: `launch/pretrain.sh CONFIG model.mixer=<variant>` with model.seed,
 data.seed and train.seed all offset by k (init and data order change; everything else is the same), then on its
 final checkpoint: validation perplexity and bits-per-byte on the held-out shard split (tools/evaluate.py) and the
 accuracies of the local lm-eval tasks (tasks/). Writes `<out>/results.md` (per column the mean over seeds and its
@@ -33,11 +43,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tqdm import tqdm
 
 from model import ConfigError
+from model.fields import check_keys
 from model.accounting import model_stats
 from pretrain.config import load_config
 from pretrain.distributed import free_local_port
 
 STUDIES = os.path.join(ROOT, "configs", "studies")
+PRESET_KEYS = ["config", "variants", "steps", "seeds", "nproc", "tasks", "out", "overrides"]   # the docstring's list
 # The paper's LM1B perplexities (Tay et al. 2020, Table 3): another corpus, model size and budget than any study here
 PAPER_LM1B = {"dot": 38.21, "dense": 40.88, "random": 40.60, "random+dot": 40.05}
 
@@ -201,6 +213,7 @@ def study_settings(argv=None):
         raise ConfigError(f"study preset {preset_path} not found; use one of configs/studies/*.yaml")
     with open(preset_path) as f:
         preset = yaml.safe_load(f) or {}
+    check_keys(preset, "study", PRESET_KEYS, preset_path)   # a misspelt key is named, not ignored
     for key in ("variants", "config", "steps", "seeds", "nproc", "tasks", "out"):
         if getattr(args, key) is None:
             if key not in preset:

@@ -136,7 +136,8 @@ def from_hf(args) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    # the metavar lists the commands a user runs: `_rank` (to-deepspeed's per-rank worker) stays out of --help
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     r = sub.add_parser("to-release", help="DeepSpeed checkpoint (any TP/PP/DP/ZeRO) → release directory")
     r.add_argument("checkpoint", help="run directory, its checkpoints/ directory, or a step_* directory")
     r.add_argument("out", help="release directory to write")
@@ -147,8 +148,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("checkpoint", help="run directory, its checkpoints/ directory, or a step_* directory")
     u.add_argument("out", nargs="?", help="checkpoint directory to write it in (default: the checkpoint's own)")
     for name in ("to-deepspeed", "_rank"):
-        d = sub.add_parser(name, help="release → DeepSpeed checkpoint at (TP, PP)" if name[0] != "_" else
-                           argparse.SUPPRESS)
+        d = sub.add_parser(name, **({"help": "release → DeepSpeed checkpoint at (TP, PP)"} if name[0] != "_" else {}))
         d.add_argument("release", help="release directory")
         d.add_argument("out", help="checkpoint directory to write (use it as checkpoint.dir)")
         d.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target layout")

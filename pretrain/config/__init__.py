@@ -5,6 +5,7 @@
     train_config.py   TrainConfig (the sections together, the checks across them and against a launch) and
                       load_config, the one loader
     files.py          YAML files with `base:` chains, and `section.key=value` overrides
+    reference.py      every key with its type, default and description (`--keys`, docs/config.md)
 
 One loader, in one fixed order (later wins):
     dataclass defaults  <  YAML file (after its `base:` chain)  <  command-line overrides `section.key=value`.

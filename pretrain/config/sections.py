@@ -165,8 +165,14 @@ class TrainSection:
                                "where ZeRO saves nothing (one data-parallel rank) or memory is not the limit "
                                "(across ranks it all-reduces fp32 gradients)", False)
     compile: bool = described("torch.compile each transformer block for the training steps (one graph per block, as "
-                              "torchtitan does; names and checkpoints unchanged; evaluation, samples and maps run "
-                              "eager); the first steps pay the compile", False)
+                              "torchtitan does), and with pp 1 the embedding and the final norm + head + fused loss "
+                              "(a graph each); names and checkpoints unchanged; evaluation, samples and maps run "
+                              "eager; the first steps pay the compile", False)
+    fp8: str | None = described("FP8 training of the plain linears through torchao (pretrain/float8.py): null (off), "
+                                "'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row: more "
+                                "accurate, slower); needs train.precision=bf16, parallel.tp=1 and pp=1, a CUDA GPU of "
+                                "compute capability ≥ 8.9 (H100, H200, L40S), pip install 'synthformer[fp8]', and "
+                                "train.compile=true to be fast", None)
     seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
     stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",
@@ -222,6 +228,10 @@ class TrainSection:
         if self.autocast and (self.precision != "bf16" or self.master_weights != "fp32"):
             raise ConfigError(f"train.autocast=true needs train.precision='bf16' and train.master_weights='fp32' (they "
                               f"are {self.precision!r}, {self.master_weights!r}); set them, or train.autocast=false")
+        need(self.fp8 in (None, "tensorwise", "rowwise"), "train.fp8", self.fp8, "null, tensorwise, rowwise")
+        if self.fp8 is not None and self.precision != "bf16":
+            raise ConfigError(f"train.fp8={self.fp8!r} needs train.precision='bf16' (it is {self.precision!r}): the "
+                              f"FP8 matmuls' inputs and outputs are bf16; set train.precision=bf16")
         need(bool(self.run_dir), "train.run_dir", self.run_dir, "a directory path")
         need(self.max_wall_minutes is None or self.max_wall_minutes > 0, "train.max_wall_minutes",
               self.max_wall_minutes, "null or > 0")
@@ -293,6 +303,11 @@ class LoggingSection:
     eval_every: int = described("score logging.eval_tasks every this many steps (0 = only at the end of the run)", 0)
     eval_batch_size: int = described("sequences per forward pass of the scoring", 32)
     eval_limit: int | None = described("score only the first this many documents of each task (null = all)", None)
+    profile: dict | None = described("torch.profiler windows inside the run, {start, steps, ranks, every, memory} (the "
+                                     "keys below): each window writes <run_dir>/profile/steps_<a>-<b>/rank<k>.pt.trace."
+                                     "json (Perfetto, chrome://tracing, TensorBoard's profiler plugin), and on CUDA "
+                                     "with memory: true rank<k>.memory.pickle (pytorch.org/memory_viz). null = off, at "
+                                     "no cost (docs/monitoring.md)", None)
 
     def __post_init__(self):
         check_types(self, "logging")
@@ -300,6 +315,7 @@ class LoggingSection:
             low = 1 if name == "every" else 0
             need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
         check_wandb(self.wandb)
+        check_profile(self.profile)
         need(self.eval_every >= 0, "logging.eval_every", self.eval_every, "≥ 0 (0 = only at the end)")
         need(self.eval_batch_size >= 1, "logging.eval_batch_size", self.eval_batch_size, "≥ 1")
         need(self.eval_limit is None or self.eval_limit >= 1, "logging.eval_limit", self.eval_limit, "null or ≥ 1")
@@ -307,7 +323,39 @@ class LoggingSection:
               "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
 
 
-WANDB_KEYS = ("project", "entity", "mode", "tags")
+# the keys of the mapping-valued settings: (type, default, description), listed by `python -m pretrain.config --keys`
+WANDB_KEYS = {"project": ("str", "required", "the W&B project"),
+              "entity": ("str | None", None, "the W&B team or user; default your default entity"),
+              "mode": ("str", "online", "online, offline (a directory per launch under <run_dir>/wandb, for `wandb "
+                                        "sync`) or disabled"),
+              "tags": ("list[str]", [], "tags of the W&B run")}
+PROFILE_KEYS = {"start": ("int", "required", "the first optimizer step of the window (the step before it runs as the "
+                                             "profiler's warm-up)"),
+                "steps": ("int", 3, "optimizer steps in the window"),
+                "ranks": ("list[int]", [0], "the global ranks that record it (each writes its own files)"),
+                "every": ("int | None", None, "a window each this many steps from start (more than steps); null: one"),
+                "memory": ("bool", False, "CUDA: also record the allocator's history and dump a memory snapshot "
+                                          "(and one on an out-of-memory error inside the window)")}
+SUBKEYS = {"logging.wandb": WANDB_KEYS, "logging.profile": PROFILE_KEYS}
+
+
+def check_profile(settings: dict | None) -> None:
+    """logging.profile: known keys; a first step ≥ 1, ≥ 1 steps, ranks ≥ 0, windows that do not overlap."""
+    if settings is None:
+        return
+    check_keys(settings, "logging.profile", list(PROFILE_KEYS), "the config")
+    whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa: E731
+    need(whole(settings.get("start"), 1), "logging.profile.start", settings.get("start"), "the first optimizer "
+         "step of the window, ≥ 1")
+    need(whole(settings.get("steps", 3), 1), "logging.profile.steps", settings.get("steps"), "≥ 1")
+    ranks = settings.get("ranks", [0])
+    need(isinstance(ranks, list) and all(whole(r, 0) for r in ranks), "logging.profile.ranks", ranks,
+         "a list of global ranks, e.g. [0, 8]")
+    every = settings.get("every")
+    need(every is None or whole(every, settings.get("steps", 3) + 1), "logging.profile.every", every,
+         "null (one window) or more than logging.profile.steps")
+    need(isinstance(settings.get("memory", False), bool), "logging.profile.memory", settings.get("memory"),
+         "true or false")
 
 
 def check_wandb(settings: dict | None) -> None:

@@ -1,0 +1,66 @@
+"""FP8 training of the plain linears (train.fp8) through torchao's float8 training (`torchao.float8`), applied from
+outside the model by pretrain/engine.py build_engine, before the blocks are compiled:
+
+    check(cfg, device)      a one-line ConfigError where this rank cannot train in FP8 (before the model is touched)
+    convert(model, recipe)  each plain linear (an nn.Linear the model calls as a module) swapped in place for torchao's
+                            Float8Linear: module and parameter names, and so checkpoints, unchanged
+
+In a Float8Linear the three GEMMs of a linear (forward y = x Wᵀ, backward ∂x = ∂y W and ∂W = ∂yᵀ x) take FP8 operands
+(e4m3; torchao's recipes choose where e5m2 goes) with scales computed on the fly, and give bf16 results: twice a bf16
+tensor core's peak on an H100. Recipes, by torchao's names: 'tensorwise' (one scale per tensor: the fastest) and
+'rowwise' (one scale per row of each operand: more accurate, a little slower). What stays in bf16: the joint
+projections (model/parallel.py JointLinear reads the weights itself), the fused head + loss, attention, norms.
+
+Needs (each a one-line error otherwise): a CUDA GPU of compute capability ≥ 8.9 (FP8 tensor cores: Ada, Hopper),
+parallel.tp = parallel.pp = 1 (megatron-core's tensor-parallel linears are not nn.Linear; TrainConfig.check_runtime),
+train.precision = bf16 (the section's own check), and torchao (`pip install 'synthformer[fp8]'`). torch.compile
+(train.compile) fuses the scaling and casting kernels; eager FP8 is slower than bf16.
+"""
+from __future__ import annotations
+
+import torch
+
+from model.config import ConfigError
+from pretrain.config import TrainConfig
+
+# FP8 GEMMs take widths that are multiples of 16 (torch._scaled_mm); a linear of other widths stays as it is
+ALIGN = 16
+MIN_CAPABILITY = (8, 9)
+
+
+def check(cfg: TrainConfig, device: torch.device) -> None:
+    """ConfigError (one line) where train.fp8 is set and this rank cannot run it: no torchao, or not a CUDA device of
+    compute capability ≥ MIN_CAPABILITY."""
+    recipe = cfg.train.fp8
+    if recipe is None:
+        return
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"train.fp8={recipe!r} needs torchao: pip install 'synthformer[fp8]' (a node without "
+                          f"package access: carry its wheel, docs/gpu/README.md); or set train.fp8=null") from None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= MIN_CAPABILITY:
+            return
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    else:
+        where = f"the {device.type}"
+    raise ConfigError(f"train.fp8={recipe!r} needs a CUDA GPU of compute capability ≥ "
+                      f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (FP8 tensor cores: H100, H200, L40S); this rank runs "
+                      f"on {where}; set train.fp8=null")
+
+
+def convertible(module: torch.nn.Module, name: str = "") -> bool:
+    """A plain linear whose widths FP8 GEMMs take."""
+    return type(module) is torch.nn.Linear and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+
+
+def convert(model: torch.nn.Module, recipe: str) -> int:
+    """Swap model's plain linears (`convertible`) for torchao's Float8Linear of `recipe`, in place; returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    count = sum(1 for m in model.modules() if convertible(m))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=convertible)
+    return count

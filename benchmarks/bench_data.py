@@ -192,14 +192,17 @@ def run_startup(spec: dict) -> dict:
 
     from pretrain.distributed import free_local_port
 
+    import shutil
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     source = Synthetic(spec["shards"], 2, 128, 4096)
     run = tempfile.mkdtemp(prefix="bench-startup-")
     with SyntheticServer(source, os.path.join(root, spec["tokenizer"])) as srv:
         env = {**os.environ, "PYTHONPATH": root, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port()), "PYTHON": sys.executable}
-        overrides = [f"data.shard_dir={srv.url}", f"train.run_dir={run}", "train.max_steps=2", "train.warmup_steps=1", "logging.every=1",
-                     "logging.val_every=0", "logging.image_every=0", "checkpoint.every=1000", "data.num_workers=1"]
+        overrides = [f"data.shard_dir={srv.url}", f"train.run_dir={run}", "train.max_steps=2", "train.warmup_steps=1",
+                     "logging.every=1", "logging.val_every=0", "logging.image_every=0", "checkpoint.every=1000",
+                     "data.num_workers=1"]
         t0, first = time.perf_counter(), None
         proc = subprocess.Popen([os.path.join(root, "launch", "pretrain.sh"), os.path.join(root, spec["config"]),
                                  *overrides], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -213,6 +216,7 @@ def run_startup(spec: dict) -> dict:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
+    shutil.rmtree(run, ignore_errors=True)   # the run's directory: its metrics and tokenizer copy
     if first is None:
         raise RuntimeError(f"the trainer gave no step: {(out or '').strip().splitlines()[-1:]}")
     return {"seconds": [first], "requests": requests, "shards": spec["shards"], "rank": 0}

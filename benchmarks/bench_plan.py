@@ -183,8 +183,8 @@ def plan(a) -> Plan:
                 "shards", note="the most shards being fetched at once (the only ones in memory): at most "
                                "data.fetch_threads (8)")
         # the start of a run from 100,000 shards behind HTTP: the trainer's seconds to its first step
-        start = p.point("startup", DEMO, shards=STARTUP_SHARDS, tokenizer=os.path.join(SHARDS, "tokenizer.model"),
-                        config=DEMO) if have else None
+        start = p.point("startup", DEMO, shards=STARTUP_SHARDS,
+                        tokenizer=os.path.join(SHARDS, "tokenizer.model")) if have else None
         p.entry("data:first-step-100k", "data", "seconds to the first step, 100,000 shards over HTTP", start,
                 "seconds", "s", skipped=why, note="configs/demo-cpu.yaml on 1 rank from a synthetic server of "
                 f"{STARTUP_SHARDS:,} shards on 127.0.0.1 (the manifest ~16 MB; no request per shard before it is "

@@ -23,7 +23,10 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
   data        tokens/s that tokendata.stream.TokenStream delivers from the demo shards (batches of 8 × 128, 2 workers), read
               from disk, over HTTP (tools/serve_shards.py on 127.0.0.1, no cache), and from three HTTP sources blended
               0.5/0.3/0.2 (data.sources, a server each), each ÷ the tokens/s a configs/demo-cpu.yaml train step
-              consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three.
+              consumes (measured here, 1 CPU process). Goal: ≥ 20 for all three. Also a rank's reader memory (one
+              rank, three sources, the default order at global batch 1024: its peak resident memory while it reads,
+              and the most shards it holds at once) and the seconds from starting the demo trainer to its first step
+              with 100,000 shards behind HTTP (benchmarks/bench_data.py: synthetic shards, a counting server).
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
   layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
@@ -204,7 +207,8 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         if reps:
             e["value"], e["spread"] = summary(reps)
         for k in ("params", "train_flops_per_token", "tokens_per_step", "device", "after_init_mb",
-                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb", "cuda_memory", "val_step", "seconds"):
+                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb", "cuda_memory", "val_step", "seconds",
+                  "requests", "fetched", "streams", "shard_mb", "shards"):
             if k in res:
                 e[k] = res[k]
         if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):

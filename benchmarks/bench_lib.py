@@ -20,6 +20,7 @@ import sys
 import time
 from functools import partial
 
+from benchmarks import bench_data
 from benchmarks.bench_sched import Foreground, runqueue_s
 from pretrain.metrics import memory_mb, reset_peak_memory
 
@@ -385,6 +386,7 @@ def run_point(spec: dict) -> None:
     reports rank 0's, with the others' under `by_rank`)."""
     from benchmarks.bench_runs import run_training
 
-    runs = {"data": run_data, "shards": run_shards, "run": run_training}
+    runs = {"data": run_data, "shards": run_shards, "run": run_training,
+            "reader": bench_data.run_reader, "startup": bench_data.run_startup}
     out = runs.get(spec["kind"], run_train)(spec)
     print(RESULT_MARK + json.dumps(out), flush=True)

@@ -22,6 +22,7 @@ PRESETS = {   # the issue's sizes, and tiny ones for tests
 GOAL_MEM = {"dot": 3, "dense": 3, "factorized_random": 3, "dense+dot": 3, "random": 5, "random+dot": 5}
 QUICK_BIG = ["model.n_layers=2", "model.max_seq_len=512", "train.micro_batch_size=1"]   # gpu part under --quick
 FLOP_SLACK, GOAL_PEER, GOAL_DATA, GOAL_TP = 0.9, {"dot": 1.0, "random": 1.15}, 20.0, 1.3
+READER, STARTUP_SHARDS = {"shards": 600, "batches": 5}, 100_000   # the data part's reader and start-up points
 GOAL_ENGINE, GOAL_MFU = 1.05, 0.55   # engine step ÷ plain-loop step; MFU of synth-1.3b dot under the engine
 # On a GPU (the GPU-kernels issue): every variant's whole-model throughput ÷ dot's, at d 2048, 16 heads, 8 layers,
 # n 2048, batch 4, vocabulary 32000, bf16, in the plain loop and under the engine; memory at n 4096 ÷ 1024 (d 1024,
@@ -188,6 +189,23 @@ def plan(a) -> Plan:
         p.entry("data:hash-cost", "data", "TokenStream verify=hash ÷ verify=size", loader, "rate", "tokens/s",
                 "data:loader-nohash", skipped=why, note="the loader's rate with each shard's xxh3_128 checked ÷ "
                 "without (1.0: hashing costs nothing measurable)")
+        # a rank's reader at cluster scale: one rank, three sources, the default order at global batch 1024 (C = 64)
+        reader = p.point("reader", DEMO, global_batch=1024, shards=READER["shards"], per_shard=200, seq_len=128,
+                         fetch_threads=8, batches=READER["batches"])
+        p.entry("data:reader-memory", "data", "reader memory, 1 rank, 3 sources, G 1024", reader, "rss_mb", "MB",
+                note="resident memory of the reading process above it at rest, peak while it reads the first "
+                     f"{READER['batches']} global batches (demo-sized shards: 200 samples of 128 tokens, 52 kB); "
+                     "three local sources blended 0.5/0.3/0.2, data.fetch_threads 8")
+        p.entry("data:reader-shards", "data", "shards in memory at once, same reader", reader, "held_shards",
+                "shards", note="the most shards being fetched at once (the only ones in memory): at most "
+                               "data.fetch_threads (8)")
+        # the start of a run from 100,000 shards behind HTTP: the trainer's seconds to its first step
+        start = p.point("startup", DEMO, shards=STARTUP_SHARDS,
+                        tokenizer=os.path.join(SHARDS, "tokenizer.model")) if have else None
+        p.entry("data:first-step-100k", "data", "seconds to the first step, 100,000 shards over HTTP", start,
+                "seconds", "s", skipped=why, note="configs/demo-cpu.yaml on 1 rank from a synthetic server of "
+                f"{STARTUP_SHARDS:,} shards on 127.0.0.1 (the manifest ~16 MB; no request per shard before it is "
+                "read); the requests it answered are in the JSON")
         # tools/make_shards.py's throughput with 1 and 2 encoding processes of one thread each (--threads 1)
         corpus_text = os.path.join(ROOT, "data", "austen.txt.gz")
         tok = os.path.join(ROOT, SHARDS, "tokenizer.model")

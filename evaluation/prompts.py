@@ -33,16 +33,20 @@ def decode(sp, ids: list[int]) -> str:
     return "\n".join(sp.decode(p) for p in parts + [current])
 
 
-def default_prompt(info: dict, sp) -> tuple[str, str]:
-    """(prompt, where it comes from) for a model loaded by evaluation.loading.load (info has its "source")."""
-    shard_dir = None
-    for name in ("config.yaml", "train_config.yaml"):   # beside a checkpoint; in a release or an export
-        path = os.path.join(info["source"], name)
+def run_data(source: str) -> dict:
+    """The data section of the training config kept beside a checkpoint, in a release or an export ({} if none)."""
+    for name in ("config.yaml", "train_config.yaml"):
+        path = os.path.join(source, name)
         if os.path.isfile(path):
             with open(path) as f:
-                data = (yaml.safe_load(f) or {}).get("data") or {}
-            shard_dir = data.get("shard_dir") or (data.get("sources") or [{}])[0].get("path")   # a blend: its first
-            break
+                return (yaml.safe_load(f) or {}).get("data") or {}
+    return {}
+
+
+def default_prompt(info: dict, sp) -> tuple[str, str]:
+    """(prompt, where it comes from) for a model loaded by evaluation.loading.load (info has its "source")."""
+    data = run_data(info["source"])
+    shard_dir = data.get("shard_dir") or (data.get("sources") or [{}])[0].get("path")   # a blend: its first
     if shard_dir:
         try:
             ids = opening(first_sample(read_manifest(shard_dir)), sp.eos_id(), OPENING_TOKENS)

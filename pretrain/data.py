@@ -13,14 +13,15 @@ from pretrain.distributed import Layout
 from tokendata.stream import TokenStream
 
 
-def train_stream(cfg: TrainConfig, lay: Layout) -> TokenStream:
-    """This rank's TokenStream; the shards' sizes are checked by global rank 0 alone, its verdict broadcast."""
-    return TokenStream(cfg.data.source_list(), cfg.train.micro_batch_size, cfg.model.max_seq_len,
+def train_stream(cfg: TrainConfig, lay: Layout, sources: tuple = ()) -> TokenStream:
+    """This rank's TokenStream, of the sources the launch check read (`sources`, else read here). An older
+    checkpoint's order has the shards' sizes checked by global rank 0 alone, its verdict broadcast."""
+    return TokenStream(list(sources) or cfg.data.source_list(), cfg.train.micro_batch_size, cfg.model.max_seq_len,
                        dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers, seed=cfg.data.seed,
                        bad_shards=cfg.data.bad_shards, pin_memory=lay.device.type == "cuda",
                        cache_dir=cfg.data.cache_dir, decide=lambda check: distributed.from_rank0(check, lay),
-                       global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.canonical_streams(),
-                       verify=cfg.data.verify)
+                       global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.data.canonical_streams,
+                       verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads)
 
 
 def named(stream: TokenStream) -> bool:
@@ -30,13 +31,12 @@ def named(stream: TokenStream) -> bool:
 
 def data_words(stream: TokenStream) -> list[str]:
     """What the log says of the data when a run starts."""
-    order = (f"{stream.canonical_streams} canonical streams (data.canonical_streams), {len(stream.streams)} on this "
-             f"rank: the same global batches on any data-parallel size dividing {stream.canonical_streams}"
-             if not stream.legacy_order else "the order of a run started before canonical streams, bound to its "
-             "layout (a relayout starts the canonical order at its step)")
     blend = ", ".join(f"{p.source.name} {w:.3g}" for p, w in zip(stream.parts, stream.blend.w))
+    known = sorted(stream.bad_found())
     return ([f"data: sources blended by weight: {blend}" if named(stream) else f"data: {stream.shard_dir}"] +
-            [f"data order: {order}"] + stream.notes)
+            [f"data order: {stream.order_words}"] + stream.notes +
+            ([f"data: skipping {len(known)} shards found bad before this checkpoint (data.bad_shards=skip): "
+              + "; ".join(known)] if known else []))
 
 
 class DataLog:

@@ -88,6 +88,13 @@ def dp_sum(counts: list[int], lay: Layout) -> torch.Tensor:
     return all_reduce(torch.tensor([float(c) for c in counts], device=lay.device), lay, group=lay.dp_group)
 
 
+def dp_union(names: set[str], lay: Layout) -> set[str]:
+    """The union of a set of names over the data-parallel ranks (rare: bad shards two ranks may both find)."""
+    gathered = [None] * lay.dp
+    dist.all_gather_object(gathered, sorted(names), group=lay.dp_group)
+    return set().union(*map(set, gathered))
+
+
 def any_rank(flags: list[bool], lay: Layout) -> torch.Tensor:
     """Per flag, 1.0 where it is set on any rank of the world, else 0.0: a tensor on the device (not read)."""
     t = torch.tensor([float(f) for f in flags]).to(lay.device, non_blocking=True)

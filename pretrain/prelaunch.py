@@ -20,7 +20,7 @@ import yaml
 
 from model import ConfigError
 from pretrain.checkpoints import universal
-from pretrain.checkpoints.resume import architecture_problem, layout_problem, resume_point
+from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem, resume_point
 from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.engine import deepspeed_config
 from pretrain.memory_plan import parse_size, report
@@ -32,16 +32,20 @@ from tokendata.sources import as_sources, open_sources
 
 
 def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> Runtime:
-    """Runtime of the launch; a ConfigError or DataError (one line naming key, file and fix) for what cannot run.
+    """Runtime of the launch, with the sources it read (the trainer reads no manifest again) and the vocabulary's
+    note; a ConfigError or DataError (one line naming key, file and fix) for what cannot run.
     `relayout`: this is the one process before the launch (launch/pretrain.sh), which converts a checkpoint of
     another layout to a universal one when the config sets checkpoint.relayout."""
     runtime = cfg.check_runtime(world_size)
     requirements(cfg)   # logging.wandb, logging.eval_tasks: their optional packages installed
-    remote.configure(cfg.data.ca_bundle, cfg.data.http_headers_from_env)   # of every HTTP(S) request from here on
-    for source in open_sources(as_sources(cfg.data.source_list())):   # every source's manifest, checked together
-        check_vocab(source.manifest, cfg.model.vocab_size)
+    remote.configure(cfg.data.ca_bundle, cfg.data.http_headers_from_env,   # of every HTTP(S) request from here on
+                     cfg.data.headers_over_http)
+    sources = open_sources(as_sources(cfg.data.source_list()))   # every source's manifest, once, checked together
+    notes = [check_vocab(source.manifest, cfg.model.vocab_size) for source in sources]
+    for source in sources:
         check_seq_len(source.manifest, cfg.model.max_seq_len, training=True)
         check_eos(source.manifest, cfg.model)
+    runtime = runtime._replace(sources=tuple(sources), vocab_note=next((n for n in notes if n), None))
     resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)
     if resume is None:
         return runtime
@@ -52,7 +56,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
               f"(weights and optimizer state, for any layout)", file=sys.stderr, flush=True)
         resume = universal.convert(resume, cfg.checkpoint.dir)
         print(f"wrote {resume}; the ranks resume from it", file=sys.stderr, flush=True)
-    problem = problem or layout_problem(resume, cfg.to_dict(), world_size)
+    problem = problem or layout_problem(resume, cfg.to_dict(), world_size) or data_problem(resume, runtime.dp)
     if problem:
         raise ConfigError(problem)
     return runtime

@@ -34,7 +34,7 @@ from pretrain.plan.live import StepCheck
 from pretrain.prelaunch import check_launch
 from pretrain.supervision.rank import run_rank, supervise
 from tokendata import tokenizer as tokenizers
-from tokendata.shards import check_vocab, opening, tokenizer_path
+from tokendata.shards import opening, tokenizer_path
 
 IMAGE_TOKENS = 64     # positions of the attention images: a causal map's top-left block is exact on its own
 OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a validation document
@@ -43,12 +43,11 @@ OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a valid
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        check_launch(cfg, distributed.world_size())   # config, shards, checkpoint: before any process group
+        checked = check_launch(cfg, distributed.world_size())   # config, manifests, checkpoint: before any group
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
         tp.rng_tracker.set_seed(cfg.train.seed)   # dropout on TP-sharded activations: seed + 2718 + tp_rank
-        self.stream = train_stream(cfg, lay)   # pretrain/data.py: one shard set, or sources blended by weight
-        self.bad_shards_read: set[str] = set()   # shards found bad while reading (data.bad_shards=skip)
+        self.stream = train_stream(cfg, lay, checked.sources)   # pretrain/data.py: one shard set, or a blend
         self.retries_read = 0   # network fetches the train batches' workers retried
         # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
         self.tokenizer = tokenizers.local_copy(cfg.data.tokenizer or tokenizer_path(self.stream.manifest),
@@ -72,9 +71,9 @@ class Trainer:
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None
         self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/live.py)
+        self.log.info(checked.vocab_note)   # a note, or None (padded ids)
         self.times = StepTimes(lay.device, lay.grad_accum, self.pipeline)   # perf/*_s (pretrain/observe/)
         self.profile = ProfileWindows(cfg.logging.profile, lay.rank, lay.device, cfg.train.run_dir, self.times)
-        self.log.info(check_vocab(self.stream.manifest, cfg.model.vocab_size))   # a note, or None (padded ids)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
                           "; ".join(f"{path} ({why})" for path, why in self.stream.skipped_shards))
@@ -187,7 +186,6 @@ class Trainer:
     def micro_batches(self, batches):
         """(inputs, targets) on this rank's device, recording the sample ids when asked."""
         for batch in batches:
-            self.bad_shards_read.update(batch["skipped_shards"])
             self.retries_read += batch["retries"]
             if self.ids_file:
                 self.ids_file.write(json.dumps({"step": self.step + 1, "ids": batch["ids"]}) + "\n")
@@ -285,10 +283,12 @@ class Trainer:
         return 0, float("nan")
 
     def data_faults(self) -> tuple[int, int]:
-        """(bad shards left out so far: at the start, every rank alike, + found while reading, summed over DP;
-        fetches retried after network faults by this run's processes, summed over DP), in one collective."""
-        found, retries = self.read(distributed.dp_sum([len(self.bad_shards_read),
+        """(bad shards left out so far: at the start, every rank alike, + found while reading by any DP rank, before
+        a resume too; fetches retried after network faults by this run's processes, summed over DP)."""
+        found, retries = self.read(distributed.dp_sum([len(self.stream.bad_found()),
                                                        self.retries_read + self.stream.retries], self.layout))
+        if found:   # a shard that two ranks found bad counts once (a second collective, once one is found)
+            found = len(distributed.dp_union(self.stream.bad_found(), self.layout))
         return len(self.stream.skipped_shards) + round(found), round(retries)
 
     # ---- reporting -----------------------------------------------------------------------------------------

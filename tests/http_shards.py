@@ -1,7 +1,7 @@
 """A real HTTP(S) server on 127.0.0.1 that serves a shard directory, and can be told to misbehave the way object stores
 and proxies do: drop the connection half-way through a file, answer 5xx, or not have a file at all; to honour Range
 requests (as object stores do) or not (tools/serve_shards.py); to speak TLS with a given certificate; to want a bearer
-token."""
+token. It takes PUTs too (files written into the directory, as an object store's upload)."""
 from __future__ import annotations
 
 import collections
@@ -13,6 +13,7 @@ import sys
 import threading
 from functools import partial
 
+from benchmarks.bench_data import Serving
 from tools.serve_shards import Handler, Server
 
 
@@ -70,6 +71,21 @@ class FaultyHandler(Handler):
             self.close_connection = True
         return None
 
+    def do_PUT(self):
+        """A file written whole into the served directory (an object store's upload), with the token if one is set."""
+        if not self.authorized():
+            return None
+        name = os.path.basename(self.path)
+        data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(os.path.join(self.directory, name), "wb") as f:
+            f.write(data)
+        with self.server.lock:
+            self.server.puts[name] += 1
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return None
+
     def do_HEAD(self):
         if not self.authorized():
             return None
@@ -102,10 +118,11 @@ class PlannedServer(Server):
             raise
 
 
-class ShardServer:
+class ShardServer(Serving):
     """`with ShardServer(root) as srv:` serves root at srv.url (http://127.0.0.1:PORT, or https:// with `tls`).
     srv.faults[name] = ["drop", "503", …]: the next GETs of that file fail that way, one each; srv.missing holds
-    names answered with 404; srv.gets and srv.heads count the GETs and HEADs of each name, srv.ranges[name] lists the
+    names answered with 404; srv.gets, srv.heads and srv.puts count the GETs, HEADs and PUTs (a file written into
+    root) of each name, srv.ranges[name] lists the
     Range header of each GET (None: none), srv.served[name] the bytes of it sent; srv.connections counts the TCP
     connections accepted, srv.refused the requests turned away for want of the token.
     `ranges`: honour Range requests; `tls`: a server-side ssl.SSLContext holding the certificate; `token`: every
@@ -115,16 +132,9 @@ class ShardServer:
         self.httpd = h = PlannedServer(("127.0.0.1", 0), partial(FaultyHandler, directory=root))
         h.lock, h.faults, h.missing, h.range_mode, h.tls, h.token = threading.Lock(), {}, set(), ranges, tls, token
         h.gets, h.heads, h.served = collections.Counter(), collections.Counter(), collections.Counter()
+        h.puts = collections.Counter()
         h.ranges, h.connections, h.refused = collections.defaultdict(list), 0, 0
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{h.server_address[1]}"
 
     def __getattr__(self, name):   # the plan and the counts live on the server, which the handlers see
         return getattr(self.httpd, name)
-
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()

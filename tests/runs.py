@@ -21,9 +21,10 @@ CORPUS = os.path.join(ROOT, "data", "austen.txt.gz")
 PY = sys.executable
 
 
-def tool(name, *args):
+def tool(name, *args, env=None):
     r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": ROOT})   # the project, also where it is not pip-installed
+                       env={**os.environ, **(env or {}), "PYTHONPATH": ROOT})   # the project, also where it is not
+                                                                                 # pip-installed
     assert r.returncode == 0, r.stderr
     return r
 

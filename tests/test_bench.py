@@ -192,6 +192,23 @@ def test_gpu_part_1_plans_the_binding_points_as_configured():
     assert by_id["gpu-binding:peak"]["reps"] == [989.4]
 
 
+def test_the_data_part_plans_the_reader_and_the_start_at_100000_shards():
+    """The data part's cluster-scale points (planned here; measured by `bench.py --only data`): a rank's reader at
+    one rank, three sources, G 1024, and the demo trainer's start from 100,000 shards over HTTP."""
+    from benchmarks.bench import parse_args
+    from benchmarks.bench_plan import DEMO, STARTUP_SHARDS, plan
+
+    p = plan(parse_args(["--quick", "--only", "data"]))
+    by_id = {e["id"]: e for e in p.entries}
+    reader = p.points[by_id["data:reader-memory"]["point"]]
+    assert (reader["kind"], reader["global_batch"], reader["fetch_threads"]) == ("reader", 1024, 8)
+    assert by_id["data:reader-shards"]["field"] == "held_shards"
+    if by_id["data:first-step-100k"]["point"]:   # planned where the demo shards are built (its tokenizer)
+        start = p.points[by_id["data:first-step-100k"]["point"]]
+        assert (start["kind"], start["config"], start["shards"]) == ("startup", DEMO, STARTUP_SHARDS) == \
+            ("startup", DEMO, 100_000)
+
+
 def test_a_point_whose_port_was_taken_is_started_again():
     """The rendezvous port is picked free, but another socket on the host may take it before the rank listens
     (EADDRINUSE): that point is started again, with a new port; any other failure is reported as it is."""

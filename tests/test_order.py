@@ -1,9 +1,12 @@
 """The train order (tokendata/order.py) through TokenStream, in this process with real DataLoader workers: the same
-global batches, as multisets of sample ids, for every layout (data-parallel size, workers, micro-batch) over more than
-one epoch, from one source or three blended; a position that goes on in another layout, across an epoch boundary too;
-the blend's bound; the one-line errors of data.sources and data.canonical_streams."""
+global batches, sample for sample and in order, for every layout (data-parallel sizes that divide the global batch
+but not the streams, several samples of a stream in a batch, workers, micro-batch) over more than one epoch, from one
+source or three blended; a position that goes on in another layout, across an epoch boundary too; the blend's bound;
+a data state of the order dealt by shard (written by the code before it) that goes on in its own order; the one-line
+errors of data.sources and data.canonical_streams."""
 import collections
 import json
+import os
 import shutil
 
 import pytest
@@ -11,110 +14,132 @@ import pytest
 from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.prelaunch import check_launch
-from tokendata.order import Blend
+from tokendata.order import Blend, layout
 from tokendata.shards import DataError
 from tokendata.sources import Source
 from tokendata.stream import TokenStream, merged_state
 from tests.runs import BLEND, ROOT, write_config
 
-SEQ, G, C = 32, 16, 16
-LAYOUTS = [(dp, workers, micro) for dp in (1, 2, 4, 8) for workers in (1, 2) for micro in (1, 2)]
+SEQ, G, C = 32, 48, 8   # 6 samples of every stream in a global batch
+LAYOUTS = [(2, 2, 4), (3, 1, 2), (4, 0, 3), (6, 0, 1), (8, 1, 6), (12, 0, 2), (16, 0, 3), (48, 0, 1)]
 
 
 def data(blend, which):
-    """One source (data.shard_dir: b, ~35 global batches an epoch) or the three blended (c wraps every ~13)."""
+    """One source (data.shard_dir: b, ~11 global batches an epoch) or the three blended (c wraps every ~4)."""
     return blend["b"] if which == "one source" else [Source(blend[n], w, n) for n, (_, _, w) in BLEND.items()]
 
 
 def ranks(spec, dp, workers, micro, **kw):
     return [TokenStream(spec, micro, SEQ, dp_rank=r, dp_world=dp, num_workers=workers, seed=3, global_batch_size=G,
-                        canonical_streams=C, **kw) for r in range(dp)]
+                        canonical_streams=kw.pop("streams", C), **kw) for r in range(dp)]
 
 
 def global_batches(streams, steps):
-    """The multiset of sample ids of each of the next `steps` global batches, read by one stream per rank."""
+    """The sample ids of each of the next `steps` global batches, in order, read by one stream per rank."""
     its, out = [iter(s) for s in streams], []
     for _ in range(steps):
-        out.append(collections.Counter(i for s, it in zip(streams, its)
-                                       for _ in range(G // (s.micro_batch_size * s.dp_world)) for i in next(it)["ids"]))
+        out.append([i for s, it in zip(streams, its) for _ in range(G // (s.micro_batch_size * s.dp_world))
+                    for i in next(it)["ids"]])
     return out
 
 
 @pytest.mark.parametrize("which", ["one source", "three sources"])
-def test_every_layout_reads_the_same_global_batches(blend, which):
-    steps = 36 if which == "one source" else 30
+def test_every_layout_reads_the_same_global_batches_in_order(blend, which):
     one = ranks(data(blend, which), 1, 0, G)   # one process, no workers, one micro-batch a step
-    reference = global_batches(one, steps)
+    reference = global_batches(one, 13)
     assert max(p["epochs"] for p in one[0].progress()) > 1   # more than one epoch of b (one source), of c (three)
-    assert all(sum(batch.values()) == G for batch in reference)
-    for dp, workers, micro in LAYOUTS:
-        got = global_batches(ranks(data(blend, which), dp, workers, micro), steps)
-        bad = [g for g in range(steps) if got[g] != reference[g]]
+    assert all(len(batch) == G for batch in reference)
+    for dp, workers, micro in LAYOUTS:   # 3, 6, 12, 16 and 48 do not divide the 8 streams
+        got = global_batches(ranks(data(blend, which), dp, workers, micro), 13)
+        bad = [g for g in range(13) if got[g] != reference[g]]
         assert not bad, f"dp={dp} workers={workers} micro-batch={micro}: global batches {bad} differ"
 
 
-def samples_of(batches):
-    return collections.Counter(i for batch in batches for i in batch.elements())
+def counts_by_source(batches):
+    return collections.Counter(i for batch in batches for i in batch)
 
 
 @pytest.mark.parametrize("which", ["one source", "three sources"])
 def test_a_position_goes_on_in_another_layout(blend, which):
-    """20 global batches on 2 ranks, then 20 more on 4 ranks and on 1: the global batches of 40 on 1 rank. With one
-    source (a: ~50 global batches an epoch) no sample is read twice; with three, only c's, once an epoch."""
+    """8 global batches on 2 ranks, then 8 more on 3 ranks and on 1: the global batches of 16 on 1 rank, in order.
+    Each source's samples are drawn epoch by epoch: after every global batch, each was drawn ⌊t/n⌋ or ⌈t/n⌉ times."""
     spec = blend["a"] if which == "one source" else data(blend, which)
-    straight = global_batches(ranks(spec, 1, 0, G), 40)
-    first = ranks(spec, 2, 2, 2)
-    assert global_batches(first, 20) == straight[:20]
+    straight = global_batches(ranks(spec, 1, 0, G), 16)
+    first = ranks(spec, 2, 2, 8)
+    assert global_batches(first, 8) == straight[:8]
     position = merged_state([json.loads(json.dumps(s.state_dict())) for s in first])
-    for dp, workers, micro in ((4, 2, 1), (1, 1, 4)):
+    for dp, workers, micro in ((3, 1, 4), (1, 1, 12)):
         later = ranks(spec, dp, workers, micro)
         for s in later:
             s.load_state_dict(position)
-        assert global_batches(later, 20) == straight[20:], (dp, workers, micro)
-    seen = samples_of(straight)
-    assert max(n for i, n in seen.items() if not i.startswith("c/")) == 1
-    if which == "three sources":
-        epochs = later[0].progress()[2]["epochs"]
-        assert 2 <= max(n for i, n in seen.items() if i.startswith("c/")) <= int(epochs) + 1
+        assert global_batches(later, 8) == straight[8:], (dp, workers, micro)
+    sizes = {p.source.name: p.manifest["splits"]["train"]["samples"] for p in later[0].parts}
+    for g in range(1, 17):
+        seen = counts_by_source(straight[:g])
+        for name, n in sizes.items():
+            mine = [k for i, k in seen.items() if name is None or i.startswith(f"{name}/")]
+            drawn = sum(mine)
+            assert set(mine) | {drawn // n} <= {drawn // n, -(-drawn // n)} and len(mine) == min(n, drawn), (g, name)
 
 
 def test_a_position_goes_on_in_another_layout_across_an_epoch_boundary(blend):
-    """b's streams hold 4 or 5 of its shards an epoch: the relayout falls where the first have begun their epoch 2
-    and the others have not."""
+    """b's epoch ends inside global batch n // G: the relayout falls just before it."""
     spec = blend["b"]
-    first_end = min(sum(n for _, n in ranks(spec, 1, 0, G)[0].orders[0].share(c, 0)) for c in range(C))  # 1 a batch
-    stop = first_end + 1
-    straight = global_batches(ranks(spec, 1, 0, G), stop + 8)
+    stop = ranks(spec, 1, 0, G)[0].orders[0].n // G
+    straight = global_batches(ranks(spec, 1, 0, G), stop + 4)
     first = ranks(spec, 4, 1, 2)
     global_batches(first, stop)
     state = merged_state([s.state_dict() for s in first])
-    later = ranks(spec, 2, 2, 1)
+    later = ranks(spec, 6, 0, 4)
     for s in later:
         s.load_state_dict(state)
-    assert global_batches(later, 8) == straight[stop:]
-    assert samples_of(straight[:first_end]).most_common(1)[0][1] == 1   # every sample once in the first epoch
-    assert samples_of(straight).most_common(1)[0][1] == 2   # and then some again: the epoch boundary is crossed
+    assert global_batches(later, 4) == straight[stop:]
+    assert counts_by_source(straight[:stop]).most_common(1)[0][1] == 1   # every sample once in the first epoch
+    assert counts_by_source(straight).most_common(1)[0][1] == 2   # and then some again: the epoch boundary is crossed
 
 
 @pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [5, 3, 2], [0.9, 0.05, 0.03, 0.02], [1, 1], [1]])
-@pytest.mark.parametrize("streams,global_batch", [(1, 8), (4, 4), (16, 16), (8, 64)])
+@pytest.mark.parametrize("streams,global_batch", [(1, 8), (4, 4), (16, 16), (8, 64), (64, 96)])
 def test_the_blend_keeps_every_source_within_one_sample_of_its_weight(weights, streams, global_batch):
-    """After every global batch: |count − w·N| ≤ 1 − 1/(2m−2) (< 1) for each source, whatever C (a single
-    stream included); every stream gives exactly G/C samples; each stream reads each source at about its weight's
-    rate."""
-    blend, w = Blend(weights, streams), [x / sum(weights) for x in weights]
+    """After every global batch: |count − w·N| ≤ 1 − 1/(2m−2) (< 1) for each source, whatever C (a single stream
+    included); each stream's draws of each source are within one of every other stream's (round robin), and its band
+    of a batch starts within 2m of c·G/C."""
+    blend, w = Blend(weights), [x / sum(weights) for x in weights]
     bound = 1 - 1 / (2 * len(w) - 2) if len(w) > 1 else 0
-    pos, per = blend.start(), global_batch // streams
-    for g in range(1, 301):
+    pos, per_stream = blend.start(), collections.Counter()
+    for g in range(1, 201):
         before = list(pos.counts)
-        split = blend.advance(pos, global_batch)
-        assert all(sum(row) == per for row in split)
-        assert [sum(row[s] for row in split) for s in range(len(w))] == [a - b for a, b in zip(pos.counts, before)]
+        lay = layout(blend, pos, global_batch, streams)
+        assert [int((lay.sources == s).sum()) for s in range(len(w))] == [a - b for a, b in zip(pos.counts, before)]
         assert all(abs(pos.counts[s] - w[s] * pos.samples) <= bound + 1e-9 for s in range(len(w))), (g, pos.counts)
-        assert [sum(row[s] for row in pos.streams) for s in range(len(w))] == pos.counts
-        assert max(abs(n - w[s] * g * per) for row in pos.streams for s, n in enumerate(row)) <= 3, g
-    again = blend.position_at(300, global_batch)   # a checkpoint without a position: the same one, from the start
-    assert (again.samples, again.counts, again.streams) == (pos.samples, pos.counts, pos.streams)
+        per_stream.update(zip(lay.streams.tolist(), lay.sources.tolist()))
+        for s in range(len(w)):
+            mine = [per_stream[c, s] for c in range(streams)]
+            assert max(mine) - min(mine) <= 1 and sum(mine) == pos.counts[s]
+        starts = [int((lay.streams < c).sum()) for c in range(streams)]
+        assert all(abs(x - c * global_batch / streams) <= 2 * len(w) for c, x in enumerate(starts)), starts
+    again = blend.position_at(200, global_batch)   # a checkpoint without a position: the same one, from the start
+    assert (again.samples, again.counts) == (pos.samples, pos.counts)
+
+
+def test_a_data_state_of_the_order_dealt_by_shard_goes_on_in_it(blend):
+    """tests/data/canonical_v1.json: what the code before this order wrote (3 sources, G 16, C 8, 2 ranks) after 30
+    global batches, and the 12 it read next. Resumed here on 2, 4 and 8 ranks, the same 12, in order; on 3 ranks, a
+    one-line error naming the sizes it can use."""
+    ref = json.load(open(os.path.join(ROOT, "tests", "data", "canonical_v1.json")))
+    spec = [Source(blend[n], w, n) for n, (_, _, w) in BLEND.items()]
+    for dp, workers in ((2, 1), (4, 0), (8, 1)):
+        streams = [TokenStream(spec, 16 // dp, SEQ, dp_rank=r, dp_world=dp, num_workers=workers, seed=3,
+                               global_batch_size=16) for r in range(dp)]   # data.canonical_streams=null: the state's
+        for s in streams:
+            s.load_state_dict(ref["state"])
+        its = [iter(s) for s in streams]
+        assert [[i for it in its for i in next(it)["ids"]] for _ in range(12)] == ref["batches"], dp
+        assert streams[0].state_dict()["order"] == "canonical streams" and streams[0].canonical_streams == 8
+    with pytest.raises(DataError) as e:   # 16 ranks: more than its 8 streams
+        TokenStream(spec, 1, SEQ, dp_world=16, seed=3, global_batch_size=16).load_state_dict(ref["state"])
+    assert "\n" not in str(e.value) and "it can resume on 1, 2, 4, 8 data-parallel ranks" in str(e.value), e.value
+    assert TokenStream(spec, 1, SEQ, dp_world=16, seed=3, global_batch_size=16).canonical_streams == 16   # a new run
 
 
 # ---- errors: one line, naming the source and the key ----
@@ -168,10 +193,12 @@ def test_the_launch_check_reads_every_source_and_the_streams_fit_the_layout(blen
     with pytest.raises(DataError) as e:
         check_launch(load_config(cfg, [f"data.sources={json.dumps(sources[:2] + [dict(sources[2], path='/no')])}"]), 2)
     assert str(e.value).startswith("source 'c': shard directory /no does not exist"), str(e.value)
-    for overrides, words in ((["data.canonical_streams=3"], "data.canonical_streams=3 must divide train.global_"
-                                                             "batch_size=8"),
-                             (["data.canonical_streams=2"], "data.canonical_streams=2 is not divisible by the data-"
-                                                            "parallel size 4")):
+    assert check_launch(load_config(cfg, ["data.canonical_streams=3", "train.micro_batch_size=2"]), 4).dp == 4
+    for overrides, world, words in ((["data.canonical_streams=9"], 2, "data.canonical_streams=9 must be between 1 "
+                                                                      "and train.global_batch_size=8"),
+                                    ([], 3, "train.global_batch_size=8 is not divisible by the data-parallel size 3: "
+                                            "its samples are split evenly over the ranks; data-parallel sizes it can "
+                                            "use: 1, 2, 4, 8")):
         with pytest.raises(ConfigError) as e:
-            check_launch(load_config(cfg, overrides + ["train.micro_batch_size=2"]), 4)
+            check_launch(load_config(cfg, overrides + ["train.micro_batch_size=1"]), world)
         assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

@@ -4,6 +4,7 @@ and a bearer token; through a `pipe:` command; through fsspec. The batches must 
 sample for sample, whatever the network did."""
 import contextlib
 import http.server
+import itertools
 import os
 import shutil
 import ssl
@@ -13,10 +14,12 @@ import threading
 import pytest
 import trustme
 
+from model.config import ConfigError
 from tokendata import remote
-from pretrain.config import load_config
+from pretrain.config import DataSection, load_config
 from tokendata.stream import TokenStream
 from pretrain.prelaunch import check_launch
+from tokendata.shard_files import folder_for
 from tokendata.shards import DataError, read_manifest
 from tests.http_shards import ShardServer
 from tests.runs import (built_once, launch, losses, ids_per_step, metric_rows, reference_config, tensorboard_scalars,
@@ -153,9 +156,41 @@ def test_a_bearer_token_comes_from_the_environment_and_is_never_shown(few_shards
         assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 1
         assert TOKEN not in os.environ[remote.HTTP_SETTINGS]   # what workers inherit names the variable only
         with redirecting_to(srv.url) as elsewhere:   # a server that sends the client on: the token does not follow
+            remote.configure(pem, {"Authorization": "SHARDS_TOKEN"}, headers_over_http=True)   # (a plain http:// one)
             with pytest.raises(DataError) as e:
                 remote.fetch(f"{elsewhere}/manifest.json")
         assert "HTTP 401 Unauthorized" in str(e.value) and srv.refused == 2, e.value
+
+
+def test_a_token_is_refused_over_plain_http_unless_allowed(few_shards, tmp_path, monkeypatch):
+    """Headers configured for an http:// source: the config is refused in one line naming the key, and so is every
+    request of a process configured so (the manifest, a shard, a PUT of make_shards); nothing reaches the server.
+    data.headers_over_http=true lets them through (a network the user trusts)."""
+    monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
+    with ShardServer(few_shards, token=TOKEN) as srv:
+        headers = {"http_headers_from_env": {"Authorization": "SHARDS_TOKEN"}}
+        with pytest.raises(ConfigError) as e:
+            load_config(write_config(tmp_path / "c.yaml", srv.url, tmp_path / "run", data=headers), [])
+        assert str(e.value) == (f"data.shard_dir={srv.url} is plain http://: data.http_headers_from_env (Authorization) "
+                                "would go out unencrypted; serve it over https://, or set data.headers_over_http=true "
+                                "on a network you trust")
+        sources = [{"name": "a", "path": few_shards, "weight": 1}, {"name": "b", "path": srv.url, "weight": 1}]
+        with pytest.raises(ConfigError) as e:
+            load_config(write_config(tmp_path / "c.yaml", None, tmp_path / "run",
+                                     data={"sources": sources, **headers}), [])
+        assert str(e.value).startswith(f"data.sources[1].path={srv.url} is plain http://"), e.value
+        remote.configure(None, {"Authorization": "SHARDS_TOKEN"})
+        for attempt in (lambda: stream(srv.url), lambda: remote.fetch(f"{srv.url}/train-000000.tar"),
+                        lambda: remote.writer(f"{srv.url}/new.tar")):
+            with pytest.raises(remote.CredentialError) as e:
+                attempt()
+            assert "\n" not in str(e.value) and "would be sent unencrypted over plain http://" in str(e.value)
+            assert "data.headers_over_http=true" in str(e.value) and TOKEN not in str(e.value)
+        assert not srv.gets and not srv.heads and srv.connections == 0
+        allowed = load_config(write_config(tmp_path / "c.yaml", srv.url, tmp_path / "run",
+                                           data={**headers, "headers_over_http": True}), [])
+        remote.configure(None, allowed.data.http_headers_from_env, allowed.data.headers_over_http)
+        assert batches(stream(srv.url)) == batches(stream(few_shards)) and srv.refused == 0
 
 
 @contextlib.contextmanager
@@ -197,14 +232,19 @@ def test_a_404_shard_fails_in_one_line_or_is_skipped_as_a_local_bad_shard_is(few
     name = first_read(local, 3)[1]
     with ShardServer(few_shards) as srv:
         srv.missing.add(name)
+        s = stream(srv.url)   # nothing is asked of a shard before a batch reads it
+        assert not srv.heads and not any(n.endswith(".tar") for n in srv.gets)
         with pytest.raises(DataError) as e:
-            stream(srv.url)
-        assert str(e.value) == (f"shard {srv.url}/{name} cannot be read: HTTP 404 Not Found: rebuild {srv.url} with "
+            batches(s)
+        assert str(e.value) == (f"shard {srv.url}/{name}: HTTP 404 Not Found: rebuild {srv.url} with "
                                 "tools/make_shards.py, or set data.bad_shards=skip to train without it")
         s = stream(srv.url, bad_shards="skip")
-        assert s.skipped_shards == [(f"{srv.url}/{name}", "cannot be read: HTTP 404 Not Found")]
-        got = batches(s)[0]
-    # the same order as a local directory where that shard is damaged (empty) and skipped at the start
+        got, reported = [], []
+        for b in itertools.islice(iter(s), BATCHES):
+            got.append((b["ids"], b["tokens"].tolist()))
+            reported += b["skipped_shards"]
+        assert reported == [f"{srv.url}/{name}"]
+    # the same order as a local directory where that shard is damaged (empty)
     damaged = tmp_path / "shards"
     shutil.copytree(few_shards, damaged)
     (damaged / name).write_bytes(b"")
@@ -230,7 +270,7 @@ def test_cache_dir_fetches_each_shard_once(few_shards, tmp_path):
         # prefetch reached beyond them)
         assert all(count == 1 for name, count in srv.gets.items() if name != "manifest.json"), srv.gets
     sizes = {s["name"]: s["bytes"] for s in read_manifest(few_shards)["splits"]["train"]["shards"]}
-    assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in cache.iterdir()}
+    assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in (cache / folder_for(srv.url)).iterdir()}
 
 
 def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):
@@ -244,16 +284,28 @@ def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):
                                    f"data.shard_dir={srv.url}/nothing right?"), str(e.value)
 
 
-def test_make_shards_writes_through_a_pipe_command_the_files_it_writes_to_a_directory(shards, tmp_path):
-    src, piped = os.path.dirname(shards), tmp_path / "piped"
+def test_make_shards_writes_through_a_pipe_command_and_https_the_files_it_writes_to_a_directory(shards, tmp_path, tls,
+                                                                                                 monkeypatch):
+    """The same files in a directory, through a pipe: command, and PUT to a private HTTPS server (its CA and a bearer
+    token from the environment, as training reads it: --ca-bundle, --header-from-env); the token is in no output."""
+    src, piped, put = os.path.dirname(shards), tmp_path / "piped", tmp_path / "put"
     piped.mkdir()
+    put.mkdir()
     args = ["--input", f"{src}/corpus.txt", "--tokenizer", f"{src}/tokenizer.model", "--seq-len", SEQ,
             "--samples-per-shard", 50, "--quiet"]
     tool("make_shards.py", *args, "--out", tmp_path / "local")
     tool("make_shards.py", *args, "--out", f"pipe:cat > {piped}/{{}}")
+    context, pem = tls
+    monkeypatch.setenv("SHARDS_TOKEN", f"Bearer {TOKEN}")
+    with ShardServer(str(put), tls=context, token=TOKEN) as srv:
+        r = tool("make_shards.py", *args, "--out", srv.url, "--ca-bundle", pem, "--header-from-env",
+                 "Authorization=SHARDS_TOKEN")
     names = sorted(os.listdir(tmp_path / "local"))
-    assert sorted(os.listdir(piped)) == names and "manifest.json" in names and len(names) > 5
-    assert all((piped / n).read_bytes() == (tmp_path / "local" / n).read_bytes() for n in names)
+    assert sorted(os.listdir(piped)) == sorted(os.listdir(put)) == names and "manifest.json" in names and len(names) > 5
+    assert all((piped / n).read_bytes() == (put / n).read_bytes() == (tmp_path / "local" / n).read_bytes()
+               for n in names)
+    assert set(srv.puts) == set(names) and set(srv.puts.values()) == {1} and srv.refused == 0
+    assert TOKEN not in r.stdout + r.stderr
 
 
 def first_shards_of_each_worker(shards, ranks=2, workers=2, batch=4, seed=1234):
@@ -267,7 +319,7 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     """tests/runs.py's reference run (2 ranks, 2 data workers each, 40 steps), its shards served over HTTP: the first
     shard of each worker has its connection dropped half-way or gets a 503. Same losses and sample ids, bit for bit,
     as the run from the local directory; the four retries are counted in metrics.jsonl and TensorBoard (its own
-    reader). The shards' sizes are checked once, by one rank, for both."""
+    reader). No shard is asked for its size: each is checked when read.""" 
     firsts = first_shards_of_each_worker(shards)
     with ShardServer(shards) as srv:
         srv.faults.update({name: [fault] for name, fault in zip(firsts, ["drop", "503", "503", "drop"])})
@@ -278,21 +330,20 @@ def test_a_run_streamed_over_http_through_faults_matches_the_local_run(shards, r
     assert [r["data/retries"] for r in metric_rows(run) if "data/retries" in r][-1] == 4
     retries = tensorboard_scalars(run, "data/retries")
     assert sorted(retries) == list(range(1, 41)) and retries[40] == 4, retries
-    assert all(srv.gets[n] == 2 for n in firsts)
-    listed = [s["name"] for split in read_manifest(shards)["splits"].values() for s in split["shards"]]
-    assert sorted(srv.heads) == sorted(listed) and set(srv.heads.values()) == {1}
+    assert all(srv.gets[n] >= 2 for n in firsts) and not srv.heads   # (a shard two ranks read: fetched by both)
 
 
 @pytest.mark.slow
 def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_across_a_kill(few_shards, tls, tmp_path):
     """A real run on 2 ranks from a server that wants a bearer token, over TLS with the test's CA (data.ca_bundle,
     data.http_headers_from_env: {Authorization: SHARDS_TOKEN}), one train shard answered 404 under
-    data.bad_shards=skip; rank 1 is killed (SIGKILL, in the save of step 6) and the run relaunched. data/skipped_shards
-    is 1 at every step before and after the kill, in metrics.jsonl and in TensorBoard; every request carried the token
-    (manifest, size checks, shards, tokenizer); the token's value is in no file of the run directory (grep -r) and in
-    nothing the run printed."""
+    data.bad_shards=skip (found when the first step reads it, then kept in the checkpoints); rank 1 is killed (SIGKILL,
+    in the save of step 6) and the run relaunched. data/skipped_shards is 1 at every step before and after the kill,
+    in metrics.jsonl and in TensorBoard; every request carried the token (manifest, shards, tokenizer); the token's
+    value is in no file of the run directory (grep -r) and in nothing the run printed."""
     context, pem = tls
-    name = first_read(stream(few_shards), 3)[1]
+    seed = DataSection(shard_dir=few_shards).seed   # the run's: data.seed's default
+    name = TokenStream(few_shards, 4, SEQ, dp_world=2, seed=seed).upcoming_shards()[1]   # rank 0 reads it first
     run = tmp_path / "run"
     with ShardServer(few_shards, tls=context, token=TOKEN) as srv:
         srv.missing.add(name)
@@ -304,14 +355,15 @@ def test_a_private_https_server_serves_a_run_whose_404_shard_stays_skipped_acros
         assert killed.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "step_00000003"
         resumed = launch(cfg, 2, env=token)
     assert "resumed at step 3" in resumed.stdout and "done: validation perplexity" in resumed.stdout
-    for r in (killed, resumed):
-        assert (f"skipping 1 bad shards (data.bad_shards=skip): {srv.url}/{name} (cannot be read: HTTP 404 Not "
-                "Found)") in r.stdout, r.stdout[-3000:]
+    assert (f"warning: shard {srv.url}/{name}: HTTP 404 Not Found; skipping it (data.bad_shards=skip)" in
+            killed.stdout + killed.stderr), killed.stderr[-3000:]
+    assert (f"data: skipping 1 shards found bad before this checkpoint (data.bad_shards=skip): {srv.url}/{name}" in
+            resumed.stdout), resumed.stdout[-3000:]
     skipped = [(row["step"], row["data/skipped_shards"]) for row in metric_rows(run) + metric_rows(run, replayed=True)
                if "data/skipped_shards" in row]
     assert sorted(skipped) == sorted([(s, 1) for s in range(1, 10)] + [(4, 1), (5, 1), (6, 1)]), skipped   # 4-6 twice
     assert tensorboard_scalars(run, "data/skipped_shards") == {s: 1 for s in range(1, 10)}
-    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and srv.heads
+    assert srv.refused == 0 and srv.gets["tokenizer.model"] and srv.gets["manifest.json"] >= 2 and not srv.heads
     grep = lambda text: subprocess.run(["grep", "-r", "-l", text, str(run)], capture_output=True, text=True)  # noqa
     assert grep("SHARDS_TOKEN").returncode == 0   # the copies of the config name the variable: grep reads them
     assert grep(TOKEN).returncode == 1, grep(TOKEN).stdout

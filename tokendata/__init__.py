@@ -5,10 +5,13 @@
                     against a model (vocabulary, sequence length)
     shard_files.py  fetching, verifying (data.verify) and parsing one shard; what a bad one does
     sources.py      the sources of a stream (one shard set, or several blended by weight) and the rules between them
-    order.py        the train order: canonical streams and the blend, a function of the data settings and seed alone
-    reading.py      what the readers (DataLoader workers) do: groups of shards fetched ahead, pooled, shuffled
+    order.py        the train order: the blend's picks, canonical streams, exact epochs; a function of the data
+                    settings and seed alone, read by any data-parallel size dividing the global batch
+    reading.py      what the readers (DataLoader workers) do: each rank's positions, its streams' windows read ahead
+    shard_pool.py   the shards a reader holds: at most data.fetch_threads in memory, the rest on the local disk
     stream.py       TokenStream: the resumable, deterministic train batches of one data-parallel rank, and its
                     validation batches
+    streams_v1.py   the order of canonical streams dealt by shard, for the checkpoints of runs started with it
     legacy.py       the order of runs started before canonical streams, for their checkpoints
     corpus.py       reading a corpus: text (a document a line), JSONL, Parquet, Hugging Face datasets (a record a
                     document, newlines kept); bad records

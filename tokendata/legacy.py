@@ -22,8 +22,9 @@ import random
 import torch
 import webdataset as wds
 
-from tokendata.reading import as_is, shuffled_samples, worker_info
+from tokendata.reading import as_is, worker_info
 from tokendata.shard_files import ShardReader
+from tokendata.streams_v1 import shuffled_samples
 from tokendata.shards import need
 
 # Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".

@@ -2,196 +2,269 @@
 the layout that reads them (data-parallel size, DataLoader workers, micro-batch size, accumulation). Pure arithmetic
 on the manifests' shard lists and sample counts: nothing here opens a shard.
 
-Canonical streams (MosaicML Streaming's canonical nodes, for WebDataset's sequential reads). A run has C of them
-(data.canonical_streams, fixed when it starts; C divides the global batch G). Global batch g is, in stream order,
-G/C samples of every stream c = 0 … C-1. Data-parallel rank r of D serves the C/D streams [r·C/D, (r+1)·C/D)
-(`rank_streams`), and its DataLoader workers split those among themselves; so for every D and every worker count the
-G samples of global batch g are the same ones, in the same order.
+Picks. The run is one sequence of picks; global batch g is picks gG … gG + G − 1. Pick τ's source follows Tijdeman's
+rule over the sources' weights w (`Blend`; m sources): after every pick each source's count is within 1 − 1/(2m−2)
+< 1 of w·τ. A pick of source s is that source's draw t: its t-th pick of the run, from 0 (Megatron-LM's blended
+dataset_sample_index).
 
-How many samples of each source a global batch holds, and how they are split over the streams: `Blend` (the sources'
-weights w; m sources). After every global batch each source's count is within 1 − 1/(2m−2) < 1 of w·N (N samples in
-all), whatever C is; each stream reads every source at about its weight's rate.
+Canonical streams (MosaicML Streaming's canonical nodes). A run has C of them (data.canonical_streams, 1 ≤ C ≤ G,
+fixed when it starts). Draw t of a source belongs to stream a·t mod C, as that stream's draw j = t div C: each
+stream takes one residue class of t, the draws of each source dealt round robin; a (`stride`) is coprime to C and
+near C/φ, so a batch's consecutive draws of a source spread over the streams rather than crowd into an arc of them. A
+global batch lists its picks stream by stream, each stream's in pick order (`layout`); data-parallel rank r of D
+serves its positions [rG/D, (r+1)G/D) (`rank_slice`), for every D that divides G. So the G samples of global batch
+g, in their order, are the same for every D, worker count and micro-batch. Stream c's band of a batch starts within
+2m positions of c·G/C (m sources; tests/test_order.py and tests/test_order_scale.py hold it), so a rank reads the
+streams of its positions, at most C/D + 2 + 4m·C/G of them (`rank_streams`), not all C.
 
-A source's samples for stream c (`SourceOrder`): epoch e shuffles the source's shard list with Random(f"{key}/{e}")
-(key: the seed, and the source's name when it has one); stream c takes the positions p of that list with
-(e·N + p) mod C = c (N shards: each shard once an epoch across the streams; which streams get one shard more rotates
-with e, and a source of fewer shards than streams still feeds every stream over its epochs). It reads them in groups
-of `mix` consecutive ones, never across an epoch, pools each group's samples and shuffles them with
-Random(f"{key}/{e}/{c}/{j}") (group j): a shard is consecutive text. A source that runs out goes on with its next
-epoch, whatever the other sources do.
+Epochs, exact. Epoch e of a source (n samples in N shards) is its shard list shuffled with Random(f"{key}/{e}") (key:
+the seed, and the source's name when it has one), read as one sequence of n slots, each shard's samples in file
+order. Stream c's span of epoch e is the a_c(e) slots after the spans of streams 0 … c − 1, where
+a_c(e) = #{t ∈ [e·n, (e+1)·n) : a·t ≡ c (mod C)} is exactly the number of its draws in that epoch. So draws
+e·n … (e+1)·n − 1 of a source are each of its samples once: no sample of a source is drawn twice before every sample
+of it has been drawn once, whether it has 1 shard, fewer shards than streams, or many. A stream reads its span in
+windows of W = mix × ⌈n/N⌉ slots (about `mix` shards; data's mix_shards), each in the order Random(f"{key}/{e}/{c}/{k}")
+shuffles it (window k): a shard is consecutive text, a window pools about mix of them. A stream's span is a
+contiguous run of the epoch's shards, so each shard is read by one stream an epoch, two where it straddles spans.
 
-A position (`Position`) is the same on every rank; a sample position in a source's part of a stream is found by the
-manifest's counts, without opening a shard.
+Bad shards (found bad while reading, data.bad_shards=skip): the i-th slot of a window (in its order) that is in a
+bad shard takes the window's i-th good slot, cyclically (a window of bad shards alone: the first good shard after it
+in the epoch). Those samples are read twice in the epoch (more only where a window holds more bad slots than good);
+no other draw moves, so the batches depend on which shards are bad, not on which rank found them or when.
+
+A position (`Position`) is the picks so far and each source's count: the same on every rank.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import random
 
+import numpy as np
+
 from tokendata.shards import DataError
 
-DEFAULT_STREAMS_UP_TO = 64   # data.canonical_streams=null: the largest divisor of the global batch up to this
+DEFAULT_STREAMS = 64   # data.canonical_streams=null: min(64, G) (docs/data.md: the trade-off)
 
 
 def default_streams(global_batch: int) -> int:
-    """data.canonical_streams when the config leaves it null: the largest divisor of the global batch ≤ 64 (a layout
-    of D ranks then needs D | C; see README: Training on a cluster)."""
-    return max(c for c in range(1, min(global_batch, DEFAULT_STREAMS_UP_TO) + 1) if global_batch % c == 0)
+    """data.canonical_streams when the config leaves it null: 64, or the global batch where it is smaller."""
+    return min(DEFAULT_STREAMS, global_batch)
 
 
-def check_streams(streams: int, global_batch: int, dp: int, key: str = "data.canonical_streams") -> None:
-    """One-line DataError unless C streams can make global batches of G samples on D data-parallel ranks."""
-    if streams < 1 or global_batch % streams:
-        raise DataError(f"{key}={streams} must divide train.global_batch_size={global_batch} (each stream gives "
-                        f"G/C samples to every global batch): choose a divisor of {global_batch}")
-    if streams % dp:
-        raise DataError(f"{key}={streams} is not divisible by the data-parallel size {dp}: each rank serves C/dp "
-                        f"whole streams; a new run: set {key} to a multiple of every data-parallel size it may use "
-                        f"(dividing train.global_batch_size={global_batch}); a running one: use a data-parallel "
-                        f"size that divides {streams}")
+def check_streams(streams: int, global_batch: int, key: str = "data.canonical_streams") -> None:
+    """One-line DataError unless C streams can make global batches of G samples (1 ≤ C ≤ G)."""
+    if not 1 <= streams <= global_batch:
+        raise DataError(f"{key}={streams} must be between 1 and train.global_batch_size={global_batch} (each stream "
+                        f"gives about G/C samples to every global batch): set {key}=null (min(64, G)) or a number "
+                        f"≤ {global_batch}")
 
 
-def rank_streams(streams: int, dp_rank: int, dp_world: int) -> list[int]:
-    """The canonical streams data-parallel rank r of D serves, in the order its share of a global batch has them."""
-    per = streams // dp_world
-    return list(range(dp_rank * per, (dp_rank + 1) * per))
+def stride(streams: int) -> int:
+    """a: the integer nearest C/φ that is coprime to C (1 for C ≤ 2). t ↦ a·t mod C is a bijection of the residues
+    that sends consecutive draws about 0.618·C streams apart, a low-discrepancy (Kronecker) spread."""
+    if streams <= 2:
+        return 1
+    target = streams * 2 / (1 + 5 ** 0.5)
+    return min((a for a in range(1, streams) if math.gcd(a, streams) == 1), key=lambda a: (abs(a - target), a))
 
 
-class SourceOrder:
-    """One source's shards dealt to C canonical streams, epoch after epoch. `shards`: [(name, samples)] sorted by name
-    (the good train shards); `key`: the seed string of its shuffles."""
+def rank_slice(global_batch: int, dp_rank: int, dp_world: int) -> tuple[int, int]:
+    """The positions [lo, hi) of every global batch that data-parallel rank r of D trains on."""
+    per = global_batch // dp_world
+    return dp_rank * per, (dp_rank + 1) * per
 
-    def __init__(self, shards: list, key: str, streams: int, mix: int):
-        if not shards:
-            raise DataError(f"no train shards to read (key {key})")
-        self.shards, self.key, self.streams, self.mix = list(shards), key, streams, mix
-        self._epochs: dict[int, list] = {}
 
-    def epoch(self, e: int) -> list:
-        """The shard list of epoch e, shuffled: the same on every rank and worker."""
-        if e not in self._epochs:
-            if len(self._epochs) >= 64:   # each stream's position is found epoch after epoch from 0: keep them all
-                self._epochs.pop(next(iter(self._epochs)))   # up to 64 (lists of references), dropping the oldest
-            order = list(self.shards)
-            random.Random(f"{self.key}/{e}").shuffle(order)
-            self._epochs[e] = order
-        return self._epochs[e]
-
-    def share(self, stream: int, e: int) -> list:
-        """Stream c's shards of epoch e: the positions p with (e·N + p) mod C = c."""
-        n = len(self.shards)
-        return self.epoch(e)[(stream - e * n) % self.streams::self.streams]
-
-    def groups(self, stream: int, e: int) -> list[list]:
-        mine = self.share(stream, e)
-        return [mine[j:j + self.mix] for j in range(0, len(mine), self.mix)]
-
-    def seed(self, stream: int, e: int, j: int) -> str:
-        return f"{self.key}/{e}/{stream}/{j}"
-
-    def locate(self, stream: int, position: int, bad: frozenset = frozenset()) -> tuple[int, int, int]:
-        """(epoch, group, samples to skip in it) of sample `position` of this source in `stream`, by the manifest's
-        counts; shards in `bad` (found bad while reading) hold none."""
-        if len(bad) >= len(self.shards):
-            raise DataError(f"every train shard of {self.key} was found bad")
-        e = 0
-        while True:
-            for j, group in enumerate(self.groups(stream, e)):
-                n = sum(count for name, count in group if name not in bad)
-                if position < n:
-                    return e, j, position
-                position -= n
-            e += 1
-
-    def walk(self, stream: int, position: int, bad: frozenset = frozenset()):
-        """Endless {"names", "skip", "order_seed", "epoch"} of the groups stream c reads from sample `position` on."""
-        e, first, skip = self.locate(stream, position, bad)
-        while True:
-            for j, group in enumerate(self.groups(stream, e)[first:], start=first):
-                yield {"names": [name for name, _ in group], "skip": skip, "order_seed": self.seed(stream, e, j),
-                       "epoch": e}
-                skip = 0
-            e, first = e + 1, 0
+def reachable(global_batch: int) -> list[int]:
+    """The data-parallel sizes this order can use: every divisor of the global batch."""
+    return [d for d in range(1, global_batch + 1) if global_batch % d == 0]
 
 
 @dataclasses.dataclass
 class Position:
-    """Where a train stream is, the same on every rank: the samples of all global batches so far (N), each source's
-    count among them, and each canonical stream's count of each source (where its reading of that source is)."""
+    """Where a train stream is, the same on every rank: the picks of all global batches so far, and each source's
+    count among them (its next draw)."""
     samples: int
     counts: list[int]
-    streams: list[list[int]]
 
     def copy(self) -> "Position":
-        return Position(self.samples, list(self.counts), [list(c) for c in self.streams])
+        return Position(self.samples, list(self.counts))
 
 
 class Blend:
-    """How many samples of each source every canonical stream gives to each global batch, from the sources' weights
-    (any positive numbers, used as proportions).
+    """The source of every pick, from the sources' weights (any positive numbers, used as proportions): Tijdeman's rule
+    (the chairman assignment problem, 1980): pick t (1-based) goes, among the sources with w·t − count ≥ δ = 1/(2m−2),
+    to the one whose next sample is due first, (count + 1 − δ)/w; ties to the lower index. After every pick each
+    source's count is within 1 − δ of w·t. Its state is the counts alone."""
 
-    The sources of a global batch: the next G of one sequence for the whole run, Tijdeman's rule (the chairman
-    assignment problem, 1980): sample t (1-based) goes, among the sources with w·t − count ≥ δ = 1/(2m−2), to the
-    one whose next sample is due first, (count + 1 − δ)/w; ties to the lower index. After every sample, so after every
-    global batch, each source's count is within 1 − δ of w·N. Its state is the counts alone.
-    Their split over the C streams (each gives G/C): every stream gets k // C of a source's k; the k mod C left over
-    go to streams, sources with fewest left over first, each to the streams with the most room left (so that every
-    stream gets exactly G/C: the greedy of the Gale–Ryser theorem) and, among those, the furthest behind w × its own
-    samples on that source: each stream reads every source at about its rate (within a few samples), so each
-    source's shards are read at one pace by every stream."""
-
-    def __init__(self, weights: list[float], streams: int):
+    def __init__(self, weights: list[float]):
         total = float(sum(weights))
-        self.w, self.C = [float(x) / total for x in weights], streams
+        self.w = [float(x) / total for x in weights]
         self.delta = 1.0 / (2 * len(self.w) - 2) if len(self.w) > 1 else 0.0
 
     def start(self) -> Position:
-        return Position(0, [0] * len(self.w), [[0] * len(self.w) for _ in range(self.C)])
+        return Position(0, [0] * len(self.w))
 
     def pick(self, t: int, counts: list[int]) -> int:
-        """The source of sample t (1-based) of the run after `counts`."""
+        """The source of pick t (1-based) of the run after `counts`."""
         due = [i for i, w in enumerate(self.w) if w * t - counts[i] >= self.delta - 1e-9] or range(len(self.w))
         return min(due, key=lambda i: ((counts[i] + 1 - self.delta) / self.w[i], i))
 
-    def advance(self, pos: Position, global_batch: int) -> list[list[int]]:
-        """The next global batch of G samples: [per stream, per source, its samples in it]; `pos` moves past it."""
-        m, C, per = len(self.w), self.C, global_batch // self.C
-        if m == 1:
-            pos.samples, pos.counts[0] = pos.samples + global_batch, pos.counts[0] + global_batch
-            for row in pos.streams:
-                row[0] += per
-            return [[per] for _ in range(C)]
-        k, counts, due_from = [0] * m, pos.counts, self.delta - 1e-9
-        for t in range(pos.samples + 1, pos.samples + global_batch + 1):   # pick(t, counts), the hot loop inlined
+    def picks(self, pos: Position, n: int) -> list[int]:
+        """The sources of the next n picks; `pos` moves past them."""
+        if len(self.w) == 1:
+            pos.samples, pos.counts[0] = pos.samples + n, pos.counts[0] + n
+            return [0] * n
+        out, counts, due_from = [], pos.counts, self.delta - 1e-9
+        for t in range(pos.samples + 1, pos.samples + n + 1):   # pick(t, counts), the hot loop inlined
             s, first = -1, math.inf
             for i, w in enumerate(self.w):
                 if w * t - counts[i] >= due_from and (counts[i] + 1 - self.delta) / w < first:
                     s, first = i, (counts[i] + 1 - self.delta) / w
             s = s if s >= 0 else self.pick(t, counts)
             counts[s] += 1
-            k[s] += 1
-        pos.samples += global_batch
-        X = [[q // C for q in k] for _ in range(C)]
-        room = [per - sum(X[0])] * C
-        done = sum(pos.streams[0]) + per   # every stream's samples after this batch
-        for s in sorted(range(m), key=lambda s: (k[s] % C, s)):   # the rarest first: they pick the streams
-            behind = lambda c: (-room[c], pos.streams[c][s] - self.w[s] * done, c)  # noqa: E731
-            for c in sorted(range(C), key=behind)[:k[s] % C]:   # most room first: every stream fills (Gale–Ryser)
-                X[c][s] += 1
-                room[c] -= 1
-        for c in range(C):
-            for s in range(m):
-                pos.streams[c][s] += X[c][s]
-        return X
+            out.append(s)
+        pos.samples += n
+        return out
 
     def position_at(self, step: int, global_batch: int) -> Position:
         """The position after `step` global batches of G from the start (one pass over them: a checkpoint without a
         data position)."""
         pos = self.start()
         if len(self.w) == 1:
-            per = global_batch // self.C
-            return Position(step * global_batch, [step * global_batch], [[step * per] for _ in range(self.C)])
+            return Position(step * global_batch, [step * global_batch])
         for _ in range(step):
-            self.advance(pos, global_batch)
+            self.picks(pos, global_batch)
         return pos
+
+
+@dataclasses.dataclass
+class Layout:
+    """One global batch, position by position: the source, stream and the stream's draw of each."""
+    sources: np.ndarray   # (G,) int
+    streams: np.ndarray   # (G,) int
+    draws: np.ndarray     # (G,) int: j, the stream's draw of that source (t = j·C + stream)
+
+
+def layout(blend: Blend, pos: Position, global_batch: int, streams: int) -> Layout:
+    """The next global batch; `pos` moves past it."""
+    before = list(pos.counts)
+    src = np.asarray(blend.picks(pos, global_batch), dtype=np.int64)   # (G,) in pick order
+    t = np.empty(global_batch, dtype=np.int64)                         # each pick's draw of its source
+    for s, first in enumerate(before):
+        mine = src == s
+        t[mine] = first + np.arange(int(mine.sum()))
+    stream = stride(streams) * t % streams
+    order = np.argsort(stream, kind="stable")                          # stream by stream, pick order within
+    return Layout(src[order], stream[order], (t // streams)[order])
+
+
+def rank_streams(lay: Layout, lo: int, hi: int) -> list[int]:
+    """The streams a rank's positions [lo, hi) of one global batch take samples of."""
+    return sorted(set(lay.streams[lo:hi].tolist()))
+
+
+class Recent(dict):
+    """A dict that keeps the `size` entries set last (a small per-object LRU; functools.lru_cache on a method would
+    share one cache among every object)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key in self:
+            self[key] = self.pop(key)   # now the newest
+        else:
+            self[key] = make()
+            while len(self) > self.size:
+                del self[next(iter(self))]
+        return self[key]
+
+
+class SourceOrder:
+    """One source's samples dealt to C canonical streams, epoch after epoch (the module docstring). `shards`:
+    [(name, samples)] sorted by name; `key`: the seed string of its shuffles; `mix`: shards a window pools."""
+
+    def __init__(self, shards: list, key: str, streams: int, mix: int):
+        if not shards:
+            raise DataError(f"no train shards to read (key {key})")
+        self.shards, self.key, self.streams = list(shards), key, streams
+        self.n = sum(count for _, count in self.shards)
+        self.window = mix * -(-self.n // len(self.shards))   # W: mix shards of the mean size
+        a = stride(streams)
+        self.residue = [pow(a, -1, streams) * c % streams for c in range(streams)]   # stream c takes t ≡ r_c (mod C)
+        self._epochs = Recent(4)   # streams are within one draw of each other: two epochs at most are read at once
+        self._windows = Recent(2 * streams + 8)   # each stream's window and the one it fetches ahead
+
+    def epoch(self, e: int) -> tuple[list, list, list]:
+        """Epoch e: (its shard names in order, the first slot of each and n, the first slot of each stream's span
+        and n)."""
+        return self._epochs.get_or(e, lambda: self._epoch(e))
+
+    def _epoch(self, e):
+        order = list(self.shards)
+        random.Random(f"{self.key}/{e}").shuffle(order)
+        starts = np.cumsum([0] + [count for _, count in order]).tolist()
+        phase, spans = e * self.n % self.streams, [0]
+        for c in range(self.streams):   # a_c(e): the slots u < n with e·n + u ≡ r_c (mod C)
+            r = (self.residue[c] - phase) % self.streams
+            spans.append(spans[-1] + (-(-(self.n - r) // self.streams) if r < self.n else 0))
+        return [name for name, _ in order], starts, spans
+
+    def before(self, stream: int, e: int) -> int:
+        """Stream c's draws of this source before epoch e: #{t < e·n : t ≡ r_c (mod C)}."""
+        return max(0, -(-(e * self.n - self.residue[stream]) // self.streams))
+
+    def where(self, stream: int, j: int) -> tuple[int, int, int]:
+        """(epoch, window, place in the window's order) of stream c's draw j: t = j·C + r_c."""
+        e = (j * self.streams + self.residue[stream]) // self.n
+        k, p = divmod(j - self.before(stream, e), self.window)
+        return e, k, p
+
+    def window_slots(self, stream: int, e: int, k: int) -> np.ndarray:
+        """The epoch slots of window k of stream c's span, in the order it reads them."""
+        def make():
+            spans = self.epoch(e)[2]
+            first = spans[stream] + k * self.window
+            slots = list(range(first, min(first + self.window, spans[stream + 1])))
+            random.Random(f"{self.key}/{e}/{stream}/{k}").shuffle(slots)
+            return np.asarray(slots, dtype=np.int64)
+        return self._windows.get_or((stream, e, k), make)
+
+    def slot(self, e: int, u: int) -> tuple[str, int]:
+        """(shard name, sample index in it) of slot u of epoch e."""
+        names, starts, _ = self.epoch(e)
+        i = bisect.bisect_right(starts, u) - 1
+        return names[i], u - starts[i]
+
+    def window_shards(self, stream: int, e: int, k: int) -> list[str]:
+        """The shards window k of stream c's span reads, in epoch order (none past the span's end)."""
+        names, starts, spans = self.epoch(e)
+        first = spans[stream] + k * self.window
+        last = min(first + self.window, spans[stream + 1]) - 1
+        if last < first:
+            return []
+        return names[bisect.bisect_right(starts, first) - 1:bisect.bisect_right(starts, last)]
+
+    def draw(self, stream: int, j: int, is_bad=lambda name: False) -> tuple[str, int]:
+        """(shard name, sample index in it) of stream c's draw j; `is_bad(name)`: whether a shard is bad (asked of
+        the window's shards only where the draw's own is). The module docstring: the i-th bad slot of a window, in
+        its order, takes the window's i-th good one (cyclically); in a window of bad shards alone, the draw takes
+        the first good shard after it in the epoch's order."""
+        e, k, p = self.where(stream, j)
+        slots = self.window_slots(stream, e, k)
+        name, index = self.slot(e, int(slots[p]))
+        if not is_bad(name):
+            return name, index
+        placed = [self.slot(e, int(u)) for u in slots]
+        good = [q for q, (shard, _) in enumerate(placed) if not is_bad(shard)]
+        if good:
+            return placed[good[sum(is_bad(shard) for shard, _ in placed[:p]) % len(good)]]
+        names, starts, _ = self.epoch(e)
+        after = names.index(placed[-1][0]) + 1
+        for i in list(range(after, len(names))) + list(range(after)):
+            if not is_bad(names[i]):
+                return names[i], p % (starts[i + 1] - starts[i])
+        raise DataError(f"every train shard of {self.key} was found bad")

@@ -1,24 +1,30 @@
-"""What the readers of a train stream do, in a DataLoader worker or (without workers) in the training process: fetch
-each group of shards while the one before is handed out, pool and shuffle a group's samples, and hand out this rank's
-pieces of global batches (tokendata/order.py says which samples; this module reads them). Module level, so workers
-can pickle it under any start method.
+"""What the readers of a train stream do, in a DataLoader worker or (without workers) in the training process: read
+this rank's positions of every global batch (tokendata/order.py says which samples; this module reads them). Module
+level, so workers can pickle it under any start method.
 
-    RankPieces(plan)   the IterableDataset of one rank: each worker yields, per global batch, one piece: the next
-                       samples of each canonical stream it serves, {"streams", "tokens", "ids", "skipped_shards",
-                       "retries"}; the training process puts the pieces back in stream order (tokendata/stream.py)
+    RankPieces(plan)   the IterableDataset of one rank: worker w of W reads the positions whose stream c has
+                       c mod W = w and yields, per global batch, one piece {"positions", "tokens", "ids",
+                       "skipped_shards", "retries"}; the training process puts the pieces back in position order
+                       (tokendata/stream.py)
+
+A reader keeps, for each (stream, source) it reads, the shards of that stream's current window and of the window
+after it (fetched ahead, in the order they will be needed), in one ShardPool (tokendata/shard_pool.py): at most
+`fetch_threads` shards in memory, the rest on the local disk.
 """
 from __future__ import annotations
 
 import dataclasses
-import random
+import sys
 import threading
 from concurrent.futures import Future
 
 import numpy as np
 import torch
 
-from tokendata.order import Blend, Position, SourceOrder
-from tokendata.shard_files import ShardFiles, ShardReader
+from tokendata.order import Blend, Position, SourceOrder, layout, rank_slice
+from tokendata.shard_files import ShardFiles, fix
+from tokendata.shard_pool import ShardPool
+from tokendata.shards import MAKE, DataError
 
 
 def worker_info() -> tuple[int, int]:
@@ -41,38 +47,13 @@ def in_background(fn, *args) -> Future:
     return future
 
 
-def shuffled_samples(groups, counts: dict, reader: ShardReader, prefix: str | None = None):
-    """Each group's ({"names", "skip", "order_seed"}) samples pooled in a seeded random order, minus the first `skip`
-    of it (still bytes, not decoded); ids prefixed "<prefix>/" when given (a named source). A bad shard (bad_shards=
-    "skip") adds no samples: the group is smaller, its order still a function of the seed. The next group's shards
-    are fetched by a thread while this one's samples are handed out: over a network the reader does not wait a whole
-    download at each group boundary (memory: two groups of shards). The first group's fetch starts at once."""
-    fetch = lambda group: [reader.fetch(name, counts[name]) for name in group["names"]]  # noqa: E731
-    groups = iter(groups)
-    group = next(groups)
-    return _pooled(groups, group, in_background(fetch, group), fetch, reader, prefix)
-
-
-def _pooled(groups, group, fetched, fetch, reader, prefix):
-    while True:
-        results = fetched.result()
-        upcoming = next(groups)   # endless
-        fetched = in_background(fetch, upcoming)
-        samples = [s for name, r in zip(group["names"], results) for s in reader.accept(name, r)]
-        order = list(range(len(samples)))
-        random.Random(group["order_seed"]).shuffle(order)
-        for j in order[group["skip"]:]:
-            sample = reader.tag(samples[j])
-            yield dict(sample, __key__=f"{prefix}/{sample['__key__']}") if prefix else sample
-        group = upcoming
-
-
 def collate(samples, dtype, member):
     """A batch whose tokens are a numpy array, not yet a tensor: a DataLoader worker sends it pickled through its pipe.
     A tensor would travel as a shared-memory file descriptor served by a thread of the worker, and a rank killed in
     mid-handover (kill -9) would leave that thread printing a ConnectionResetError traceback."""
     rows = [np.frombuffer(s[member], dtype=dtype) for s in samples]  # the bytes are decoded only here, when kept
-    return {"tokens": np.stack(rows).astype(np.int64), "ids": [s["__key__"] for s in samples],
+    return {"tokens": np.stack(rows).astype(np.int64) if rows else np.zeros((0, 0), dtype=np.int64),
+            "ids": [s["__key__"] for s in samples],
             "skipped_shards": [p for s in samples for p in s.get("__skipped__", ())],
             "retries": sum(s.get("__retries__", 0) for s in samples)}
 
@@ -85,7 +66,7 @@ def as_is(batch):
 @dataclasses.dataclass
 class Part:
     """One source as the readers need it: its order, files, samples per shard, sample-id prefix (None: unnamed) and
-    the shards found bad while reading before this position (their samples are not counted)."""
+    the shards found bad while reading before this position (not fetched again)."""
     order: SourceOrder
     files: ShardFiles
     counts: dict
@@ -95,23 +76,96 @@ class Part:
 
 @dataclasses.dataclass
 class Plan:
-    """What one rank's readers read, from a position on: the canonical streams of the rank, and the global batches of
-    `global_batch` samples that `blend` makes from `position` on."""
+    """What one rank's readers read, from a position on: its positions [lo, hi) of the global batches of
+    `global_batch` samples that `blend` and the C `streams` make from `position` on."""
     parts: list[Part]
     blend: Blend
-    streams: list[int]
+    streams: int
     global_batch: int
+    dp_rank: int
+    dp_world: int
     position: Position
     fmt: tuple
     dtype: str
     member: str
     bad_shards: str
+    fetch_threads: int
+    spill_root: str | None
+
+
+class Reader:
+    """The samples of one reader's draws (stream c, source s, draw j), from a ShardPool; the windows each (c, s)
+    reads and the next ones wanted, the ones behind released. A shard found bad is failed on (bad_shards="fail") or,
+    under "skip", warned about once on stderr and replaced (tokendata/order.py), the URL riding on the next sample out
+    with the retries the fetches took (`tag`)."""
+
+    def __init__(self, plan: Plan, threads: int):
+        self.plan, self.pool = plan, ShardPool(threads, plan.spill_root)
+        self.nbytes = plan.fmt[1]
+        self.bad = [set(part.bad) for part in plan.parts]
+        self.windows: dict = {}   # (stream, source) -> (epoch, window, [keys wanted])
+        self.skipped, self.retries = [], 0
+
+    def opener(self, s: int, name: str):
+        part = self.plan.parts[s]
+        return lambda spill: part.files.open(name, part.counts[name], self.nbytes, spill)
+
+    def _follow(self, c: int, s: int, e: int, k: int) -> None:
+        """(c, s) reads window k of epoch e: want its shards and the next window's, release the rest."""
+        if self.windows.get((c, s), (None, None))[:2] == (e, k):
+            return
+        order = self.plan.parts[s].order
+        ahead = (e, k + 1) if order.window_shards(c, e, k + 1) else (e + 1, 0)
+        keys = [(s, n) for n in order.window_shards(c, e, k) + order.window_shards(c, *ahead)
+                if n not in self.bad[s]]
+        for key in keys:
+            self.pool.want(key, self.opener(*key))
+        for key in self.windows.get((c, s), (None, None, []))[2]:
+            self.pool.release(key)
+        self.windows[(c, s)] = (e, k, keys)
+
+    def sample(self, s: int, c: int, j: int) -> dict:
+        part = self.plan.parts[s]
+        self._follow(c, s, *part.order.where(c, j)[:2])
+        name, index = part.order.draw(c, j, lambda shard: self._is_bad(s, shard))
+        loaded = self.pool.get((s, name), self.opener(s, name))
+        self.retries += self.pool.take_retries()   # of every fetch done by now, prefetched ones too
+        key, offset = loaded.locate(index)
+        sample = {"__key__": f"{part.prefix}/{key}" if part.prefix else key,
+                  self.plan.member: self.pool.read(loaded, offset, self.nbytes)}
+        if self.skipped or self.retries:
+            sample.update(__skipped__=self.skipped, __retries__=self.retries)
+            self.skipped, self.retries = [], 0
+        return sample
+
+    def _is_bad(self, s: int, name: str) -> bool:
+        """Whether a shard is bad: known, or found so by fetching it (then failed on, or reported: `_bad`)."""
+        if name in self.bad[s]:
+            return True
+        loaded = self.pool.get((s, name), self.opener(s, name))
+        if isinstance(loaded, DataError):
+            self._bad(s, name, loaded)
+            return True
+        return False
+
+    def _bad(self, s: int, name: str, error: DataError) -> None:
+        part = self.plan.parts[s]
+        if self.plan.bad_shards != "skip":
+            raise error
+        url = part.files.url(name)
+        what = str(error).removesuffix(f": {fix(part.files.location)}")
+        print(f"warning: {what}; skipping it (data.bad_shards=skip)", file=sys.stderr, flush=True)
+        self.bad[s].add(name)
+        self.skipped.append(url)
+        if len(self.bad[s]) >= len(part.order.shards):
+            raise DataError(f"every train shard in {part.files.location} is bad (see the warnings above): rebuild it "
+                            f"with {MAKE}")
 
 
 class RankPieces(torch.utils.data.IterableDataset):
-    """Endless pieces of global batches for one rank: worker w of W serves the rank's streams [w::W] and yields, for
-    each global batch in turn, their samples in it (G/C each), stream after stream: the DataLoader's round robin over
-    the workers then hands the training process one piece of every worker per global batch."""
+    """Endless pieces of global batches for one rank: worker w of W reads this rank's positions whose stream c has
+    c mod W = w and yields, for each global batch in turn, their samples and positions: the DataLoader's round robin
+    over the workers then hands the training process one piece of every worker per global batch."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -119,16 +173,12 @@ class RankPieces(torch.utils.data.IterableDataset):
     def __iter__(self):
         p = self.plan
         worker, workers = worker_info()
-        mine = p.streams[worker::workers]
-        readers = []
-        for part in p.parts:   # one reader a source: a shard it finds bad is reported once and not reopened
-            readers.append(ShardReader(part.files, p.fmt, p.bad_shards, "train", len(part.order.shards), part.bad))
-        # (stream, source): its samples from the start position, every first fetch started now, side by side
-        samples = {(stream, s): shuffled_samples(part.order.walk(stream, p.position.streams[stream][s], part.bad),
-                                                 part.counts, readers[s], part.prefix)
-                   for stream in mine for s, part in enumerate(p.parts)}
+        reader = Reader(p, max(1, p.fetch_threads // workers))
+        lo, hi = rank_slice(p.global_batch, p.dp_rank, p.dp_world)
         position = p.position.copy()
         while True:
-            split = p.blend.advance(position, p.global_batch)   # [stream][source]: samples in this global batch
-            piece = [next(samples[stream, s]) for stream in mine for s, n in enumerate(split[stream]) for _ in range(n)]
-            yield dict(collate(piece, p.dtype, p.member), streams=mine)
+            lay = layout(p.blend, position, p.global_batch, p.streams)
+            mine = [i for i in range(lo, hi) if lay.streams[i] % workers == worker]
+            samples = [reader.sample(int(lay.sources[i]), int(lay.streams[i]), int(lay.draws[i])) for i in mine]
+            reader.pool.sweep()
+            yield dict(collate(samples, p.dtype, p.member), positions=[i - lo for i in mine])

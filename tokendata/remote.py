@@ -5,8 +5,9 @@ with fsspec and its backend installed). Everything that reads or writes a shard 
               a path or URL joined by "/", or for `pipe:` the command with `{}` replaced by the name (appended after a
               "/" when the command has no `{}`):  pipe:aws s3 cp s3://bucket/shards/{} -
     fetch(url, size, cache)   the whole file's bytes, retried on transient faults; ("bytes", retries it took)
-    sizes(urls)               {url: bytes | None (unknown) | Missing(reason)}, checked in parallel before training
-    writer(url)               a binary file object that writes there (local, pipe:, fsspec)
+    sizes(urls)               {url: bytes | None (unknown) | Missing(reason)}, checked in parallel (the size check
+                              of the orders of older checkpoints; new runs request nothing per shard before reading it)
+    writer(url)               a binary file object that writes there (local, pipe:, fsspec, http(s):// by PUT)
 
 Faults. Transient: a dropped or reset connection, a read cut short, a timeout, HTTP 408/425/429/5xx, a pipe: command
 that exits non-zero (a command cannot say which it was). Each is retried up to RETRIES times with exponential backoff;
@@ -58,6 +59,10 @@ class CertificateError(DataError):
     """A server whose TLS certificate fails verification: permanent, never retried."""
 
 
+class CredentialError(DataError):
+    """Configured headers that would go out unencrypted (http://): refused, never retried."""
+
+
 class Missing(str):
     """Why a file cannot be had at all: "HTTP 404 Not Found", "not found"…"""
 
@@ -76,18 +81,21 @@ HTTP_SETTINGS = "SYNTHFORMER_HTTP"   # configure()'s settings, in the environmen
                                     # processes see them under any start method
 
 
-def configure(ca_bundle: str | None = None, headers_from_env: dict | None = None) -> None:
+def configure(ca_bundle: str | None = None, headers_from_env: dict | None = None,
+              headers_over_http: bool = False) -> None:
     """Trust and credentials of every HTTP(S) request of this process and its children: `ca_bundle`, a PEM file of the
     CAs to trust (None: the system's); `headers_from_env`, {header: name of the environment variable holding its
-    value} (e.g. {"Authorization": "SHARDS_TOKEN"}, the variable set to "Bearer …"). Only the names are kept; a
-    variable that is not set is a DataError naming it (never a value)."""
+    value} (e.g. {"Authorization": "SHARDS_TOKEN"}, the variable set to "Bearer …"); `headers_over_http`: send them
+    to http:// URLs too. Only the names are kept; a variable that is not set is a DataError naming it (never a
+    value)."""
     if ca_bundle is not None and not os.path.isfile(ca_bundle):
         raise DataError(f"data.ca_bundle={ca_bundle}: no such file; give the PEM file of the CA certificates that "
                         "signed the shard server's certificate")
     headers = dict(headers_from_env or {})
     for header, variable in headers.items():
         _header_value(header, variable)
-    os.environ[HTTP_SETTINGS] = json.dumps({"ca_bundle": ca_bundle, "headers_from_env": headers})
+    os.environ[HTTP_SETTINGS] = json.dumps({"ca_bundle": ca_bundle, "headers_from_env": headers,
+                                            "headers_over_http": bool(headers_over_http)})
 
 
 def _settings() -> dict:
@@ -108,9 +116,21 @@ def _tls(ca_bundle: str | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_bundle)
 
 
-def _http(url: str, method: str = "GET", offset: int = 0):
+def refuse_plain_http(url: str, settings: dict | None = None) -> None:
+    """A CredentialError where configured headers would go to a plain http:// URL without headers_over_http."""
+    settings = settings or _settings()
+    if url.startswith("http://") and settings["headers_from_env"] and not settings.get("headers_over_http"):
+        names = ", ".join(settings["headers_from_env"])
+        raise CredentialError(f"{url}: data.http_headers_from_env ({names}) would be sent unencrypted over plain "
+                              "http://: serve the shards over https://, or set data.headers_over_http=true on a "
+                              "network you trust")
+
+
+def _http(url: str, method: str = "GET", offset: int = 0, body: bytes | None = None):
     settings = _settings()
-    request = urllib.request.Request(url, method=method, headers={"Range": f"bytes={offset}-"} if offset else {})
+    refuse_plain_http(url, settings)
+    request = urllib.request.Request(url, method=method, data=body,
+                                     headers={"Range": f"bytes={offset}-"} if offset else {})
     for header, variable in settings["headers_from_env"].items():
         request.add_unredirected_header(header, _header_value(header, variable))
     try:   # the context also for http://: a server may redirect to https://
@@ -133,18 +153,23 @@ def _http(url: str, method: str = "GET", offset: int = 0):
         raise Transient(f"{type(e).__name__}: {reason}") from None
 
 
-def _chunks(url: str, offset: int):
-    """The file's bytes from `offset` on, in chunks; Transient or FileNotFoundError/PermissionError on faults."""
+def _chunks(url: str, offset: int, got: dict):
+    """The file's bytes from `offset` on, in chunks; Transient or FileNotFoundError/PermissionError on faults.
+    got["total"]: the file's whole size where the source says it (a read that ends there is whole, if short)."""
     if url.startswith("pipe:"):
         proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         data, err = proc.communicate()
         if proc.returncode != 0:
             last = (err.decode(errors="replace").strip().splitlines() or [""])[-1]
             raise Transient(f"the command exited with status {proc.returncode}: {last}")
+        got["total"] = len(data)   # a command that succeeded wrote all it had
         yield data[offset:]   # a command has no ranges: it starts over, and what was read before is dropped
     elif url.startswith(("http://", "https://")):
         with _http(url, offset=offset) as resp:
             skip = offset if resp.status == 200 else 0   # a server that ignores Range sends the file from the start
+            whole = (resp.headers.get("Content-Range") or "").rsplit("/", 1)[-1] if resp.status == 206 else \
+                resp.headers.get("Content-Length")
+            got["total"] = int(whole) if whole and whole.isdigit() else None
             try:
                 while chunk := resp.read(CHUNK):
                     chunk, skip = chunk[skip:], max(0, skip - len(chunk))
@@ -153,16 +178,16 @@ def _chunks(url: str, offset: int):
                 raise Transient(f"{type(e).__name__} after {resp.length or 0} bytes were left unread") from None
     elif "://" in url:
         fs, path = _fsspec(url)
-        try:
-            with fs.open(path, "rb") as f:
-                f.seek(offset)
-                while chunk := f.read(CHUNK):
-                    yield chunk
+        try:   # one request (an object store's GET, ranged from `offset`): no size asked first
+            data = fs.cat_file(path, start=offset)
+            got["total"] = offset + len(data)
+            yield data
         except (FileNotFoundError, PermissionError):
             raise
         except Exception as e:   # the backends' own network errors
             raise Transient(f"{type(e).__name__}: {e}") from None
     else:
+        got["total"] = os.path.getsize(url) if os.path.isfile(url) else None
         with open(url, "rb") as f:
             f.seek(offset)
             while chunk := f.read(CHUNK):
@@ -215,19 +240,19 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
 
     def attempt(got):
         data = got.setdefault("data", bytearray())
-        for chunk in _chunks(url, len(data)):
+        for chunk in _chunks(url, len(data), got):
             data += chunk
-        if size is not None and len(data) < size and is_remote(url):
-            raise Transient(f"the read ended after {len(data)} of {size} bytes")
-        return bytes(data)
+        if size is not None and len(data) < size and is_remote(url) and got.get("total") != len(data):
+            raise Transient(f"the read ended after {len(data)} of {size} bytes")   # (a whole short file is the
+        return bytes(data)                                                          # caller's to judge)
 
     data, retries = retrying(what, url, attempt)
     if cache and url != cache and size is not None and len(data) == size:
-        _write_whole(cache, data)
+        write_whole(cache, data)
     return data, retries
 
 
-def _write_whole(path: str, data: bytes) -> None:
+def write_whole(path: str, data: bytes) -> None:
     """A local file written under a temporary name and renamed: processes of a node that share it see all or none."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -262,8 +287,8 @@ def sizes(urls: list[str]) -> tuple[dict, int]:
     def check(url):
         try:
             return retrying("shard", url, lambda _: _size(url))
-        except CertificateError:
-            raise   # the server, not this shard: no data.bad_shards=skip of every shard
+        except (CertificateError, CredentialError):
+            raise   # the server or the settings, not this shard: no data.bad_shards=skip of every shard
         except DataError as e:
             return Missing(str(e).removeprefix(f"shard {url}: ")), 0
 
@@ -281,8 +306,26 @@ def local_copy(url: str, directory: str | None = None) -> str:
     tail = re.sub(r"[^\w.-]", "_", url.rstrip("/ -").rsplit("/", 1)[-1])[-40:]   # readable; the hash makes it unique
     path = os.path.join(directory, f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{tail}")
     if not os.path.isfile(path):
-        _write_whole(path, fetch(url, what="file")[0])
+        write_whole(path, fetch(url, what="file")[0])
     return path
+
+
+class _PutWriter:
+    """An http(s):// file written by one PUT of the whole file when closed (an object store's upload, a WebDAV
+    server), with the trust and headers of `configure`, retried on transient faults like a read."""
+
+    def __init__(self, url):
+        self.url, self.data = url, bytearray()
+
+    def write(self, data):
+        self.data += data
+        return len(data)
+
+    def close(self):
+        def attempt(_):
+            with _http(self.url, method="PUT", body=bytes(self.data)) as resp:
+                return resp.status
+        retrying("writing", self.url, attempt)
 
 
 class _PipeWriter:
@@ -301,12 +344,13 @@ class _PipeWriter:
 
 
 def writer(url: str):
-    """A binary file object writing `url` (a path, pipe:COMMAND, or an fsspec URL); closing it finishes the write."""
+    """A binary file object writing `url` (a path, pipe:COMMAND, http(s):// by PUT, or an fsspec URL); closing it
+    finishes the write."""
     if url.startswith("pipe:"):
         return _PipeWriter(url)
     if url.startswith(("http://", "https://")):
-        raise DataError(f"{url}: HTTP is read-only here; write to a directory or a pipe: command (pipe:aws s3 cp - "
-                        "s3://bucket/shards/{}) and serve or upload that")
+        refuse_plain_http(url)   # before a byte is written, not at close
+        return _PutWriter(url)
     if "://" in url:
         fs, path = _fsspec(url)
         return fs.open(path, "wb")

@@ -60,6 +60,8 @@ def read_manifest(shard_dir):
     if remote.is_remote(shard_dir):
         try:
             text = remote.fetch(path, what="manifest")[0]
+        except remote.CredentialError:
+            raise   # the settings, not the location
         except DataError as e:
             raise DataError(f"{e}: is data.shard_dir={shard_dir} right? (shards written with {MAKE} --out, "
                             "manifest.json beside them)") from None
@@ -189,41 +191,47 @@ class SplitWriter:
             self.payload = bytearray()
 
 
-def samples_of(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[dict]:
-    """The samples of one shard's bytes, in order: {"__key__": sample id, member: its bytes, "__url__"}; a DataError
-    (naming `url`) where the file is not what the manifest says. nbytes: each sample's size (default (n+1) ids)."""
+def sample_index(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[tuple]:
+    """(sample id, byte offset in the file) of every sample of one shard's bytes, in order: sample k is
+    data[offset:offset + nbytes]. A DataError (naming `url`) where the file is not what the manifest says. nbytes: each
+    sample's size (default (n+1) ids)."""
     member = DTYPES[manifest["dtype"]][1]
     nbytes = nbytes or (manifest["seq_len"] + 1) * np.dtype(DTYPES[manifest["dtype"]][0]).itemsize
     count, stem = shard["samples"], shard["name"][:-len(".tar")] if shard["name"].endswith(".tar") else shard["name"]
-    if manifest["format"] == 1:
-        from webdataset.tariterators import group_by_keys, tar_file_expander
-
-        try:
-            samples = list(group_by_keys(tar_file_expander([{"url": url, "stream": io.BytesIO(data)}])))
-        except Exception as e:  # tarfile/webdataset errors; webdataset appends its stream and url to e.args
-            cause = str(e.args[0]).split(" @ ")[0] if e.args else ""
-            raise DataError(f"shard {url} is unreadable ({type(e).__name__}: {cause})") from None
-        # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
-        need(len(samples) == count, f"shard {url} holds {len(samples)} samples but manifest.json says {count}")
-        for s in samples:
-            got = len(s.get(member, b""))
-            need(got == nbytes, f"shard {url}: sample {s.get('__key__')} has {got} bytes of {member}, not "
-                                 f"{nbytes} (seq_len+1 tokens)")
-        return samples
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:   # uncompressed: one error, not four
-            info = tar.next()
-            payload = tar.extractfile(info).read() if info is not None and info.isfile() else None
+            if manifest["format"] == 1:   # a member a sample: "<stem>-kkkkkk.<member>"
+                found = [(info.name[:-len(member) - 1], info.offset_data, info.size) for info in tar
+                         if info.isfile() and info.name.endswith(f".{member}")]
+            else:
+                info = tar.next()
+                found = [(info.name, info.offset_data, info.size)] if info is not None and info.isfile() else []
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"shard {url} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    need(info is not None and info.name == f"{stem}.{member}",
-          f"shard {url} does not hold the member {stem}.{member} (found {info.name if info else 'none'})")
-    need(payload is not None and len(payload) == count * nbytes,
-          f"shard {url} holds {len(payload or b'')} bytes of tokens but manifest.json says {count} samples of "
-          f"{nbytes} bytes")
-    view = memoryview(payload)
-    return [{"__key__": f"{stem}-{k:06d}", member: bytes(view[k * nbytes:(k + 1) * nbytes]), "__url__": url}
-            for k in range(count)]
+    if manifest["format"] == 1:
+        # tarfile ends quietly at a damaged header after the first, so a cut or corrupted shard may just look short
+        need(len(found) == count, f"shard {url} holds {len(found)} samples but manifest.json says {count}")
+        for key, _, size in found:
+            need(size == nbytes, f"shard {url}: sample {key} has {size} bytes of {member}, not {nbytes} (seq_len+1 "
+                                 f"tokens)")
+        return [(key, offset) for key, offset, _ in found]
+    need(found and found[0][0] == f"{stem}.{member}",
+         f"shard {url} does not hold the member {stem}.{member} (found {found[0][0] if found else 'none'})")
+    (_, first, size), = found
+    need(size == count * nbytes and first + size <= len(data),
+         f"shard {url} holds {min(size, len(data) - first)} bytes of tokens but manifest.json says {count} samples of "
+         f"{nbytes} bytes")
+    return [(f"{stem}-{k:06d}", first + k * nbytes) for k in range(count)]
+
+
+def samples_of(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[dict]:
+    """The samples of one shard's bytes, in order: {"__key__": sample id, member: its bytes, "__url__"}
+    (`sample_index`)."""
+    member = DTYPES[manifest["dtype"]][1]
+    nbytes = nbytes or (manifest["seq_len"] + 1) * np.dtype(DTYPES[manifest["dtype"]][0]).itemsize
+    view = memoryview(data)
+    return [{"__key__": key, member: bytes(view[offset:offset + nbytes]), "__url__": url}
+            for key, offset in sample_index(data, manifest, shard, url, nbytes)]
 
 
 def shard_samples(manifest: dict, shard: dict) -> list[tuple[str, np.ndarray]]:

@@ -3,8 +3,10 @@ with its manifest, where its files are, and which of its shards are good; and th
 
     Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
-    open_sources(sources, cache_dir, verify)  [Opened]: manifests read, checked against each other (`check_agree`)
-    good_shards(opened, bad_shards)       the size check before training, every source's shards at once
+    open_sources(sources, cache_dir, verify)  [Opened]: manifests read (once: Opened ones are taken as they are),
+                                          checked against each other (`check_agree`)
+    good_shards(opened, bad_shards)       the size check of every source's shards at once (the orders of older
+                                          checkpoints; a new run requests nothing per shard before reading it)
 """
 from __future__ import annotations
 
@@ -73,15 +75,18 @@ class Opened:
     files: ShardFiles
 
 
-def open_sources(sources: list[Source], cache_dir: str | None = None, verify: str = "hash") -> list[Opened]:
+def open_sources(sources: list, cache_dir: str | None = None, verify: str = "hash") -> list[Opened]:
     """Every source's manifest read and checked; then `check_agree`. `verify`: what is checked of each shard
-    (tokendata/shard_files.py VERIFY)."""
+    (tokendata/shard_files.py VERIFY). A source given as an Opened (the launch check read it) is not read again."""
     opened = []
     for s in sources:
+        if isinstance(s, Opened):
+            opened.append(Opened(s.source, s.manifest, ShardFiles(s.source.path, s.manifest, cache_dir, verify)))
+            continue
         try:
             m = read_manifest(s.path)
         except DataError as e:
-            raise DataError(f"source '{s.name}': {e}" if s.name else str(e)) from None
+            raise type(e)(f"source '{s.name}': {e}" if s.name else str(e)) from None   # a CredentialError stays one
         opened.append(Opened(s, m, ShardFiles(s.path, m, cache_dir, verify)))
         need(m["splits"]["train"]["shards"], f"{s.label} has no train shards (its manifest.json lists none): "
                                              f"rebuild it with {MAKE}")

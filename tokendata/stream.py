@@ -4,56 +4,53 @@ or several blended by weight.
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
-                canonical_streams=None, verify="hash")
-                            sources: a shard location (data.shard_dir) or a list of Source / {"name", "path",
-                            "weight"} (data.sources, tokendata/sources.py); global_batch_size: G, the samples of one
+                canonical_streams=None, verify="hash", fetch_threads=8)
+                            sources: a shard location (data.shard_dir), a list of Source / {"name", "path",
+                            "weight"} (data.sources, tokendata/sources.py), or of Opened (read by the launch check); global_batch_size: G, the samples of one
                             optimizer step over all ranks (default micro_batch_size × dp_world); canonical_streams: C
-                            (default tokendata.order.default_streams(G)); decide(fn): fn's result as one rank computed
-                            it, on every rank, for the size check (the trainer's pretrain.distributed.from_rank0)
+                            (None: a checkpoint's, else tokendata.order.default_streams(G)); fetch_threads: shards a
+                            rank fetches at once (its bound on shards in memory); decide(fn): fn's result as one rank
+                            computed it, on every rank (the trainer's pretrain.distributed.from_rank0: the size check
+                            an older checkpoint's order needs)
         iter(stream)        endless train micro-batches {"tokens": LongTensor (B, n+1), "ids": [B sample ids,
                             "<source name>/<key>" for a named source], "skipped_shards": [URLs of shards found bad
                             while this batch was read; usually []], "retries": fetches retried (network faults)}; each
                             G / (B × dp_world) of them in a row are this rank's share of one global batch
-        skipped_shards      [(URL, reason)]: the train and val shards dropped at construction (bad_shards="skip")
-        retries             fetches retried in this process (size checks, validation); the workers' ride on batches
-        notes               what the stream decided that a log should say (workers left idle; format-1 shards,
-                            which have no content hashes, checked by size only), as lines
-        verify              "hash" | "size" | "none": what is checked of each shard (tokendata/shard_files.py)
+        skipped_shards      [(URL, reason)]: shards dropped before reading (only an older checkpoint's order does)
+        bad_found()         the URLs of the shards found bad while reading, before a resume too
+        retries             fetches retried in this process (validation); the workers' ride on batches
+        notes               what the stream decided that a log should say, as lines
         state_dict(), load_state_dict(sd)      Stateful: the position, in any layout (below)
         start_at(step)      the position after `step` global batches (a checkpoint without a data position)
         progress()          per source: samples and tokens read by all ranks so far, and epochs (fractional)
         val_batches(max_batches=None, split="val", source=0)   finite, the same batches on every call and count on
                             every rank, of one source (an index)
-        worker_streams(worker), upcoming_shards(worker=0, source=0)    the canonical streams a DataLoader worker of
-                            this rank serves, and the shards it fetches first from the position
+        upcoming_shards(worker=0, source=0)    the shards a DataLoader worker of this rank fetches first
 
 Order (tokendata/order.py): a function of the data settings (sources and weights, C, seed, mix_shards, seq_len) and
-the manifests alone. Global batch g is the same G samples, in the same order, whatever dp_world, num_workers,
-micro_batch_size or accumulation read it; rank r's share is that of its C/dp_world canonical streams, which its
-workers split (a worker left without a stream is not started: `notes`). The position is per stream: the slots taken
-and each source's count, plus the shards found bad while reading; it is the same on every rank. A stream resumed in
-another layout goes on at the next global batch; one stopped inside a global batch (never the trainer, which saves
-between steps) resumes only in its own layout. Checkpoints written before canonical streams hold the old position
-(a count of micro-batches): loading one switches the stream to the old order (tokendata/legacy.py), in its layout.
+the manifests alone. Global batch g is the same G samples, in the same order, whatever dp_world (any divisor of G),
+num_workers, micro_batch_size or accumulation read it; rank r trains on positions [rG/D, (r+1)G/D) of each, which its
+workers read stream by stream. The position is the picks so far and each source's count, plus the shards found bad
+while reading; it is the same on every rank. A stream resumed in another layout goes on at the next global batch; one
+stopped inside a global batch (never the trainer, which saves between steps) resumes only in its own layout. Older
+checkpoints keep their order: a data state of canonical streams dealt by shard (tokendata/streams_v1.py) resumes it
+on data-parallel sizes that divide its C; one of before canonical streams (a count of micro-batches,
+tokendata/legacy.py), in its own layout.
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
 Where shards are: a directory or a URL (http(s)://, pipe:COMMAND, s3:// and other fsspec schemes;
-tokendata/remote.py). Every shard is fetched whole and parsed from memory, so a fetch retried after a network fault
-hands out each sample once; the order never depends on where the bytes came from. Each train shard is fetched once an
-epoch, by the one reader whose stream it is dealt to, while the group before it is handed out. cache_dir (optional)
-keeps local copies keyed by shard name and size.
+tokendata/remote.py). Nothing is requested at the start but each source's manifest. Every shard is fetched whole,
+checked (data.verify) and parsed when its window is reached, then read sample by sample from the local disk; the order
+never depends on where the bytes came from. cache_dir (optional) keeps local copies of remote shards.
 
-Bad shards: a damaged shard is a DataError naming its path (bad_shards="fail"), or is left out (bad_shards="skip").
-    At construction, without opening a shard: a missing file (HTTP 404, 403…), an empty one, or a size other than the
-    manifest's "bytes" makes a shard bad. With "skip" it is dropped from its split before any order is computed and
-    listed in stream.skipped_shards, so the same files give the same order in every layout.
-    While reading, a shard whose content hash differs from the manifest's (twice, the second time past cache_dir:
-    verify="hash"), that tarfile cannot parse, or whose sample count or sample sizes differ from the manifest, is bad: with "skip" its samples are dropped, a warning naming it goes to stderr (from the DataLoader worker) and
-    the batch that takes its stream's next sample lists its path in "skipped_shards" (count distinct paths). Which
-    stream reads a shard does not depend on the layout, so global batches stay the same in every layout; the position
-    records the shards found bad, so a resume in the same layout is exact, and in another layout too when the position
-    of every rank is merged (`merged_state`: the universal checkpoint does it).
+Bad shards, found when read: a missing file (HTTP 404, 403…), a size other than the manifest's "bytes", a content hash
+other than the manifest's (twice, the second time past cache_dir: verify="hash"), a tar that cannot parse, or sample
+counts or sizes other than the manifest's. bad_shards="fail": a DataError naming its path, when a batch needs it;
+"skip": a warning naming it goes to stderr (from the DataLoader worker), the batch that takes its stream's next sample
+lists its path in "skipped_shards", and its draws take other samples of the same window (tokendata/order.py), so the
+batches are the same in every layout. The position records the shards found bad: a resume does not fetch them again,
+in the same layout or another (`merged_state`: the universal checkpoint merges every rank's).
 """
 from __future__ import annotations
 
@@ -63,14 +60,14 @@ import math
 import numpy as np
 import torch
 
-from tokendata import legacy
-from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, rank_streams
+from tokendata import legacy, streams_v1
+from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, layout, rank_slice
 from tokendata.reading import Part, Plan, RankPieces, as_is, collate
 from tokendata.shard_files import ShardReader
 from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need
-from tokendata.sources import as_sources, good_shards, open_sources
+from tokendata.sources import Opened, as_sources, good_shards, open_sources
 
-ORDER = "canonical streams"
+ORDER = "canonical streams dealt by sample"
 BAD_SHARDS = ("fail", "skip")
 SETTING_KEYS = {"canonical_streams": "data.canonical_streams", "seed": "data.seed", "mix_shards": "mix_shards",
                 "seq_len": "model.max_seq_len"}
@@ -83,8 +80,8 @@ def _one_line(e):
 
 
 def merged_state(states: list[dict]) -> dict | None:
-    """One position for a run in any layout from its ranks' data states (each knows the shards its own streams found
-    bad), or None where they are not of the canonical order or one stopped inside a global batch."""
+    """One position for a run in any layout from its ranks' data states (each knows the shards its own readers found
+    bad), or None where they are of the order of before canonical streams or one stopped inside a global batch."""
     if not states or any(legacy.is_legacy(s) or s.get("micro_batches") for s in states):
         return None
     bad = [sorted(set().union(*(s["bad_read"][i] for s in states))) for i in range(len(states[0]["bad_read"]))]
@@ -96,56 +93,61 @@ class TokenStream:
 
     def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
                  mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None,
-                 global_batch_size=None, canonical_streams=None, verify="hash"):
+                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
         need(mix_shards >= 1, f"mix_shards must be >= 1, got {mix_shards}")
+        need(fetch_threads >= 1, f"data.fetch_threads must be >= 1, got {fetch_threads}")
         need(bad_shards in BAD_SHARDS, f"bad_shards must be one of {', '.join(BAD_SHARDS)}, got {bad_shards!r}")
         G = global_batch_size or micro_batch_size * dp_world
         need(G % (micro_batch_size * dp_world) == 0, f"global_batch_size={G} is not divisible by micro_batch_size × "
                                                      f"dp_world = {micro_batch_size} × {dp_world}")
+        self.asked_streams = canonical_streams   # None: the default, or a checkpoint's
         self.canonical_streams = C = canonical_streams or default_streams(G)
-        check_streams(C, G, dp_world)
-        self.parts, self.verify = open_sources(as_sources(sources), cache_dir, verify), verify
+        check_streams(C, G)
+        read = isinstance(sources, list) and sources and all(isinstance(s, Opened) for s in sources)  # by the launch check
+        self.parts, self.verify = open_sources(sources if read else as_sources(sources), cache_dir, verify), verify
         self.manifest = m = self.parts[0].manifest
         check_seq_len(m, seq_len, training=True)   # a sample holds exactly seq_len + 1 tokens
         self.shard_dir, self.micro_batch_size, self.seq_len = self.parts[0].source.path, micro_batch_size, seq_len
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         self.mix_shards, self.bad_shards, self.global_batch_size = mix_shards, bad_shards, G
+        self.fetch_threads, self.decide = fetch_threads, decide or (lambda fn: fn())
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
-        self.retries = 0   # fetches retried in this process (size checks, validation); train batches carry theirs
-        # the good shards of each source's splits, and (URL, reason) of those the size check dropped. decide(fn): fn's
-        # result as one rank computed it, on every rank (all train on one list, checked by one rank's requests)
-        self.shards, self.skipped_shards = (decide or (lambda fn: fn()))(self._check_shards)
-        self.orders = [SourceOrder(self._split(i, "train"), self._key(p.source), C, mix_shards)
-                       for i, p in enumerate(self.parts)]
+        self.retries = 0   # fetches retried in this process (validation); train batches carry theirs
+        # every listed shard of each source's splits, sorted by name: nothing is requested before it is read
+        self.shards = [{split: sorted((s["name"], s["samples"]) for s in info["shards"])
+                        for split, info in p.manifest["splits"].items()} for p in self.parts]
+        self.skipped_shards = []
         self.train = self.shards[0]["train"]
-        self.blend = Blend([p.source.weight for p in self.parts], C)
-        self.streams = rank_streams(C, dp_rank, dp_world)
-        self.per_stream, self.grad_accum = G // C, G // (micro_batch_size * dp_world)
-        self.workers = min(num_workers, len(self.streams))   # 0: read in this process
-        self.notes = [f"data.num_workers={num_workers}, but each rank serves {len(self.streams)} of the "
-                      f"{C} canonical streams (data.canonical_streams): {self.workers} workers read them"
+        self.blend = Blend([p.source.weight for p in self.parts])
+        self.lo, self.hi = rank_slice(G, dp_rank, dp_world)
+        self.grad_accum = G // (micro_batch_size * dp_world)
+        self._order(C)
+        self.notes = [f"data.num_workers={num_workers}, but the order has {C} canonical streams (data.canonical_"
+                      f"streams) and a worker reads whole streams: {self.workers} workers read them"
                       ] if num_workers > self.workers else []
-        self.notes += [f"the shards in {p.source.path} are of manifest format 1, without content hashes: checking their "
-                       f"sizes only (data.verify=size); rebuild them with {MAKE} to have them hashed"
+        self.notes += [f"the shards in {p.source.path} are of manifest format 1, without content hashes: checking "
+                       f"their sizes only (data.verify=size); rebuild them with {MAKE} to have them hashed"
                        for p in self.parts if verify == "hash" and not p.files.hashing]
-        self._urls = {p.files.url(name): (i, name)   # a train shard's URL -> (source, name)
-                      for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
         self._pos, self._into = self.blend.start(), 0   # the position, and micro-batches into its next global batch
         self._bad = [set() for _ in self.parts]
         self._legacy = None   # micro-batches consumed in the old order, once an old data state is loaded
+        self._v1 = None       # the order of canonical streams dealt by shard, once such a data state is loaded
         self._live = 0  # id of the one live iterator
 
-    def _check_shards(self):
-        good, skipped, retries = good_shards(self.parts, self.bad_shards)
-        self.retries += retries
-        return good, skipped
+    def _order(self, C):
+        self.canonical_streams = C
+        self.orders = [SourceOrder(self._split(i, "train"), self.key(p.source), C, self.mix_shards)
+                       for i, p in enumerate(self.parts)]
+        self._urls = {p.files.url(name): (i, name)   # a train shard's URL -> (source, name)
+                      for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
+        self.workers = min(self.num_workers, C)   # 0: read in this process
 
-    def _key(self, source):
+    def key(self, source):
         """The seed string of a source's shuffles: the seed, and the name of a named source."""
         return f"{self.seed}/{source.name}" if source.name else str(self.seed)
 
@@ -168,30 +170,41 @@ class TokenStream:
         try:
             if self._legacy is not None:
                 yield from self._legacy_batches(me)   # endless
-            loader = torch.utils.data.DataLoader(RankPieces(self._plan()), batch_size=None, collate_fn=as_is,
-                                                 num_workers=self.workers,
-                                                 prefetch_factor=2 if self.workers else None)
+            if self._v1 is not None:
+                loader, share, workers = self._v1.loader(self._bad), self._v1.share, self._v1.workers
+            else:
+                loader = torch.utils.data.DataLoader(RankPieces(self._plan()), batch_size=None, collate_fn=as_is,
+                                                     num_workers=self.workers,
+                                                     prefetch_factor=2 if self.workers else None)
+                share, workers = self._share, self.workers
             pieces, B, skip = iter(loader), self.micro_batch_size, self._into
             while True:
-                share = self._share([next(pieces) for _ in range(max(1, self.workers))])
+                got = share([next(pieces) for _ in range(max(1, workers))])
                 for k in range(skip, self.grad_accum):
                     self._check_live(me)
                     first = k == skip   # what the readers learned rides on the step's first micro-batch
-                    batch = {"tokens": share["tokens"][k * B:(k + 1) * B], "ids": share["ids"][k * B:(k + 1) * B],
-                             "skipped_shards": share["skipped_shards"] if first else [],
-                             "retries": share["retries"] if first else 0}
+                    batch = {"tokens": got["tokens"][k * B:(k + 1) * B], "ids": got["ids"][k * B:(k + 1) * B],
+                             "skipped_shards": got["skipped_shards"] if first else [],
+                             "retries": got["retries"] if first else 0}
                     if first:
                         for url in batch["skipped_shards"]:
                             source, name = self._urls[url]
                             self._bad[source].add(name)
                     self._into = k + 1   # counted when handed over, so prefetched batches are not part of the position
                     if self._into == self.grad_accum:
-                        self.blend.advance(self._pos, self.global_batch_size)
+                        self._advance()
                         self._into = 0
                     yield self._as_tensors(batch)
                 skip = 0
         except DataError as e:
             raise _one_line(e) from None
+
+    def _advance(self):
+        """The position past one more global batch."""
+        if self._v1 is not None:
+            self._v1.advance()
+        else:
+            self.blend.picks(self._pos, self.global_batch_size)
 
     def _legacy_batches(self, me):
         for batch in legacy.loader(self, self._legacy, self._bad[0]):
@@ -207,25 +220,26 @@ class TokenStream:
     def _plan(self) -> Plan:
         parts = [Part(order, p.files, dict(order.shards), p.source.name, frozenset(bad))
                  for order, p, bad in zip(self.orders, self.parts, self._bad)]
-        return Plan(parts, self.blend, self.streams, self.global_batch_size, self._pos.copy(), self.fmt, self.dtype,
-                    self.member, self.bad_shards)
+        return Plan(parts, self.blend, self.canonical_streams, self.global_batch_size, self.dp_rank, self.dp_world,
+                    self._pos.copy(), self.fmt, self.dtype, self.member, self.bad_shards, self.fetch_threads,
+                    self.parts[0].files.cache_dir)
 
     def _share(self, pieces):
-        """This rank's share of one global batch, in stream order, from one piece of each worker."""
-        L, tokens, ids = self.per_stream, {}, {}
-        for piece in pieces:   # each stream gives G/C samples to a global batch
-            for j, c in enumerate(piece["streams"]):
-                tokens[c], ids[c] = piece["tokens"][j * L:(j + 1) * L], piece["ids"][j * L:(j + 1) * L]
-        return {"tokens": np.concatenate([tokens[c] for c in self.streams]),
-                "ids": [i for c in self.streams for i in ids[c]],
-                "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
+        """This rank's share of one global batch, in position order, from one piece of each worker."""
+        tokens, ids = np.zeros((self.hi - self.lo, self.seq_len + 1), dtype=np.int64), [None] * (self.hi - self.lo)
+        for piece in pieces:
+            if piece["positions"]:
+                tokens[piece["positions"]] = piece["tokens"]
+                for i, key in zip(piece["positions"], piece["ids"]):
+                    ids[i] = key
+        return {"tokens": tokens, "ids": ids, "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
                 "retries": sum(piece["retries"] for piece in pieces)}
 
     def collate(self, samples):
         return collate(samples, self.dtype, self.member)
 
     def _as_tensors(self, batch):
-        tokens = torch.from_numpy(batch["tokens"])
+        tokens = torch.from_numpy(np.ascontiguousarray(batch["tokens"]))
         return dict(batch, tokens=tokens.pin_memory() if self.pin_memory else tokens)
 
     @property
@@ -233,19 +247,43 @@ class TokenStream:
         """Whether this stream reads in the order of a run started before canonical streams (tokendata/legacy.py)."""
         return self._legacy is not None
 
-    def worker_streams(self, worker):
-        return self.streams[worker::max(1, self.workers)]
+    @property
+    def order_words(self) -> str:
+        """The order this stream reads, for the log."""
+        C, G = self.canonical_streams, self.global_batch_size
+        if self._legacy is not None:
+            return ("the order of a run started before canonical streams, bound to its layout (a relayout starts the "
+                    "canonical order at its step)")
+        if self._v1 is not None:
+            return (f"{self._v1.C} canonical streams dealt by shard (the order of this run's checkpoints): the same "
+                    f"global batches on any data-parallel size dividing {self._v1.C}")
+        return (f"{C} canonical streams (data.canonical_streams), samples {self.lo}-{self.hi - 1} of each global batch "
+                f"on this rank: the same global batches on any data-parallel size dividing {G}")
 
     def upcoming_shards(self, worker=0, source=0):
-        order, bad = self.orders[source], frozenset(self._bad[source])
-        return [name for c in self.worker_streams(worker)
-                for name in next(order.walk(c, self._pos.streams[c][source], bad))["names"]]
+        """The shards of `source` that the draws of DataLoader worker `worker` of this rank read first (in the next
+        global batch), in the order of those draws: the ones it waits for first."""
+        if self._v1 is not None:
+            return self._v1.upcoming(worker, source, self._bad[source])
+        lay, order, out = layout(self.blend, self._pos.copy(), self.global_batch_size, self.canonical_streams), \
+            self.orders[source], []
+        for i in range(self.lo, self.hi):
+            c = int(lay.streams[i])
+            if lay.sources[i] == source and c % max(1, self.workers) == worker:
+                name = order.draw(c, int(lay.draws[i]), lambda shard: shard in self._bad[source])[0]
+                out += [name] if name not in out else []
+        return out
+
+    def bad_found(self) -> set[str]:
+        """The URLs of the shards found bad while reading (data.bad_shards=skip), before a resume too."""
+        return {self.parts[i].files.url(name) for i, bad in enumerate(self._bad) for name in bad}
 
     def progress(self):
         """Per source {"name", "samples", "tokens", "epochs"}: what all ranks have read of it so far."""
         out = []
         for i, p in enumerate(self.parts):
-            n = self._pos.counts[i] if self._legacy is None else self._legacy * self.micro_batch_size * self.dp_world
+            n = (self._v1.pos.counts[i] if self._v1 is not None else self._pos.counts[i]) if self._legacy is None \
+                else self._legacy * self.micro_batch_size * self.dp_world
             total = sum(count for _, count in self.orders[i].shards)
             out.append({"name": p.source.name, "samples": n, "tokens": n * self.seq_len, "epochs": n / total})
         return out
@@ -255,10 +293,11 @@ class TokenStream:
     def state_dict(self):
         if self._legacy is not None:
             return legacy.state_dict(self, self._legacy, self._bad[0])
-        return {"order": ORDER, "samples": self._pos.samples, "counts": list(self._pos.counts),
-                "stream_counts": [list(c) for c in self._pos.streams], "micro_batches": self._into,
-                **{key: getattr(self, key) for key in SETTING_KEYS}, "sources": self._fingerprint(),
-                "bad_read": [sorted(bad) for bad in self._bad],
+        position = self._v1.state() if self._v1 is not None else {
+            "order": ORDER, "samples": self._pos.samples, "counts": list(self._pos.counts)}
+        return {**position, "micro_batches": self._into,
+                **{key: getattr(self, key) for key in SETTING_KEYS if key not in position},
+                "sources": self._fingerprint(), "bad_read": [sorted(bad) for bad in self._bad],
                 "layout": {"dp_rank": self.dp_rank, "dp_world": self.dp_world,
                            "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size},
                 "position": self.progress()}   # for people reading a checkpoint
@@ -267,15 +306,26 @@ class TokenStream:
         return [{"name": p.source.name, "weight": p.source.weight, "train_samples":
                  p.manifest["splits"]["train"]["samples"]} for p in self.parts]
 
+    def _started_with(self):
+        """Each source's train shards as a run of an older order started with them: less those its size check at the
+        start dropped (data.bad_shards=skip), decided by one rank."""
+        if self.bad_shards != "skip" or self.verify == "none":
+            return [shards["train"] for shards in self.shards]
+        good, self.skipped_shards = self.decide(lambda: good_shards(self.parts, self.bad_shards)[:2])
+        return [shards["train"] for shards in good]
+
     def load_state_dict(self, sd):
         self._live += 1  # an iterator made before this no longer matches the position
+        self._v1 = None
         if legacy.is_legacy(sd):
+            self.train = self._started_with()[0]
             self._legacy, bad = legacy.check_state(self, sd)
             self._bad = [bad]
             return
-        for key in ("samples", "counts", "stream_counts", "micro_batches", "sources", "bad_read", "layout",
-                    *SETTING_KEYS):
+        for key in ("samples", "counts", "micro_batches", "sources", "bad_read", "layout", *SETTING_KEYS):
             need(key in sd, f"data state has no '{key}': not a TokenStream.state_dict()")
+        if self.asked_streams is None and sd["canonical_streams"] != self.canonical_streams:
+            self._order(int(sd["canonical_streams"]))   # data.canonical_streams=null: the run's own
         for key, where in SETTING_KEYS.items():
             need(sd[key] == getattr(self, key),
                  f"cannot resume the data stream: its order has {where}={sd[key]}, this run has "
@@ -290,14 +340,18 @@ class TokenStream:
             need(sd["layout"] == self.state_dict()["layout"],
                  f"cannot resume the data stream: it stopped inside a global batch, in the layout {sd['layout']}; "
                  f"resume it in that layout")
-        self._pos = Position(int(sd["samples"]), list(sd["counts"]), [list(c) for c in sd["stream_counts"]])
+        if sd.get("order") == streams_v1.ORDER:
+            self._v1 = streams_v1.Mode(self, sd, self._started_with())
+        else:
+            self._pos = Position(int(sd["samples"]), list(sd["counts"]))
         self._into = int(sd["micro_batches"])
         self._bad, self._legacy = [set(bad) for bad in sd["bad_read"]], None
 
     def start_at(self, step):
         """The position after `step` global batches of this global batch size, from the start."""
         self._live += 1
-        self._pos, self._into, self._legacy = self.blend.position_at(step, self.global_batch_size), 0, None
+        self._pos, self._into, self._legacy, self._v1 = self.blend.position_at(step, self.global_batch_size), 0, \
+            None, None
         self._bad = [set() for _ in self.parts]
 
     # ---- validation ----

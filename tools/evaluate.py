@@ -3,6 +3,7 @@
 
     python tools/evaluate.py runs/demo --shards build/demo/shards --split val
     python tools/evaluate.py runs/demo-release --text heldout.txt [more.txt.gz ...] --stride 64 --json
+    python tools/evaluate.py runs/demo-release --shards https://host/shards --header-from-env Authorization=TOKEN
 
 CHECKPOINT: a release directory, any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir), or a
 Hugging Face export (tools/convert.py to-hf; loaded through transformers, to check the export).
@@ -29,7 +30,9 @@ import json
 import sys
 
 from cli import UsageError, one_line_errors
+from cli.remote_args import add_remote_arguments, configure_remote
 from evaluation.loading import load
+from evaluation.prompts import run_data
 from evaluation.perplexity import evaluate_shards, evaluate_text
 from tokendata.corpus import Corpus, add_record_arguments
 from tokendata.shards import read_manifest
@@ -52,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer.model or tokenizer.json, if the checkpoint carries none (--text)")
     add_record_arguments(p, split_flag="--dataset-split")
+    add_remote_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the human line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -63,6 +67,7 @@ def run(args) -> dict:
     # inputs before the slow load: a typo fails fast
     texts = Corpus.from_args(args, args.text).per_input() if args.text else None
     if args.shards:
+        configure_remote(args, run_data(args.checkpoint))   # shards at a URL: as the run read them, or the flags
         read_manifest(args.shards)
     model, sp, info = load(args.checkpoint, args.tokenizer, need_tokenizer=bool(args.text))
     if texts is not None:

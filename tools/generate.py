@@ -27,8 +27,9 @@ import torch
 from tqdm import tqdm
 
 from cli import UsageError, one_line_errors
+from cli.remote_args import add_remote_arguments, configure_remote
 from evaluation.loading import load
-from evaluation.prompts import decode, default_prompt, prompt_ids
+from evaluation.prompts import decode, default_prompt, prompt_ids, run_data
 from model.decoding import CachedLM
 from model.generate import sample
 
@@ -80,6 +81,7 @@ def parse_args(argv=None):
                    help="tokenizer.model or tokenizer.json, if the checkpoint carries none")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix at every step")
     p.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
+    add_remote_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar and no timing line")
     return p.parse_args(argv)
 
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check(args)
     model, sp, info = load(args.checkpoint, args.tokenizer)
-    if args.prompt is None:
+    if args.prompt is None:   # the run's shards, read with its data.ca_bundle and headers (or the flags)
+        configure_remote(args, run_data(info["source"]))
         args.prompt, where = default_prompt(info, sp)
         print(f"prompt {args.prompt!r}: {where}", file=sys.stderr)
     t0 = time.perf_counter()

@@ -28,14 +28,17 @@ Output directory (the format: tokendata/shards.py, manifest format 2):
                   [{"name": "train-000000.tar", "samples": k, "first_id": "train-000000-000000", "first_index": 0,
                   "bytes": b, "hash": h}, ...]}, "val": {...}}}
   "tokens" counts target tokens (samples x seq_len). A split with no samples has "shards": []. "bytes" is the size of
-  the shard: the loader compares it with the file, so a truncated copy is named before training starts; "hash" is
-  the content hash of the file, checked when the shard is read (data.verify).
+  the shard, compared with the file when it is read (a truncated copy is named then); "hash" is the content hash of
+  the file, checked when the shard is read (data.verify).
 Each shard is a tar of one member "<split>-<shard:06d>.tokens.u16" (or .tokens.i32 when V > 65535): its samples'
 n+1 ids each, back to back, raw little-endian; sample k has the id "<split>-<shard:06d>-<k:06d>".
 
---out may also be a pipe: command that reads one file from stdin ({} is its name) or an fsspec URL (with fsspec's
-backend for it installed), which writes straight into a bucket:
+--out may also be a pipe: command that reads one file from stdin ({} is its name), an fsspec URL (with fsspec's
+backend for it installed: s3:// takes the AWS variables, AWS_ENDPOINT_URL for an S3-compatible store), or an
+http(s):// URL that takes a PUT of each file (with --ca-bundle and --header-from-env, as training reads it), which
+write straight into a bucket:
     python tools/make_shards.py ... --out "pipe:aws s3 cp - s3://bucket/shards/{}"
+    python tools/make_shards.py ... --out s3://bucket/shards
 or write a directory and upload it (aws s3 sync runs/shards s3://bucket/shards; gsutil -m rsync -r …). The trainer
 then streams data.shard_dir=https://bucket.s3.amazonaws.com/shards, "pipe:aws s3 cp s3://bucket/shards/{} -" or
 s3://bucket/shards. manifest.json is written last; --force has no meaning there (nothing is listed or removed).
@@ -55,6 +58,7 @@ import time
 import numpy as np
 
 from cli import UsageError, one_line_errors
+from cli.remote_args import add_remote_arguments, configure_remote
 from tokendata import corpus as corpora, remote, tokenizer as tokenizers
 from tokendata.encode import encoded
 from tokendata.shards import DTYPES, HASH, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
@@ -141,8 +145,9 @@ def parse_args(argv=None):
     p.add_argument("--eos", metavar="TOKEN", help="the token that ends a document, for a tokenizer that names none")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where the shards and manifest.json go: a directory, or pipe:COMMAND that reads one file "
-                        "from stdin, with {} for its name (pipe:aws s3 cp - s3://bucket/shards/{}), or an fsspec URL "
-                        "with its backend installed (s3://bucket/shards)")
+                        "from stdin, with {} for its name (pipe:aws s3 cp - s3://bucket/shards/{}), an fsspec URL "
+                        "with its backend installed (s3://bucket/shards: credentials from the environment), or "
+                        "https://host/path, each file written by one PUT (--ca-bundle, --header-from-env)")
     p.add_argument("--seq-len", type=int, required=True, help="n: each sample holds n+1 tokens")
     p.add_argument("--samples-per-shard", type=int, default=1000, help="samples in each .tar (default 1000)")
     p.add_argument("--val-fraction", type=float, default=0.01,
@@ -155,12 +160,14 @@ def parse_args(argv=None):
                    help="characters of documents encoded as one batch (default 2097152)")
     p.add_argument("--force", action="store_true", help="replace shards already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_remote_arguments(p)
     return p.parse_args(argv)
 
 
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
+    configure_remote(args)   # --out at an https:// URL: its CA and headers, as training reads it
     m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
                     args.seed, args.batch_chars, args.threads, args.force, not args.quiet, args.workers, args.eos,
                     corpora.Corpus.from_args(args))

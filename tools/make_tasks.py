@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from cli import UsageError, one_line_errors
+from cli.remote_args import add_remote_arguments, configure_remote
 from tokendata import tokenizer as tokenizers
 from tokendata.corpus import check_inputs, iter_documents
 from tokendata.shards import read_manifest, shard_samples
@@ -290,12 +291,14 @@ def parse_args(argv=None):
     p.add_argument("--min-context-words", type=int, default=20, help="words of context at least (default 20)")
     p.add_argument("--passage-words", type=int, default=100, help="with --input: words per passage (default 100)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_remote_arguments(p)
     return p.parse_args(argv)
 
 
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
+    configure_remote(args)   # --shards at a URL: its CA and headers
     counts = make_tasks(args)
     print(f"wrote {args.out}: " + ", ".join(f"{task} ({n} items)" for task, n in counts.items()))
     return 0

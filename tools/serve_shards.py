@@ -5,8 +5,9 @@ for the loader benchmark over a real socket (benchmarks/bench.py --only data).
     python tools/serve_shards.py build/demo/shards --port 8000            # on 127.0.0.1
     python tools/serve_shards.py /data/shards --bind 0.0.0.0 --port 8000  # for the cluster's nodes
 
-A threaded server (Python's http.server) with a deep accept queue: every rank checks every shard at start, 64
-requests at once. It serves whole files (no Range requests: a resumed read starts over, which the trainer handles).
+A threaded server (Python's http.server) with a deep accept queue: every rank fetches the shards of its first
+windows when it starts (data.fetch_threads at a time). It serves whole files (no Range requests: a resumed read
+starts over, which the trainer handles).
 For a corpus in a bucket, point data.shard_dir at the bucket instead (README: Training on a cluster).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import partial
 
 class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
-    request_queue_size = 512   # clients check every shard at once (64 requests a rank): none may be turned away
+    request_queue_size = 512   # every rank's first fetches come at once: none may be turned away
 
 
 class Handler(http.server.SimpleHTTPRequestHandler):

@@ -1,6 +1,7 @@
 """Which checkpoint a run resumes, and whether it can: the tags in a checkpoint directory, the newest complete one
 (regular or universal), and one-line reasons why a run of a given config and world cannot load a checkpoint as it
-is. Reads only `latest`, complete.json, config.yaml and file names: cheap enough for the check before a launch."""
+is. Reads only `latest`, complete.json, config.yaml, file names and a universal checkpoint's trainer state: cheap
+enough for the check before a launch."""
 from __future__ import annotations
 
 import glob
@@ -12,6 +13,8 @@ import yaml
 from model import ConfigError
 from model.config import architecture_difference
 from pretrain.checkpoints.durable import verify
+from tokendata import streams_v1
+from tokendata.shards import DataError
 
 
 def is_universal(path: str) -> bool:
@@ -134,4 +137,20 @@ def layout_problem(path: str, config: dict, world: int) -> str | None:
     if ranks and ranks != world:
         return (f"checkpoint {path} was written by {ranks} ranks, this launch has {world}: launch {ranks} to resume "
                 f"it, or {change}")
+    return None
+
+
+def data_problem(path: str, dp: int) -> str | None:
+    """Why a universal checkpoint's data order cannot go on with `dp` data-parallel ranks: that of canonical streams
+    dealt by shard (tokendata/streams_v1.py) gives each rank whole streams; None if it can (every newer order reads
+    any divisor of the global batch; a regular checkpoint is resumed in its own layout)."""
+    if not is_universal(path):
+        return None
+    data = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False).get("data") or {}
+    if data.get("order") != streams_v1.ORDER:
+        return None
+    try:
+        streams_v1.check_streams(data["canonical_streams"], data["layout"]["global_batch_size"], dp)
+    except DataError as e:
+        return f"checkpoint {path}: {e}"
     return None

@@ -24,16 +24,20 @@ class DataSection:
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
                         "one tokenizer, vocabulary, seq_len and eos", None)
     canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
-                        "global batch g holds the same samples for every data-parallel size, worker count and micro-"
-                        "batch that divide it. It must divide train.global_batch_size and be a multiple of every data-"
-                        "parallel size the run will use; it cannot change within a run. Each DataLoader worker holds "
-                        "two groups of shards of every stream and source it reads. null = the largest divisor of the "
-                        "global batch up to 64", None)
+                        "global batch g holds the same samples, in the same order, on every data-parallel size that "
+                        "divides the global batch, any worker count and micro-batch. 1 ≤ C ≤ train.global_batch_size; "
+                        "a rank reads the streams of its part of each batch (about C/dp + 2): more streams, fewer "
+                        "ranks sharing a stream's shards at a large dp, more shards on a rank's disk at a small one. "
+                        "It cannot change within a run. null = min(64, global batch), or a checkpoint's", None)
     tokenizer: str | None = described("path or URL of the tokenizer (a sentencepiece tokenizer.model, or a Hugging "
                                "Face tokenizer.json with its tokenizer_config.json beside it); default the one beside "
                                "the shards (of the first source) that their manifest.json names", None)
-    cache_dir: str | None = described("a local folder that keeps a copy of each shard read from a URL (keyed by name "
-                               "and size), so later epochs and relaunches read the disk; default none", None)
+    cache_dir: str | None = described("a local folder that keeps a copy of each shard read from a URL (keyed by source, "
+                               "name and size), so later epochs and relaunches read the disk; default none (the shards "
+                               "being read lie in a temporary folder)", None)
+    fetch_threads: int = described("shards a rank fetches at once (threads, shared by its DataLoader workers, at "
+                                   "least 1 each): the shards it holds in memory are at most these; the ones being "
+                                   "read lie on the local disk (docs/data.md: the bounds)", 8)
     num_workers: int = described("DataLoader worker processes per rank (0 = read in the training process; at most "
                                  "as many as the rank's canonical streams are used)", 2)
     seed: int = described("seed of the shard/sample order", 1234)
@@ -41,16 +45,19 @@ class DataSection:
                                  "time)", 20)
     bad_shards: str = described("a truncated, empty or unreadable shard: 'fail' (stop with an error naming it) or 'skip' "
                          "(train without it; logged and counted)", "fail")
-    verify: str = described("what is checked of each shard: 'hash' (its size before training, its content hash "
-                     "once fetched: a mismatch is fetched again past data.cache_dir, then is a bad shard), 'size' (the "
-                     "sizes, and each shard's structure when read), 'none' (the structure only)", "hash")
+    verify: str = described("what is checked of each shard when it is read (nothing is requested per shard before "
+                     "training): 'hash' (its size and content hash: a mismatch is fetched again past data.cache_dir, "
+                     "then is a bad shard), 'size' (its size and structure), 'none' (the structure only)", "hash")
     ca_bundle: str | None = described("PEM file of the CA certificates that https:// shard servers are verified against "
                                "(the size check, shards, manifest, tokenizer); default the system's (which honours "
                                "SSL_CERT_FILE). Verification is never switched off", None)
     http_headers_from_env: dict | None = described("headers sent with every http(s):// request, each value read from "
                                             "an environment variable, e.g. {Authorization: SHARDS_TOKEN} with "
                                             "SHARDS_TOKEN='Bearer …' exported: only the variable's name is kept "
-                                            "(config, run directory, checkpoints, logs)", None)
+                                            "(config, run directory, checkpoints, logs). Refused for http:// "
+                                            "sources unless data.headers_over_http", None)
+    headers_over_http: bool = described("send data.http_headers_from_env to plain http:// sources too, unencrypted "
+                                        "(a network you trust); default false: such a source is refused", False)
 
     def __post_init__(self):
         check_types(self, "data")
@@ -69,12 +76,25 @@ class DataSection:
         need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",
              self.canonical_streams, "null or ≥ 1")
         need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
+        need(self.fetch_threads >= 1, "data.fetch_threads", self.fetch_threads, "≥ 1")
         need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
         need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
         need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()
                  for k, v in (self.http_headers_from_env or {}).items()), "data.http_headers_from_env",
              self.http_headers_from_env, "{header: NAME of an environment variable}, e.g. {Authorization: SHARDS_TOKEN}")
+        plain = [(key, path) for key, path in self.paths() if path.startswith("http://")]
+        if self.http_headers_from_env and plain and not self.headers_over_http:
+            key, path = plain[0]
+            raise ConfigError(f"{key}={path} is plain http://: data.http_headers_from_env "
+                              f"({', '.join(self.http_headers_from_env)}) would go out unencrypted; serve it over "
+                              f"https://, or set data.headers_over_http=true on a network you trust")
+
+    def paths(self) -> list[tuple[str, str]]:
+        """(dotted key, location) of every source."""
+        if self.sources is None:
+            return [("data.shard_dir", self.shard_dir)]
+        return [(f"data.sources[{i}].path", s["path"]) for i, s in enumerate(self.sources)]
 
     def source_list(self) -> str | list[Source]:
         """What tokendata reads: the shard_dir, or the sources (tokendata/sources.py)."""
@@ -237,7 +257,11 @@ class TrainSection:
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""
-        per_step = self.micro_batch_size * dp
+        per_step, G = self.micro_batch_size * dp, self.global_batch_size
+        if G % dp:   # the data order reads any divisor of the global batch (tokendata/order.py)
+            sizes = ", ".join(str(d) for d in range(1, min(G, 4096) + 1) if G % d == 0)
+            raise ConfigError(f"train.global_batch_size={G} is not divisible by the data-parallel size {dp}: its "
+                              f"samples are split evenly over the ranks; data-parallel sizes it can use: {sizes}")
         if self.global_batch_size % per_step:
             raise ConfigError(f"train.global_batch_size={self.global_batch_size} is not divisible by "
                               f"train.micro_batch_size × data-parallel size = {self.micro_batch_size} × {dp} = "

@@ -25,10 +25,13 @@ from tokendata.shards import DataError
 
 
 class Runtime(NamedTuple):
-    """What a launch of `world_size` ranks derives from the config."""
+    """What a launch of `world_size` ranks derives from the config (and the launch check, pretrain/prelaunch.py: the
+    sources it read, tokendata.sources.Opened, and what it notes of the vocabulary)."""
     world_size: int
     dp: int
     grad_accum: int
+    sources: tuple = ()
+    vocab_note: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -64,7 +67,8 @@ class TrainConfig:
         return min(self.train.max_steps, math.ceil(self.train.max_tokens / self.tokens_per_step))
 
     def canonical_streams(self) -> int:
-        """data.canonical_streams, or its default for this global batch (tokendata/order.py)."""
+        """data.canonical_streams, or its default for this global batch (tokendata/order.py; a resumed run keeps its
+        checkpoint's)."""
         return self.data.canonical_streams or default_streams(self.train.global_batch_size)
 
     def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:
@@ -98,7 +102,7 @@ class TrainConfig:
                               f"{p.pp}): FP8 swaps the plain linears of one whole model; set train.fp8=null")
         grad_accum = self.train.grad_accum(dp)
         try:
-            check_streams(self.canonical_streams(), self.train.global_batch_size, dp)
+            check_streams(self.canonical_streams(), self.train.global_batch_size)
         except DataError as e:
             raise ConfigError(str(e)) from None
         if self.train.precision == "fp16" and not (cuda_available() if cuda is None else cuda):

@@ -263,10 +263,12 @@ def script(path: str, args: list[str]) -> str:
 
 
 def config_args(where: str, args: list[str], required: bool = False) -> None:
-    """A configs/….yaml among `args`, loaded with the section.key=value words after it."""
+    """A configs/….yaml among `args`, loaded with the section.key=value words after it (a study preset after
+    `--preset` is tools/ablate.py's, not a training config)."""
     from pretrain.config import load_config
 
-    configs = [i for i, a in enumerate(args) if a.endswith((".yaml", ".yml")) and "configs/" in a]
+    configs = [i for i, a in enumerate(args) if a.endswith((".yaml", ".yml")) and "configs/" in a
+               and (i == 0 or args[i - 1] != "--preset")]
     if not configs:
         if required:
             raise CommandError(f"{where}: no config file among {args}")

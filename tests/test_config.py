@@ -240,8 +240,11 @@ def test_wrong_types_and_section_rules(item, expect):
 
 def test_check_runtime_cross_section_errors():
     demo = load_config(DEMO)
-    assert error_of(demo.check_runtime, 3) == ("train.global_batch_size=16 is not divisible by train.micro_batch_size"
-                                               " × data-parallel size = 8 × 3 = 24")
+    assert error_of(demo.check_runtime, 3) == ("train.global_batch_size=16 is not divisible by the data-parallel size "
+                                               "3: its samples are split evenly over the ranks; data-parallel sizes it "
+                                               "can use: 1, 2, 4, 8, 16")
+    assert error_of(demo.check_runtime, 4) == ("train.global_batch_size=16 is not divisible by train.micro_batch_size"
+                                               " × data-parallel size = 8 × 4 = 32")
     tp2 = load_config(DEMO, ["parallel.tp=2"])
     assert error_of(tp2.check_runtime, 3) == "world size 3 is not divisible by parallel.tp × parallel.pp = 2 × 1 = 2"
     assert tp2.check_runtime(4).dp == 2

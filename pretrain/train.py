@@ -100,7 +100,7 @@ class Trainer:
                           f"bubble, (pp − 1)/(micro-batches + pp − 1)); give it ≥ {4 * lay.pp} micro-batches by "
                           f"raising train.global_batch_size or lowering train.micro_batch_size")
         n_params = sum(p.numel() for p in self.engine.module.parameters())
-        mixer = cfg.model.mixer + (f" within documents (eos {cfg.model.eos_id})" if cfg.model.document_mask else "")
+        mixer = f"{cfg.model.mixer}" + (f" within documents (eos {cfg.model.eos_id})" if cfg.model.document_mask else "")
         compiled = (", compiled blocks" + (", embedding and loss" if lay.pp == 1 else "")) if cfg.train.compile else ""
         self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}{compiled}; model {mixer}, "

@@ -203,13 +203,16 @@ def document_terms(cfg: ModelConfig, B: int, n: int, a: int, gpu: bool) -> list[
 
 
 def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
-    """Everything block `index` keeps for backward on one rank (blocks of one mixer keep alike: computed once)."""
+    """Everything block `index` keeps for backward on one rank (blocks of one mixer keep alike: computed once per
+    config, shape and GPU kernel choice)."""
     mixers = cfg.layer_mixers()
-    return list(_layer_terms(json.dumps(cfg.to_dict(), sort_keys=True), mixers.index(mixers[index]), B, n, tp, a, gpu))
+    return list(_layer_terms(json.dumps(cfg.to_dict(), sort_keys=True), mixers.index(mixers[index]), B, n, tp, a, gpu,
+                             key_bias_kernel() if gpu else None))
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> tuple[Term, ...]:
+def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: bool,
+                 kernel: str | None) -> tuple[Term, ...]:   # kernel: part of the cache's key (key_bias_kernel())
     cfg = ModelConfig.from_dict(json.loads(config))
     block = shape_model(cfg).blocks[index]
     N, d = B * n, cfg.d_model

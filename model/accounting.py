@@ -33,7 +33,7 @@ class Param(NamedTuple):
 
 def shape_model(cfg: ModelConfig) -> SynthesizerLM:
     """The whole model on the meta device (shapes only: no memory, no init), built once per config."""
-    return _meta_model(json.dumps(cfg.to_dict(), sort_keys=True))
+    return _meta_model(cfg.key())
 
 
 class _ShapesOnly(TorchFunctionMode):
@@ -59,7 +59,7 @@ def _meta_model(config: str) -> SynthesizerLM:
 def parameters(cfg: ModelConfig) -> dict[str, Param]:
     """Canonical name → (full shape, TP split dim, trainable) of every parameter of the model `cfg` describes."""
     return {name: Param(list(shape), dim, trainable)
-            for name, shape, dim, trainable in _parameters(json.dumps(cfg.to_dict(), sort_keys=True), tp.tp_world())}
+            for name, shape, dim, trainable in _parameters(cfg.key(), tp.tp_world())}
 
 
 @functools.lru_cache(maxsize=16)
@@ -91,7 +91,7 @@ def table1_count(mixer: nn.Module) -> int:
 def train_flops_per_token(cfg: ModelConfig, n: int | None = None) -> int:
     """Forward + backward FLOPs per token of the whole model at length n (default L): the numerator of MFU, in the
     trainer's log and in benchmarks/bench.py."""
-    return _train_flops(json.dumps(cfg.to_dict(), sort_keys=True), n)
+    return _train_flops(cfg.key(), n)
 
 
 @functools.lru_cache(maxsize=64)

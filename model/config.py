@@ -5,6 +5,7 @@ The YAML `model:` section maps one-to-one onto these fields (`ModelConfig.from_d
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -132,6 +133,11 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def key(self) -> str:
+        """The config as one string, `from_dict(json.loads(key))` its inverse: the key of the caches of work that
+        depends on the config alone (shapes, parameters, FLOPs, the memory and time plans' per-layer terms)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
 
 # Fields that may differ between a release and the run it starts: they change no tensor's meaning or shape.

@@ -206,7 +206,7 @@ def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, g
     """Everything block `index` keeps for backward on one rank (blocks of one mixer keep alike: computed once per
     config, shape and GPU kernel choice)."""
     mixers = cfg.layer_mixers()
-    return list(_layer_terms(json.dumps(cfg.to_dict(), sort_keys=True), mixers.index(mixers[index]), B, n, tp, a, gpu,
+    return list(_layer_terms(cfg.key(), mixers.index(mixers[index]), B, n, tp, a, gpu,
                              key_bias_kernel() if gpu else None))
 
 

@@ -116,11 +116,7 @@ class Plan:
 def stage_layers(cfg: ModelConfig, pp: int, partition: str) -> list[range]:
     """The blocks of each pipeline stage, as DeepSpeed's PipelineModule partitions pretrain/pipeline.py's layer specs
     [token embedding, positions, blocks…, final norm, head]: by trainable parameter counts, or uniformly."""
-    return list(_stage_layers(_key(cfg), pp, partition))
-
-
-def _key(cfg: ModelConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)
+    return list(_stage_layers(cfg.key(), pp, partition))
 
 
 @functools.lru_cache(maxsize=256)   # the plans of every layout ask again
@@ -149,7 +145,7 @@ def _stage_layers(config: str, pp: int, partition: str) -> tuple[range, ...]:
 
 def rank_parameters(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements on one TP rank, trainable) of each parameter of a stage."""
-    return list(_rank_parameters(_key(cfg), tp, layers.start, layers.stop, first, last))
+    return list(_rank_parameters(cfg.key(), tp, layers.start, layers.stop, first, last))
 
 
 @functools.lru_cache(maxsize=1024)

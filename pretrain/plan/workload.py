@@ -87,10 +87,6 @@ class StageWork:
     boundary_bytes: int                       # b·n·d·a: a TP all-reduce or a stage's output sent on
 
 
-def _config_key(cfg: ModelConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True)
-
-
 @lru_cache(maxsize=512)
 def _layer(config: str, index: int, b: int, tp: int, a: int, gpu: bool) -> LayerWork:
     cfg = ModelConfig.from_dict(json.loads(config))
@@ -116,7 +112,7 @@ def stage_work(cfg: TrainConfig, lay: Layout, micro: int, gpu: bool, even: bool 
     """Every pipeline stage's work on one of its ranks at micro-batch `micro`: the memory plan's layer split, or
     `even`ly L/p blocks a stage."""
     m, t = cfg.model, lay.tp
-    a, key, mixers = bytes_of(cfg.train.precision), _config_key(m), m.layer_mixers()
+    a, key, mixers = bytes_of(cfg.train.precision), m.key(), m.layer_mixers()
     every = cfg.parallel.activation_checkpointing
     N, out = micro * m.max_seq_len, []
     per = m.n_layers // lay.pp

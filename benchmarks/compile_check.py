@@ -123,7 +123,6 @@ def check_grads(shape, mixer, device, dtype, backends, log) -> list[dict]:
     import torch
 
     from model import build_model
-    from model import linear_cross_entropy as lce
 
     cfg = model_config(shape, mixer)
     g = torch.Generator().manual_seed(0)

@@ -53,7 +53,7 @@ def compare(a: dict[str, list[float]], b: dict[str, list[float]], names: tuple[s
         change = (mean[n1][v] - mean[n0][v]) / mean[n0][v]
         paper = f"{PAPER_LM1B[v]} ({paper_rank[v]})" if v in PAPER_LM1B else "—"
         lines.append(f"| {v} | {cell(a[v])} | {rank[n0][v]} | {cell(b[v])} | {rank[n1][v]} | {change:+.1%} | {paper} |")
-    lines += ["", f"Verdicts (A < B: A's worst seed beats B's best; ≈: the seeds cannot tell them apart):", "",
+    lines += ["", "Verdicts (A < B: A's worst seed beats B's best; ≈: the seeds cannot tell them apart):", "",
               f"| pair | {n0} | gap | {n1} | gap |", "|---|---|---|---|---|"]
     for x, y in itertools.combinations(order[n0], 2):
         cells = []

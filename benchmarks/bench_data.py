@@ -167,6 +167,7 @@ def run_reader(spec: dict) -> dict:
         base = me.memory_info().rss
         watcher = threading.Thread(target=sample, daemon=True)
         watcher.start()
+        shard_pool.reset_stats()
         t0, batches = time.perf_counter(), iter(stream)
         for _ in range(spec["batches"]):
             next(batches)

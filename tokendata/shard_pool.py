@@ -31,6 +31,11 @@ SPILL = "synthformer-spill"   # under data.cache_dir or the temporary folder: <p
 OPEN_FILES = 64               # local files kept open for reading samples
 
 
+def reset_stats() -> None:
+    """Start STATS from zero: a measurement of one reader in a process that ran others before it."""
+    STATS.update(peak_in_flight=0, fetched=0)
+
+
 class _Entry:
     def __init__(self, opener):
         self.opener, self.users, self.state, self.result = opener, 0, "queued", None

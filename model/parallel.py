@@ -3,7 +3,7 @@
 The model code asks this module for "a column-parallel linear", "a vocab-parallel embedding", … and never
 looks at ranks. With more than one tensor-parallel rank the layers are megatron's (`ColumnParallelLinear`,
 `RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`); with one (no process group, or
-megatron-core's `parallel_state` at TP = 1, as every pure data- or pipeline-parallel run has) they are `nn.Linear` /
+a pure data- or pipeline-parallel run) they are `nn.Linear` /
 `nn.Embedding` / `F.cross_entropy` with the same parameter names, so one state dict fits both. At TP = 1 the plain
 linear adds its bias inside the GEMM (megatron's adds it apart, in fp32 under autocast, which also promotes the
 output to fp32) and torch.compile sees plain aten ops.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import zlib
 from typing import Callable
 
@@ -39,12 +40,15 @@ def _mcore():
     return megatron.core
 
 
+def _under_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _parallel_state():
-    """megatron-core's parallel_state if it has been initialised, else None (plain TP=1)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    parallel_state = _mcore().parallel_state
-    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+    """megatron-core's parallel_state if a layout with TP or PP initialised it, else None (TP = 1). It is looked up,
+    never imported: a data-parallel launch does not import megatron-core at all."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state") if _under_process_group() else None
+    return parallel_state if parallel_state is not None and parallel_state.model_parallel_is_initialized() else None
 
 
 def tp_world() -> int:
@@ -152,7 +156,7 @@ class EngineLinear(nn.Linear):
 
 
 def plain_linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
-    return (EngineLinear if _parallel_state() is not None else nn.Linear)(d_in, d_out, bias=bias)
+    return (EngineLinear if _under_process_group() else nn.Linear)(d_in, d_out, bias=bias)
 
 
 def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:

@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -200,10 +201,12 @@ def world_size() -> int:
 
 
 def init(cfg: TrainConfig) -> Layout:
-    """Check the config against the launch, then start torch.distributed and megatron-core's TP groups."""
+    """Check the config against the launch, then start torch.distributed, and megatron-core's groups where the layout
+    has tensor or pipeline parallelism. A data-parallel layout (TP = PP = 1) needs none of them: its data-parallel
+    group is the world, the model's layers are plain torch ones, and megatron-core is not even imported (seconds of
+    every rank's start)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from megatron.core import parallel_state
 
     _single_process_env()
     world = int(os.environ["WORLD_SIZE"])
@@ -222,17 +225,22 @@ def init(cfg: TrainConfig) -> Layout:
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     if accel.device_name() == "cpu":
         _release_shm_segment_name()
-    # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
-                                             pipeline_model_parallel_size=cfg.parallel.pp,
-                                             distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
+    dp_rank, dp_group = dist.get_rank(), None   # TP = PP = 1: the world is the data-parallel group
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        from megatron.core import parallel_state
+
+        # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
+                                                 pipeline_model_parallel_size=cfg.parallel.pp,
+                                                 distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
+        dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
     timeouts.agree(timeout.total_seconds())   # exactly, and for the groups made without one (again after the engine)
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-    return Layout(rank=dist.get_rank(), world=world, dp_rank=parallel_state.get_data_parallel_rank(), dp=runtime.dp,
-                  tp=cfg.parallel.tp, pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device,
-                  dp_group=parallel_state.get_data_parallel_group(), peers=tuple(peers))
+    return Layout(rank=dist.get_rank(), world=world, dp_rank=dp_rank, dp=runtime.dp, tp=cfg.parallel.tp,
+                  pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device, dp_group=dp_group,
+                  peers=tuple(peers))
 
 
 # What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers.
@@ -286,9 +294,8 @@ def _alive(pid: int) -> bool:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")   # imported only by a TP or PP layout
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -149,7 +149,7 @@ def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_cli
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
-        model, mpu = build_model(cfg.model), distributed.MegatronMPU()
+        model, mpu = build_model(cfg.model), distributed.MegatronMPU() if lay.tp > 1 else None   # None: DP is the world
     rename = getattr(model, "canonical_name", lambda name: name)
     if cfg.train.fp8:
         float8.convert(model, cfg.train.fp8)

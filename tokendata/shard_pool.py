@@ -31,8 +31,13 @@ SPILL = "synthformer-spill"   # under data.cache_dir or the temporary folder: <p
 OPEN_FILES = 64               # local files kept open for reading samples
 
 
+_GENERATION = [0]   # STATS counts the pools made since the last reset_stats
+
+
 def reset_stats() -> None:
-    """Start STATS from zero: a measurement of one reader in a process that ran others before it."""
+    """Start STATS from zero, counting only the pools made from now on: a measurement of one reader in a process where
+    the readers of others (a test's earlier ones) may still be fetching."""
+    _GENERATION[0] += 1
     STATS.update(peak_in_flight=0, fetched=0)
 
 
@@ -53,6 +58,7 @@ class ShardPool:
         self._files: collections.OrderedDict = collections.OrderedDict()   # path -> open file descriptor
         self._spill: str | None = None
         self.in_flight = self.peak_in_flight = self.fetched = 0   # for the data bench and its tests
+        self.counted = _GENERATION[0]   # in STATS while no reset_stats came after it
         self.retries = 0   # the retries of the fetches done since `take_retries` last took them
 
     # ---- fetching ----
@@ -122,7 +128,8 @@ class ShardPool:
                 entry.state = "running"
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                STATS["peak_in_flight"] = max(STATS["peak_in_flight"], self.in_flight)
+                if self.counted == _GENERATION[0]:
+                    STATS["peak_in_flight"] = max(STATS["peak_in_flight"], self.in_flight)
             try:
                 result = entry.opener(self.spill_dir)
             except DataError as e:
@@ -130,7 +137,7 @@ class ShardPool:
             with self._lock:
                 self.in_flight -= 1
                 self.fetched += 1
-                STATS["fetched"] += 1
+                STATS["fetched"] += self.counted == _GENERATION[0]
                 entry.state, entry.result = "done", result
                 self.retries += getattr(result, "retries", 0)
                 entry.done.set()

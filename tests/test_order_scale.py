@@ -140,6 +140,7 @@ def test_the_start_at_100000_shards_asks_for_the_manifest_once_and_no_shard_befo
     the manifest once, no shard is asked for its size (no HEAD), and the first global batch fetches only the shards of
     the windows its streams read and of the ones after them; the reader holds at most data.fetch_threads shards in
     memory at once."""
+    shard_pool.reset_stats()   # the readers of this file's earlier tests (8 threads) may still be fetching
     with SyntheticServer(hundred_thousand) as srv:
         path = tmp_path / "c.yaml"
         cfg = yaml.safe_load(open(DEMO))

@@ -262,7 +262,8 @@ def training_step(spec: dict):
     lay = distributed.init(cfg)
     if spec.get("threads"):   # else the trainer's choice: CPU count ÷ ranks on the host
         torch.set_num_threads(spec["threads"])
-    mem = Memory(lay.device)
+    import torch._dynamo  # noqa: F401  torch.optim imports it at the engine's first parameter group: its code is
+    mem = Memory(lay.device)   # the process's, in the baseline after init, not in a step's memory
     torch.manual_seed(cfg.train.seed)
     loop = partial(PlainLoop, schedule=spec.get("schedule", True))
     engine = {"peer": peer_engine, "loop": loop}.get(spec["kind"], build_engine)(cfg, lay)

@@ -297,5 +297,11 @@ def shutdown() -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")   # imported only by a TP or PP layout
     if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    import deepspeed.comm as ds_comm
+
+    if ds_comm.is_initialized():   # DeepSpeed's own destroy also drops its copies of the groups (its clone of the
+        ds_comm.destroy_process_group()   # world, which a DP layout's engine uses), or the next init would find them
+    else:
         dist.destroy_process_group()

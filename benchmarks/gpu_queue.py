@@ -132,13 +132,21 @@ def write_part_census(a) -> None:
 
 # ---- which figures stand --------------------------------------------------------------------------------------------
 def records(root: str = RECORDS) -> list[tuple[str, dict]]:
-    """(folder, census.json) of every record, oldest first (by folder name: <date>-<commit>-<device>)."""
+    """(folder, census.json) of every record, oldest first: by the folder's date (<date>-<commit>-<device>), then by
+    the record's commit in git's history (two records of one day: the later commit is the newer)."""
     paths = glob.glob(os.path.join(root, "*", "census.json")) + glob.glob(os.path.join(root, "*", "*", "census.json"))
     out = []
-    for path in sorted(paths, key=lambda p: os.path.relpath(p, root)):
+    for path in paths:
         with open(path) as f:
             out.append((os.path.dirname(path), json.load(f)))
-    return out
+    return sorted(out, key=lambda r: (os.path.relpath(r[0], root)[:10], history_depth(r[1].get("commit")),
+                                      os.path.relpath(r[0], root)))
+
+
+def history_depth(commit: str | None) -> int:
+    """How many commits lead to `commit` (git rev-list --count); -1 where git does not know it."""
+    r = subprocess.run(["git", "rev-list", "--count", str(commit)], cwd=ROOT, capture_output=True, text=True)
+    return int(r.stdout) if commit and r.returncode == 0 and r.stdout.strip().isdigit() else -1
 
 
 def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:

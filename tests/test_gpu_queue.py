@@ -50,27 +50,30 @@ def test_the_census_counts_the_structure_not_the_widths():
 def test_the_queue_says_which_figures_stand_and_which_part_runs_next(tmp_path):
     """Records planted under a docs/gpu of their own: part 1 measured everything it plans with the census of today,
     part 2 one configuration whose census has changed since, part 7 a subset; every other part never. Part 0 comes
-    first: never measured, it runs next; without it, part 2 (changed)."""
-    planned = {k: configurations(k, planning_args(k, parse_args)) for k in (1, 2, 7)}   # as on an H100
+    first: never measured, it runs next; without it, part 2 (changed). Two records of part 3 on one day: the newer is
+    the later commit in git's history (2b137c4 follows 7f38757), not the later folder name."""
+    planned = {k: configurations(k, planning_args(k, parse_args)) for k in (1, 2, 3, 7)}   # as on an H100
     import torch
 
     census = {"forward": {"mm": 3}, "backward": {"mm": 6}, "optimizer step": {"_fused_adamw": 1}}
 
-    def record(name, part, specs, counts):
+    def record(name, part, specs, counts, commit="abc1234"):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "census.json").write_text(json.dumps({
-            "commit": "abc1234", "device": "NVIDIA H100 80GB HBM3", "torch": torch.__version__,
+            "commit": commit, "device": "NVIDIA H100 80GB HBM3", "torch": torch.__version__,
             "parts": {str(part): [key(s) for s in specs]},
             "configurations": {key(s): {"spec": s, "census": counts} for s in specs}}))
 
     record("2026-11-27-abc1234-h100", 1, planned[1], census)
     record("2026-11-28-abc1234-h100", 2, planned[2][:1], {**census, "forward": {"mm": 2}})
     record("2026-11-28-abc1234-h100-b", 7, planned[7][:1], census)
+    record("2026-11-29-2b137c4-h100", 3, planned[3], census, commit="2b137c4")
+    record("2026-11-29-7f38757-h100", 3, planned[3], {**census, "forward": {"mm": 2}}, commit="7f38757")
     now = lambda specs, tree: {key(s): census for s in specs}   # noqa: E731  today's census: as part 1 recorded it
     states = standing(parse_args, parts=range(9), root=str(tmp_path), count=now, log=lambda *_: None)
     print(report(states))
-    assert {k: s["state"] for k, s in states.items()} == {0: "never", 1: "stands", 2: "changed", 3: "never",
+    assert {k: s["state"] for k, s in states.items()} == {0: "never", 1: "stands", 2: "changed", 3: "stands",
                                                            4: "never", 5: "never", 6: "never", 7: "partly", 8: "never"}
     assert states[2]["changed"] == [key(planned[2][0])] and len(states[7]["missing"]) == len(planned[7]) - 1
     assert report(states).endswith("next: part 0 (make gpu-bench PART=0)")

@@ -14,6 +14,7 @@ import yaml
 from filelock import FileLock
 
 from pretrain.distributed import free_local_port
+from tests import warm_ranks
 from tools.train_tokenizer import EOS_ID   # the eos of build_shards' tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,20 +165,29 @@ def launch(config, nproc, *overrides, check=True, env=None, launcher=False):
 
 
 def run_ranks(config, nproc, *overrides, env, timeout=600):
-    """The nproc trainers of one job through launch/pretrain.sh, started as a scheduler would."""
-    return ranks([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], nproc, {"PYTHON": PY, **env},
-                 timeout)
+    """The nproc trainers of one job, started as a scheduler would: forked from a warm process that has imported the
+    trainer (tests/warm_ranks.py), or with SYNTHFORMER_TEST_FRESH_RANKS=1 each through launch/pretrain.sh."""
+    env = {"PYTHON": PY, **env}
+    if warm_ranks.fresh():
+        return ranks([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], nproc, env, timeout)
+    pythonpath = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))] if p])
+    return ranks([config, *overrides], nproc, {**env, "PYTHONPATH": pythonpath}, timeout, module="pretrain.train")
 
 
-def ranks(cmd, nproc, env, timeout):
-    """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); when one
-    fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files, not
-    pipes: no rank blocks on a full pipe); the return code is the first failure's."""
+def ranks(cmd, nproc, env, timeout, module=None):
+    """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); with `module`,
+    `python -m module cmd...` forked warm (tests/warm_ranks.py). When one fails the others are ended, as the
+    launcher does. stdout and stderr are the ranks' in rank order (files, not pipes: no rank blocks on a full pipe);
+    the return code is the first failure's."""
     shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
-    logs = [[tempfile.TemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,
-                              stderr=err, text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]
+    logs = [[tempfile.NamedTemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
+    if module:
+        procs = [warm_ranks.start(module, cmd, {**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, ROOT, out, err)
+                 for r, (out, err) in enumerate(logs)]
+    else:
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,
+                                  stderr=err, text=True, start_new_session=True) for r, (out, err) in enumerate(logs)]
     deadline, code = time.time() + timeout, 0
     try:
         while any(p.poll() is None for p in procs) and not code:
@@ -188,7 +198,10 @@ def ranks(cmd, nproc, env, timeout):
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:   # a forked rank not yet in its own session
+                    os.kill(p.pid, signal.SIGKILL)
                 p.wait()
     texts = []
     for pair in logs:

@@ -103,7 +103,8 @@ def test_a_hang_is_found_and_a_hang_and_a_kill_9_are_restarted_to_the_uninterrup
     assert len(groups) >= 2 * 20 and {g["timeout_s"] for g in groups} == {HANG_TIMEOUT + MARGIN_S}
     descs = {g["desc"].split(" (", 1)[1].split(",")[0] for g in groups}   # megatron's names; DeepSpeed's "undefined"
     assert {"PIPELINE_MODEL_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", "default_pg", "undefined"} <= descs, descs
-    assert sum(line.startswith("warning: W&B could not start the run (CommError") for line in lines) == TRIALS + 2
+    refused = [line for line in lines if line.startswith("warning: W&B could not start the run (")]
+    assert len(refused) == TRIALS + 2, [line for line in lines if "W&B" in line or "wandb" in line.lower()]
     restarts = [row for row in metric_rows(run) + metric_rows(run, replayed=True) if "run/restarts" in row]
     causes = {row["run/restarts"]: row["run/restart_cause"] for row in restarts}
     assert sorted(causes) == list(range(1, TRIALS + 2)), causes

@@ -10,6 +10,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import trustme
@@ -271,6 +272,21 @@ def test_cache_dir_fetches_each_shard_once(few_shards, tmp_path):
         assert all(count == 1 for name, count in srv.gets.items() if name != "manifest.json"), srv.gets
     sizes = {s["name"]: s["bytes"] for s in read_manifest(few_shards)["splits"]["train"]["shards"]}
     assert {f"{n}.{sizes[n]}" for n in first} <= {f.name for f in (cache / folder_for(srv.url)).iterdir()}
+
+
+def test_readers_sharing_the_cache_fetch_a_shard_once(few_shards, tmp_path):
+    """Eight readers of one node (threads here: the lock is per open file, so threads exclude each other as processes
+    do) want the same shard at once: one GET, and every reader gets its bytes."""
+    record = read_manifest(few_shards)["splits"]["train"]["shards"][0]
+    cache, start = str(tmp_path / "cache" / f"{record['name']}.{record['bytes']}"), threading.Barrier(8)
+    with ShardServer(few_shards) as srv:
+        def read():
+            start.wait()
+            return remote.fetch(remote.join(srv.url, record["name"]), record["bytes"], cache)[0]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda _: read(), range(8)))
+        assert srv.gets[record["name"]] == 1, srv.gets
+    assert {len(g) for g in got} == {record["bytes"]} and len(set(got)) == 1
 
 
 def test_the_launch_check_reads_the_manifest_over_http(few_shards, tmp_path):

@@ -26,6 +26,7 @@ fsspec URLs use their backend's own settings, pipe: commands their own.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -34,6 +35,7 @@ import re
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -234,8 +236,22 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
     """(the file's bytes, retries it took). `size` (the manifest's) makes a short read a transient fault and keys the
     cache: with `cache` (a local file path, unique to the name and size) a file already there is read from it (unless
     `refresh`), and a fetched one is written there (under a temporary name, then renamed: readers on the node share
-    it)."""
-    if cache and size is not None and not refresh and os.path.isfile(cache) and os.path.getsize(cache) == size:
+    it). A fetch into the cache holds the file's lock (`<cache>.lock`, flock: released when its holder exits, even
+    killed), so readers of one node that want the same shard at once fetch it once: the others wait, then read the
+    copy."""
+    if not cache or size is None:
+        return _fetch(url, size, None, what, refresh)
+    os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+    with open(f"{cache}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # (per open file: threads of one process exclude each other too)
+        try:
+            return _fetch(url, size, cache, what, refresh)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _fetch(url, size, cache, what, refresh):
+    if cache and not refresh and os.path.isfile(cache) and os.path.getsize(cache) == size:
         url = cache
 
     def attempt(got):
@@ -247,7 +263,7 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
         return bytes(data)                                                          # caller's to judge)
 
     data, retries = retrying(what, url, attempt)
-    if cache and url != cache and size is not None and len(data) == size:
+    if cache and url != cache and len(data) == size:
         write_whole(cache, data)
     return data, retries
 
@@ -255,7 +271,7 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
 def write_whole(path: str, data: bytes) -> None:
     """A local file written under a temporary name and renamed: processes of a node that share it see all or none."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"   # one per writer, threads too
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pretrain.checkpoints.resume import newest_complete
 from pretrain.faults import SAVE_PHASES
 from tests.http_shards import ShardServer
 from tests.runs import (finish, free_local_port, launch, logged_step, output, record, reference_config, start,
@@ -36,8 +37,16 @@ def wait_until_started(proc):
 
 
 def latest(run) -> int:
+    """The step `latest` names (0: none)."""
     path = run / "checkpoints" / "latest"
     return int(path.read_text().split("_")[1]) if path.exists() else 0
+
+
+def resume_point(run) -> int:
+    """The step a relaunch resumes at: `latest`'s, or with none yet the newest complete checkpoint (a kill between a
+    save's rename and its `latest` leaves the first checkpoint complete and unnamed: it is resumed)."""
+    tag = newest_complete(str(run / "checkpoints")) if (run / "checkpoints").is_dir() else None
+    return int(tag.split("_")[1]) if tag else 0
 
 
 def relaunch(cfg, env=None):
@@ -76,7 +85,7 @@ def kill_9_and_relaunch(cfg, run, reference):
         assert f"lost rank {victim} " in errors[0] and "relaunch the same command" in errors[0], errors[0]
         assert errors[1].startswith(f"error: rank {1 - victim} failed first (lost rank): lost rank {victim} "), errors
         kills.append((killed_at, victim))
-        resume_at = latest(run)
+        resume_at = resume_point(run)
         assert resume_at <= killed_at
     r = finish(relaunch(cfg))
     assert r.returncode == 0, r.stderr[-3000:]

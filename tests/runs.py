@@ -141,7 +141,10 @@ def finish(proc, timeout=600):
 
 def spawn(script, args, nproc, timeout=300):
     """Run `python script args` as nproc ranks of one torch.distributed job on this host (the launcher's env)."""
-    r = ranks([PY, script, *map(str, args)], nproc, {"PYTHONPATH": ROOT}, timeout)
+    if warm_ranks.fresh():
+        r = ranks([PY, script, *map(str, args)], nproc, {"PYTHONPATH": ROOT}, timeout)
+    else:   # forked warm, as run_ranks' trainers
+        r = ranks([*map(str, args)], nproc, {"PYTHONPATH": ROOT}, timeout, warm=script)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
@@ -171,19 +174,19 @@ def run_ranks(config, nproc, *overrides, env, timeout=600):
     if warm_ranks.fresh():
         return ranks([os.path.join(ROOT, "launch", "pretrain.sh"), config, *overrides], nproc, env, timeout)
     pythonpath = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))] if p])
-    return ranks([config, *overrides], nproc, {**env, "PYTHONPATH": pythonpath}, timeout, module="pretrain.train")
+    return ranks([config, *overrides], nproc, {**env, "PYTHONPATH": pythonpath}, timeout, warm="pretrain.train")
 
 
-def ranks(cmd, nproc, env, timeout, module=None):
-    """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); with `module`,
-    `python -m module cmd...` forked warm (tests/warm_ranks.py). When one fails the others are ended, as the
+def ranks(cmd, nproc, env, timeout, warm=None):
+    """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); with `warm` (a
+    module, or a script's path), `python -m warm cmd...` (`python warm cmd...`) forked warm (tests/warm_ranks.py). When one fails the others are ended, as the
     launcher does. stdout and stderr are the ranks' in rank order (files, not pipes: no rank blocks on a full pipe);
     the return code is the first failure's."""
     shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
     logs = [[tempfile.NamedTemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]
-    if module:
-        procs = [warm_ranks.start(module, cmd, {**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, ROOT, out, err)
+    if warm:
+        procs = [warm_ranks.start(warm, cmd, {**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, ROOT, out, err)
                  for r, (out, err) in enumerate(logs)]
     else:
         procs = [subprocess.Popen(cmd, cwd=ROOT, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=out,

@@ -21,6 +21,7 @@ import atexit
 import faulthandler
 import multiprocessing
 import os
+import runpy
 import signal
 import sys
 import threading
@@ -46,8 +47,9 @@ def context():
     return _context
 
 
-def _run(module: str, argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
-    """In the forked rank: become `python -m module argv` with env in cwd, writing to the files out and err."""
+def _run(target: str, argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+    """In the forked rank: become `python -m target argv` (a module with main()), or `python target argv` (a .py
+    script, run as __main__), with env in cwd, writing to the files out and err."""
     os.setsid()   # its own process group, as tests/runs.py starts fresh ranks: a timeout kills its workers too
     multiprocessing.set_start_method(None, force=True)   # a forkserver's child defaults to it: the platform's again
     os.chdir(cwd)
@@ -62,11 +64,19 @@ def _run(module: str, argv: list[str], env: dict, cwd: str, out: str, err: str) 
     sys.stdin = open(os.devnull)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack, on stderr
-    mod = __import__(module, fromlist=["main"])
-    sys.argv = [mod.__file__, *argv]
+    script = target.endswith(".py")
+    if script:
+        sys.argv, sys.path[0] = [target, *argv], os.path.dirname(os.path.abspath(target))
+    else:
+        mod = __import__(target, fromlist=["main"])
+        sys.argv = [mod.__file__, *argv]
     code = 1
     try:
-        code = mod.main()
+        if script:
+            runpy.run_path(target, run_name="__main__")
+            code = 0
+        else:
+            code = mod.main()
     except SystemExit as e:
         code = e.code
     except BaseException:   # noqa: BLE001  as the interpreter does: the traceback, then status 1
@@ -83,8 +93,8 @@ def _run(module: str, argv: list[str], env: dict, cwd: str, out: str, err: str) 
 class Rank:
     """A forked rank with subprocess.Popen's pid, poll(), wait() and returncode (negative: ended by that signal)."""
 
-    def __init__(self, module: str, argv: list[str], env: dict, cwd: str, out, err):
-        self.process = context().Process(target=_run, args=(module, list(argv), env, cwd, out.name, err.name))
+    def __init__(self, target: str, argv: list[str], env: dict, cwd: str, out, err):
+        self.process = context().Process(target=_run, args=(target, list(argv), env, cwd, out.name, err.name))
         self.process.start()
         self.pid = self.process.pid
 
@@ -100,8 +110,8 @@ class Rank:
         return self.process.exitcode
 
 
-def start(module: str, argv: list[str], env: dict, cwd: str, out, err) -> Rank:
-    """One rank of `python -m module argv` under env ({**os.environ, ...} as a launcher gives it) in cwd, its stdout
+def start(target: str, argv: list[str], env: dict, cwd: str, out, err) -> Rank:
+    """One rank of `python -m target argv` (or of the script `python target argv`) under env ({**os.environ, ...} as a launcher gives it) in cwd, its stdout
     and stderr into the named files out and err. (multiprocessing also imports the test process's __main__ file in
     the rank, as `__mp_main__`: pytest's is guarded; a script that starts ranks needs `if __name__ == "__main__"`.)"""
-    return Rank(module, argv, {**RANK_ENV, **env}, cwd, out, err)
+    return Rank(target, argv, {**RANK_ENV, **env}, cwd, out, err)

@@ -94,12 +94,13 @@ case "${LAUNCHER:-deepspeed}" in
   *) echo "error: LAUNCHER='$LAUNCHER' is not a launcher this script knows: deepspeed (the default) or torchrun" >&2
      exit 2 ;;
 esac
-# The supervisor: it finds the run's directory (train.run_dir) from the trainer's arguments in the command
-SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}" --)
+# The supervisor, given the run's directory (train.run_dir: where the ranks' records are) by the check below
+SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}")
 if [ -n "$DRY_RUN" ]; then
-  printf '%s\n' "${SUPERVISE[@]}" "${LAUNCH[@]}" "$@"
+  printf '%s\n' "${SUPERVISE[@]}" -- "${LAUNCH[@]}" "$@"
   exit 0
 fi
-# Check the config for this world size once, before any process starts (one-line errors, exit 2).
-"$PYTHON" -m pretrain.config "$@" --world-size $(( NNODES * NPROC )) > /dev/null || exit 2
-exec "${SUPERVISE[@]}" "${LAUNCH[@]}" "$@"
+# Check the config for this world size once, before any process starts (one-line errors, exit 2); it prints the
+# run's directory last.
+RUN_DIR="$("$PYTHON" -m pretrain.config "$@" --world-size $(( NNODES * NPROC )) --run-dir | tail -n 1)" || exit 2
+exec "${SUPERVISE[@]}" --run-dir "$RUN_DIR" -- "${LAUNCH[@]}" "$@"

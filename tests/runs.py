@@ -23,11 +23,35 @@ PY = sys.executable
 
 
 def tool(name, *args, env=None):
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", name), *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {}), "PYTHONPATH": ROOT})   # the project, also where it is not
-                                                                                 # pip-installed
+    r = run_py([PY, os.path.join(ROOT, "tools", name), *map(str, args)],
+               env={**os.environ, **(env or {}), "PYTHONPATH": ROOT})   # the project, also where it is not installed
     assert r.returncode == 0, r.stderr
     return r
+
+
+def run_py(cmd, cwd=ROOT, env=None, timeout=600):
+    """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` for a command
+    `[PY, SCRIPT.py, args...]` or `[PY, "-m", MODULE, args...]`, its process forked warm (tests/warm_ranks.py: run as
+    __main__ without paying torch's and DeepSpeed's imports again). Fresh with SYNTHFORMER_TEST_FRESH_RANKS=1, for
+    another command, or where env's PYTHONPATH puts more than the project first (a test hiding or faking a package:
+    a warm process has imported with the test's path)."""
+    cmd = [str(c) for c in cmd]
+    module = len(cmd) > 2 and cmd[1] == "-m"
+    path = (os.environ if env is None else env).get("PYTHONPATH", ROOT)
+    if (warm_ranks.fresh() or cmd[0] != PY or not (module or cmd[1:2] and cmd[1].endswith(".py"))
+            or path not in ("", ROOT)):
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    target, argv = (cmd[2], cmd[3:]) if module else (os.path.join(str(cwd), cmd[1]), cmd[2:])
+    out, err = (tempfile.NamedTemporaryFile("w+") for _ in range(2))
+    with out, err:
+        proc = warm_ranks.start(target, argv, dict(os.environ if env is None else env), str(cwd), out, err)
+        if proc.wait(timeout) is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 def built_once(tmp_path_factory, name, build):

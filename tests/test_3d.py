@@ -1,13 +1,12 @@
 """Tensor × pipeline × data parallelism (3D) and multi-node launch, against the one-process run."""
 import os
 import signal
-import subprocess
 
 import pytest
 
 from model import variants
 from tests.distributed import run_distributed
-from tests.runs import PY, ROOT, finish, free_local_port, launch, losses, start, write_config
+from tests.runs import PY, finish, free_local_port, launch, losses, run_py, start, write_config
 from tools.train_tokenizer import EOS_ID
 
 MIXERS = variants.subset("layers")   # one layer of each: every stage holds several variants
@@ -136,8 +135,7 @@ def test_megatron_and_deepspeed_agree_on_every_rank():
 ])
 def test_layout_errors_are_one_line(overrides, world, needles, shards, tmp_path):
     cfg = config(tmp_path, shards, "bad")
-    r = subprocess.run([PY, "-m", "pretrain.config", cfg, *overrides, "--world-size", str(world)], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = run_py([PY, "-m", "pretrain.config", cfg, *overrides, "--world-size", str(world)])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and line.startswith("error: ")

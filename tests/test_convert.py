@@ -14,7 +14,7 @@ from model.release import load_model, read_release
 from pretrain.checkpoints.resume import layout_problem
 from pretrain.config import load_config
 from tests.dump_logits import fixed_tokens
-from tests.runs import PY, ROOT, launch, losses, spawn, write_config
+from tests.runs import PY, ROOT, launch, losses, run_py, spawn, write_config
 
 MIXERS = variants.subset("layers")   # one layer of each: every variant is converted in every layout
 MODEL = {"n_layers": len(MIXERS), "mixer": MIXERS, "position": "rope"}
@@ -26,8 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def convert(*args, check=True):
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", "convert.py"), *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = run_py([PY, os.path.join(ROOT, "tools", "convert.py"), *map(str, args)], timeout=300)
     if check:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return r

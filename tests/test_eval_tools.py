@@ -18,7 +18,7 @@ from model.decoding import CachedLM, IncrementalDecoder
 from model.generate import sample
 from model.hf import release_to_hf
 from model.release import save_release
-from tests.runs import CORPUS, PY, ROOT, write_config
+from tests.runs import CORPUS, PY, ROOT, run_py, write_config
 from evaluation import perplexity
 from evaluation.loading import load
 from evaluation.prompts import prompt_ids
@@ -178,8 +178,8 @@ def test_release_checkpoint_and_hf_export_give_the_same_results(shards, sp, text
     texts = {}
     for path in (tmp_path / "run", tmp_path / "release", tmp_path / "hf"):
         for cache in ([], ["--no-cache"]):
-            r = subprocess.run([PY, "tools/generate.py", str(path), "--max-new-tokens", "8", "--temperature", "0",
-                                "--json", "--quiet", *cache], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            r = run_py([PY, "tools/generate.py", str(path), "--max-new-tokens", "8", "--temperature", "0", "--json",
+                        "--quiet", *cache], timeout=300)
             assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
             assert "the opening of a validation document in" in r.stderr, r.stderr
             texts[(path.name, bool(cache))] = json.loads(r.stdout.splitlines()[-1])["text"]

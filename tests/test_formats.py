@@ -6,7 +6,6 @@ reading them)."""
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import yaml
 
 from model.release import load_model
 from pretrain.checkpoints.ds_checkpoint import load_any
-from tests.runs import PY, ROOT, launch, metric_rows, write_config
+from tests.runs import PY, ROOT, launch, metric_rows, run_py, write_config
 
 DATA = os.path.join(ROOT, "tests", "data", "pre_redesign")
 EXPECTED = torch.load(os.path.join(DATA, "logits.pt"))
@@ -40,8 +39,7 @@ def test_hugging_face_export_gives_the_logits_it_gave(tmp_path):
     export = shutil.copytree(os.path.join(DATA, "hf"), tmp_path / "hf")   # transformers may write beside it
     model = AutoModelForCausalLM.from_pretrained(str(export), trust_remote_code=True).eval()
     close_to_expected(model(EXPECTED["tokens"]).logits)
-    r = subprocess.run([PY, "tools/convert.py", "from-hf", str(export), str(tmp_path / "release")], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = run_py([PY, "tools/convert.py", "from-hf", str(export), str(tmp_path / "release")])
     assert r.returncode == 0, r.stderr
     close_to_expected(load_model(str(tmp_path / "release")).eval()(EXPECTED["tokens"]))
     # generate.py on it: its model code predates cached decoding (full recompute then), and its run's shards are gone
@@ -56,7 +54,7 @@ def test_hugging_face_export_gives_the_logits_it_gave(tmp_path):
 
 
 def generate(checkpoint, *args):
-    r = subprocess.run([PY, "tools/generate.py", str(checkpoint), *args], cwd=ROOT, capture_output=True, text=True)
+    r = run_py([PY, "tools/generate.py", str(checkpoint), *args])
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     return r
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from tests.runs import CORPUS, PY, ROOT, tool
+from tests.runs import CORPUS, PY, ROOT, run_py, tool
 from tokendata.shards import read_manifest
 from tokendata.stream import TokenStream
 from tools.make_shards import main as make_shards_main
@@ -389,7 +389,7 @@ def test_hugging_face_tokenizer_end_to_end(hf_tok, tmp_path, capsys):
     r = json.loads(command(evaluate.main, release, "--text", tmp_path / "docs.jsonl", "--json", "--quiet"))
     assert r["bytes"] == sum(len(d.encode()) + 1 for d in docs)   # the documents, newlines kept, + one eos each
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",
-                        f"path={release},newline=text", "--tasks", "austen_cloze,austen_mc4", "--limit", "2",
-                        "--batch_size", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = run_py([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",
+                f"path={release},newline=text", "--tasks", "austen_cloze,austen_mc4", "--limit", "2", "--batch_size",
+                "4"], cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0 and "austen_mc4" in r.stdout, r.stderr[-3000:]

@@ -10,14 +10,13 @@
   15% of the measured one.
 """
 import os
-import subprocess
 
 import pytest
 import torch
 
 from model import ModelConfig, build_model, variants
 from model.memory import activations
-from tests.runs import PY, ROOT
+from tests.runs import PY, ROOT, run_py
 
 SIZES = [(2, 64, 64, 4, 512), (3, 96, 96, 4, 1024)]   # (B, n, d, H, V)
 
@@ -141,8 +140,7 @@ def test_model_states_pass_100_mb():
 
 
 def memory_cli(*args):
-    return subprocess.run([PY, "-m", "pretrain.config", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    return run_py([PY, "-m", "pretrain.config", *args], env={**os.environ, "PYTHONPATH": ROOT})
 
 
 def test_memory_cli_says_what_fits_and_errors_are_one_line():

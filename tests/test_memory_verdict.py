@@ -2,9 +2,8 @@
 headroom for the CUDA context, NCCL's buffers by layout and the allocator factor fitted on the GPU records
 (benchmarks/memory_fit.py: fitted on the H100's, checked on the H200's)."""
 import os
-import subprocess
 
-from tests.runs import PY, ROOT
+from tests.runs import PY, ROOT, run_py
 
 MIB, GIB = 2**20, 2**30
 CONTEXT, NCCL = GIB, 768 * MIB   # the estimates the verdict uses (asserted below): the CLI test is written without it
@@ -45,8 +44,8 @@ def test_the_plan_says_tight_where_the_peak_alone_would_fit():
     lay = layout_of(cfg, 2)
     peak = plan(cfg, lay, ds=deepspeed_config(cfg, lay.dp)).peak
     budget = -(-(peak + CONTEXT + 1 * NCCL) // MIB) + 1   # MiB: 2 data-parallel ranks open 1 NCCL communicator
-    r = subprocess.run([PY, "-m", "pretrain.config", config, "--world-size", "2", "--memory", "--gpu-memory",
-                        f"{budget}MiB"], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    r = run_py([PY, "-m", "pretrain.config", config, "--world-size", "2", "--memory", "--gpu-memory", f"{budget}MiB"],
+               env={**os.environ, "PYTHONPATH": ROOT})
     line = next(l for l in r.stdout.splitlines() if l.startswith("with "))
     assert "per GPU: tight: " in line and "(1 communicator)" in line, line
 

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.runs import PY, ROOT, launch, metric_rows, write_config
+from tests.runs import PY, ROOT, launch, metric_rows, run_py, write_config
 
 EVAL = {"eval_tasks": ["austen_cloze"], "eval_every": 4, "eval_batch_size": 8, "eval_limit": 12}
 PASS_THROUGH = {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 5e7}}
@@ -150,10 +150,10 @@ def test_scores_during_training_equal_run_lm_eval_on_the_checkpoint(operated):
     logged = operated["scores_at_4"]
     assert {"eval/austen_cloze/acc", "eval/austen_cloze/perplexity"} <= set(logged), logged
     out = operated["tmp"] / "lm-eval"
-    r = subprocess.run([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",
-                        f"path={operated['tmp'] / 'step_00000004'},batch_size={EVAL['eval_batch_size']}",
-                        "--tasks", "austen_cloze", "--limit", str(EVAL["eval_limit"]), "--output_path", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, **operated["env"], "PYTHONPATH": ROOT})
+    r = run_py([PY, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "synthformer", "--model_args",
+                f"path={operated['tmp'] / 'step_00000004'},batch_size={EVAL['eval_batch_size']}",
+                "--tasks", "austen_cloze", "--limit", str(EVAL["eval_limit"]), "--output_path", str(out)],
+               env={**os.environ, **operated["env"], "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.load(open(glob.glob(str(out / "**" / "results_*.json"), recursive=True)[0]))["results"]
     reference = {f"eval/austen_cloze/{k.split(',')[0]}": v for k, v in results["austen_cloze"].items()

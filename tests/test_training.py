@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from tests.runs import (PY, ROOT, free_local_port, ids_per_step, launch, losses, metric_rows, reference_config, spawn,
-                        write_config)
+from tests.runs import (PY, ROOT, free_local_port, ids_per_step, launch, losses, metric_rows, reference_config, run_py,
+                        spawn, write_config)
 
 
 @pytest.mark.slow
@@ -179,8 +179,7 @@ def one_line_error(r, *needles):
 
 
 def run_train(config, *overrides):
-    return subprocess.run([PY, "-m", "pretrain.train", config, *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return run_py([PY, "-m", "pretrain.train", config, *overrides], timeout=300)
 
 
 def test_errors_are_one_line(shards, tmp_path):

@@ -48,8 +48,8 @@ def context():
 
 
 def _run(target: str, argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
-    """In the forked rank: become `python -m target argv` (a module with main()), or `python target argv` (a .py
-    script, run as __main__), with env in cwd, writing to the files out and err."""
+    """In the forked process: become `python -m target argv` (a module's main(), or a package's __main__), or
+    `python target argv` (a .py script, run as __main__), with env in cwd, writing to the files out and err."""
     os.setsid()   # its own process group, as tests/runs.py starts fresh ranks: a timeout kills its workers too
     multiprocessing.set_start_method(None, force=True)   # a forkserver's child defaults to it: the platform's again
     os.chdir(cwd)
@@ -64,7 +64,7 @@ def _run(target: str, argv: list[str], env: dict, cwd: str, out: str, err: str) 
     sys.stdin = open(os.devnull)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack, on stderr
-    script = target.endswith(".py")
+    script, mod = target.endswith(".py"), None
     if script:
         sys.argv, sys.path[0] = [target, *argv], os.path.dirname(os.path.abspath(target))
     else:
@@ -75,8 +75,11 @@ def _run(target: str, argv: list[str], env: dict, cwd: str, out: str, err: str) 
         if script:
             runpy.run_path(target, run_name="__main__")
             code = 0
-        else:
+        elif callable(getattr(mod, "main", None)):   # `python -m pretrain.train`: its main(), as its __main__ guard
             code = mod.main()
+        else:   # a package's __main__.py (`python -m pretrain.config`)
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            code = 0
     except SystemExit as e:
         code = e.code
     except BaseException:   # noqa: BLE001  as the interpreter does: the traceback, then status 1

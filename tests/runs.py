@@ -203,8 +203,8 @@ def run_ranks(config, nproc, *overrides, env, timeout=600):
 
 def ranks(cmd, nproc, env, timeout, warm=None):
     """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); with `warm` (a
-    module, or a script's path), `python -m warm cmd...` (`python warm cmd...`) forked warm (tests/warm_ranks.py). When one fails the others are ended, as the
-    launcher does. stdout and stderr are the ranks' in rank order (files, not pipes: no rank blocks on a full pipe);
+    module, or a script's path), `python -m warm cmd...` (`python warm cmd...`) forked warm (tests/warm_ranks.py).
+    When one fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files, not pipes: no rank blocks on a full pipe);
     the return code is the first failure's."""
     shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}

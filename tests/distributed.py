@@ -1,4 +1,6 @@
-"""Run a function on N real torch.distributed processes (gloo, this machine) and collect what each returns."""
+"""Run a function on N real torch.distributed processes (gloo, this machine) and collect what each returns. The
+processes are forked from the warm process of tests/warm_ranks.py (torch, DeepSpeed and the project imported once),
+not spawned fresh; each unpickles the function by name, as a spawned one would."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pretrain.distributed import free_local_port
+from tests import warm_ranks
 
 
 def _entry(rank, world, port, out_dir, fn, args):
@@ -31,8 +34,9 @@ def run_distributed(fn, world: int, *args):
     """fn(rank, world, *args) on `world` gloo processes; returns the list of per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
+            warm_ranks.context()   # the forkserver, its preload set before it starts
             mp.start_processes(_entry, args=(world, free_local_port(), out_dir, fn, args), nprocs=world,
-                               start_method="spawn")
+                               start_method="forkserver")
         except mp.ProcessRaisedException:
             pass   # reported below with the rank's traceback
         results = []

@@ -58,9 +58,9 @@ def build_demo(tmp):
 
 # The files that launch many multi-process runs, longest first (minutes in one `make test`): pytest-xdist hands a
 # worker one file at a time in collection order, so starting these first keeps both workers busy to the end.
-LONGEST_FIRST = ["test_convert.py", "test_fault_tolerance.py", "test_3d.py", "test_training.py",
-                 "test_kill_resume.py", "test_order_runs.py", "test_restarts.py", "test_bench.py", "test_eval_tools.py", "test_ablate.py",
-                 "test_supervision.py"]
+LONGEST_FIRST = ["test_training.py", "test_3d.py", "test_convert.py", "test_fault_tolerance.py", "test_kill_resume.py",
+                 "test_bench.py", "test_ablate.py", "test_restarts.py", "test_memory_plan.py", "test_eval_tools.py",
+                 "test_order_runs.py", "test_ingest.py", "test_gpu_kernels.py", "test_supervision.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -35,16 +35,16 @@ def run_py(cmd, cwd=ROOT, env=None, timeout=600):
     __main__ without paying torch's and DeepSpeed's imports again). Fresh with SYNTHFORMER_TEST_FRESH_RANKS=1, for
     another command, or where env's PYTHONPATH puts more than the project first (a test hiding or faking a package:
     a warm process has imported with the test's path)."""
-    cmd = [str(c) for c in cmd]
+    cmd, env = [str(c) for c in cmd], dict(os.environ if env is None else env)
     module = len(cmd) > 2 and cmd[1] == "-m"
-    path = (os.environ if env is None else env).get("PYTHONPATH", ROOT)
+    path = env.get("PYTHONPATH", ROOT)
     if (warm_ranks.fresh() or cmd[0] != PY or not (module or cmd[1:2] and cmd[1].endswith(".py"))
             or path not in ("", ROOT)):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     target, argv = (cmd[2], cmd[3:]) if module else (os.path.join(str(cwd), cmd[1]), cmd[2:])
     out, err = (tempfile.NamedTemporaryFile("w+") for _ in range(2))
     with out, err:
-        proc = warm_ranks.start(target, argv, dict(os.environ if env is None else env), str(cwd), out, err)
+        proc = warm_ranks.start(target, argv, env, str(cwd), out, err)
         if proc.wait(timeout) is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -204,8 +204,8 @@ def run_ranks(config, nproc, *overrides, env, timeout=600):
 def ranks(cmd, nproc, env, timeout, warm=None):
     """nproc processes of `cmd` as the ranks of one job on this host (the env a launcher gives each); with `warm` (a
     module, or a script's path), `python -m warm cmd...` (`python warm cmd...`) forked warm (tests/warm_ranks.py).
-    When one fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files, not pipes: no rank blocks on a full pipe);
-    the return code is the first failure's."""
+    When one fails the others are ended, as the launcher does. stdout and stderr are the ranks' in rank order (files,
+    not pipes: no rank blocks on a full pipe); the return code is the first failure's."""
     shared = {**os.environ, **env, "WORLD_SIZE": str(nproc), "LOCAL_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_local_port())}
     logs = [[tempfile.NamedTemporaryFile("w+") for _ in range(2)] for _ in range(nproc)]

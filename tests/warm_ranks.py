@@ -115,6 +115,7 @@ class Rank:
 
 def start(target: str, argv: list[str], env: dict, cwd: str, out, err) -> Rank:
     """One process of `python -m target argv` (or of the script `python target argv`) under env ({**os.environ, ...}
-    as a launcher gives it) in cwd, its stdout and stderr into the named files out and err. (multiprocessing also imports the test process's __main__ file in
-    the rank, as `__mp_main__`: pytest's is guarded; a script that starts ranks needs `if __name__ == "__main__"`.)"""
+    as a launcher gives it) in cwd, its stdout and stderr into the named files out and err. (multiprocessing also
+    imports the test process's __main__ file in the rank, as `__mp_main__`: pytest's is guarded; a script that starts
+    ranks needs `if __name__ == "__main__"`.)"""
     return Rank(target, argv, {**RANK_ENV, **env}, cwd, out, err)

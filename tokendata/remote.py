@@ -26,7 +26,6 @@ fsspec URLs use their backend's own settings, pipe: commands their own.
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -41,6 +40,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
+
+from filelock import FileLock
 
 RETRIES = int(os.environ.get("SYNTHFORMER_DATA_RETRIES", 6))   # ~25 s of backoff before a fault counts as permanent
 BACKOFF_S, BACKOFF_MAX_S = 0.2, 8.0
@@ -236,22 +237,24 @@ def fetch(url: str, size: int | None = None, cache: str | None = None, what: str
     """(the file's bytes, retries it took). `size` (the manifest's) makes a short read a transient fault and keys the
     cache: with `cache` (a local file path, unique to the name and size) a file already there is read from it (unless
     `refresh`), and a fetched one is written there (under a temporary name, then renamed: readers on the node share
-    it). A fetch into the cache holds the file's lock (`<cache>.lock`, flock: released when its holder exits, even
-    killed), so readers of one node that want the same shard at once fetch it once: the others wait, then read the
-    copy."""
+    it). A fetch into the cache holds the file's lock (`<cache>.lock`, filelock's: released when its holder exits,
+    even killed), so readers of one node that want the same shard at once fetch it once: the others wait, then read
+    the copy; a copy already there is read without the lock."""
     if not cache or size is None:
         return _fetch(url, size, None, what, refresh)
+    if _cached(cache, size, refresh):
+        return _fetch(url, size, cache, what, refresh)
     os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
-    with open(f"{cache}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # (per open file: threads of one process exclude each other too)
-        try:
-            return _fetch(url, size, cache, what, refresh)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with FileLock(f"{cache}.lock"):   # (threads of one process exclude each other too)
+        return _fetch(url, size, cache, what, refresh)
+
+
+def _cached(cache: str, size: int, refresh: bool) -> bool:
+    return not refresh and os.path.isfile(cache) and os.path.getsize(cache) == size
 
 
 def _fetch(url, size, cache, what, refresh):
-    if cache and not refresh and os.path.isfile(cache) and os.path.getsize(cache) == size:
+    if cache and _cached(cache, size, refresh):
         url = cache
 
     def attempt(got):

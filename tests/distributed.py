@@ -1,6 +1,7 @@
 """Run a function on N real torch.distributed processes (gloo, this machine) and collect what each returns. The
 processes are forked from the warm process of tests/warm_ranks.py (torch, DeepSpeed and the project imported once),
-not spawned fresh; each unpickles the function by name, as a spawned one would."""
+not spawned fresh; each unpickles the function by name and takes the caller's environment as it is now (a forked
+process would otherwise keep the forkserver's, from when it started), as a spawned one would."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,9 @@ from pretrain.distributed import free_local_port
 from tests import warm_ranks
 
 
-def _entry(rank, world, port, out_dir, fn, args):
+def _entry(rank, world, port, out_dir, env, fn, args):
+    os.environ.clear()
+    os.environ.update(env)   # the caller's (a test's monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu") included)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)   # N processes share 2 cores
@@ -35,7 +38,7 @@ def run_distributed(fn, world: int, *args):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             warm_ranks.context()   # the forkserver, its preload set before it starts
-            mp.start_processes(_entry, args=(world, free_local_port(), out_dir, fn, args), nprocs=world,
+            mp.start_processes(_entry, args=(world, free_local_port(), out_dir, dict(os.environ), fn, args), nprocs=world,
                                start_method="forkserver")
         except mp.ProcessRaisedException:
             pass   # reported below with the rank's traceback

@@ -143,3 +143,19 @@ def test_a_decision_is_made_on_rank_0_alone_and_shared_with_its_error():
     assert [r[0] for r in results] == [{"rank": 0, "shards": [("train-000000.tar", 8)]}] * 3
     assert [r[1] for r in results] == [[0], [], []]   # the function ran on rank 0 only
     assert [r[2] for r in results] == ["shard x is missing (seen by rank 0)"] * 3
+
+
+def environment_of_a_rank(rank, world):
+    import os
+
+    return os.environ.get("SYNTHFORMER_KERNELS")
+
+
+def test_the_ranks_take_the_callers_environment_as_it_is_now(monkeypatch):
+    """tests/distributed.py forks its ranks from a warm forkserver that started with the environment of its time; a
+    test's monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu") must still reach them (the GPU path's TP test), and leave
+    the next test's ranks on the CPU path (CI once ran every variant's TP test down the GPU path this way)."""
+    monkeypatch.setenv("SYNTHFORMER_KERNELS", "gpu")
+    assert run_distributed(environment_of_a_rank, 2) == ["gpu", "gpu"]
+    monkeypatch.delenv("SYNTHFORMER_KERNELS")
+    assert run_distributed(environment_of_a_rank, 2) == [None, None]

@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
 # Every trainer the tests start runs one torch thread (the trainer honours OMP_NUM_THREADS): two test processes
 # and their ranks share the cores, and threads that spin-wait for each other would only slow every run down.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.compile's inductor compiles in this process, not in a pool of workers of its own (on 2 cores it starts 2, each
+# importing torch: seconds of a core in every process that compiles)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch.set_num_threads(1)   # and so do the tests that compute in this process
 
 
@@ -56,11 +59,15 @@ def build_demo(tmp):
     tool("convert.py", "to-release", run, release, "--quiet")
 
 
-# The files that launch many multi-process runs, longest first (minutes in one `make test`): pytest-xdist hands a
-# worker one file at a time in collection order, so starting these first keeps both workers busy to the end.
-LONGEST_FIRST = ["test_training.py", "test_3d.py", "test_convert.py", "test_fault_tolerance.py", "test_kill_resume.py",
-                 "test_bench.py", "test_ablate.py", "test_restarts.py", "test_memory_plan.py", "test_eval_tools.py",
-                 "test_order_runs.py", "test_ingest.py", "test_gpu_kernels.py", "test_supervision.py"]
+# The files by their seconds in one `make test` (2 cores), longest first: pytest-xdist hands a worker the next file
+# when it is almost done with its own (pytest.ini: --dist loadfile --no-loadscope-reorder keeps this order; xdist's
+# own puts the files with the most tests first, which left the longest runs to the end), so the two workers finish
+# within about the shortest of these of each other. The files not named follow, in collection order.
+LONGEST_FIRST = ["test_convert.py", "test_training.py", "test_3d.py", "test_fault_tolerance.py", "test_bench.py",
+                 "test_kill_resume.py", "test_ablate.py", "test_gpu_kernels.py", "test_eval_tools.py",
+                 "test_restarts.py", "test_memory_plan.py", "test_order_runs.py", "test_data.py", "test_ingest.py",
+                 "test_operate.py", "test_remote.py", "test_supervision.py", "test_lm_eval.py", "test_device_step.py",
+                 "test_tensor_parallel.py", "test_formats.py", "test_linear_cross_entropy.py", "test_engine_loop.py"]
 
 
 def pytest_collection_modifyitems(items):

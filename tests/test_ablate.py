@@ -33,12 +33,15 @@ def test_ablate_trains_evaluates_reports_and_resumes(shards, tmp_path):
              "model.max_seq_len=32", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
              "train.global_batch_size=8", "train.micro_batch_size=4", "train.precision=fp32"]
     out = tmp_path / "study"
+    # each cell's launch/pretrain.sh runs its one trainer in place, as in a one-task job step of a scheduler (RANK
+    # set): the DeepSpeed launcher's own path, its check and its two Python processes a cell, is test_training's
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [PY, os.path.join(ROOT, "tools", "ablate.py"), "--preset", os.path.join(ROOT, "configs", "studies",
            "gpu.yaml"), "--variants", "dot,random", "--steps", "6", "--nproc", "1", "--out", str(out), *small]
-    first = subprocess.run(cmd + ["--seeds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(cmd + ["--seeds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]   # an interrupted study: seed 0 of each variant done
     trained = (out / "dot" / "seed0" / "metrics.jsonl").read_text()
-    r = subprocess.run(cmd + ["--seeds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd + ["--seeds", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "dot" / "seed0" / "metrics.jsonl").read_text() == trained   # finished runs are not trained again
     study = json.loads((out / "results.json").read_text())

@@ -159,3 +159,16 @@ def test_the_ranks_take_the_callers_environment_as_it_is_now(monkeypatch):
     assert run_distributed(environment_of_a_rank, 2) == ["gpu", "gpu"]
     monkeypatch.delenv("SYNTHFORMER_KERNELS")
     assert run_distributed(environment_of_a_rank, 2) == [None, None]
+
+
+def wandb_is_imported(rank, world):
+    import sys
+
+    return "wandb" in sys.modules
+
+
+def test_the_warm_server_has_not_imported_wandb():
+    """The ranks fork from a server that preloaded modules (tests/warm_ranks.py PRELOAD): never wandb, whose import
+    makes a temporary folder that its atexit handler removes, so that each forked rank would remove it for all (megatron
+    imports wandb: it is not preloaded)."""
+    assert run_distributed(wandb_is_imported, 1) == [False]

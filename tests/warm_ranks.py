@@ -27,12 +27,14 @@ import sys
 import threading
 import traceback
 
-# The trainer's modules, and what a rank imports later, on its way to the first step (~1,000 modules, 3-4 s of a core
-# a rank): inductor (DeepSpeed's ZeRO optimizer check imports its Muon module, which compiles at import), megatron's
-# parallel state, TensorBoard's writer. A module missing from this torch or DeepSpeed is skipped (the forkserver
-# ignores an ImportError in its preload).
-PRELOAD = ["pretrain.train", "pretrain.engine", "deepspeed", "torch._inductor.compile_fx",
-           "megatron.core.parallel_state", "torch.utils.tensorboard"]
+# The trainer's modules, and what a rank imports later on its way to the first step (~1,000 modules, 3-4 s of a core
+# a rank): inductor (DeepSpeed's ZeRO optimizer check imports its Muon module, which compiles at import), TensorBoard's
+# writer, and the torch.distributed modules that megatron imports. Not megatron itself: it imports wandb, whose import
+# makes a temporary folder that an atexit handler removes, and every rank forked from a server holding it would run
+# that handler (the first rank to end removed the folder under the others: FileNotFoundError in wandb.Image). A module
+# missing from this torch is skipped (the forkserver ignores an ImportError in its preload).
+PRELOAD = ["pretrain.train", "pretrain.engine", "deepspeed", "torch._inductor.compile_fx", "torch.utils.tensorboard",
+           "torch.distributed.checkpoint", "torch.distributed.tensor", "torch.utils.cpp_extension"]
 # What launch/pretrain.sh exports before it runs a rank in place (its defaults): the flight recorder's buffer and dump
 RANK_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 _context = None

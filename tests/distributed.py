@@ -38,8 +38,8 @@ def run_distributed(fn, world: int, *args):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             warm_ranks.context()   # the forkserver, its preload set before it starts
-            mp.start_processes(_entry, args=(world, free_local_port(), out_dir, dict(os.environ), fn, args), nprocs=world,
-                               start_method="forkserver")
+            mp.start_processes(_entry, args=(world, free_local_port(), out_dir, dict(os.environ), fn, args),
+                               nprocs=world, start_method="forkserver")
         except mp.ProcessRaisedException:
             pass   # reported below with the rank's traceback
         results = []

@@ -4,6 +4,9 @@ NCCL takes only CUDA tensors, gloo only CPU ones: on a CPU machine a tensor buil
 run, and crashes the first GPU run (it did: `No backend type associated with device type cpu`). So the layout's
 device is made `meta` here, which gloo reduces as a no-op: every tensor the trainer reduces must be built there.
 """
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,8 +149,6 @@ def test_a_decision_is_made_on_rank_0_alone_and_shared_with_its_error():
 
 
 def environment_of_a_rank(rank, world):
-    import os
-
     return os.environ.get("SYNTHFORMER_KERNELS")
 
 
@@ -162,8 +163,6 @@ def test_the_ranks_take_the_callers_environment_as_it_is_now(monkeypatch):
 
 
 def wandb_is_imported(rank, world):
-    import sys
-
     return "wandb" in sys.modules
 
 

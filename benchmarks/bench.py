@@ -29,7 +29,7 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               with 100,000 shards behind HTTP (benchmarks/bench_data.py: synthetic shards, a counting server).
   parallel    step time of the throughput part's `dot` model with TP=2 and with DP=2 (2 gloo processes on the CPU)
               ÷ 1 process, equal global batch (--batch). Goal: TP=2 ≤ 1.3.
-  layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_plan.py) at 2
+  layouts     one optimizer step of the demo model (configs/demo-cpu.yaml) in each of LAYOUTS (bench_points.py) at 2
               gloo ranks on the CPU, ÷ the demo's own layout's: each repetition in the real-time class (root only;
               a pause after each lets the machine's other processes catch up), less the longest time a rank still
               waited for a CPU while runnable (Linux's /proc/self/schedstat): the steps the time model must order
@@ -39,7 +39,7 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;
               torch.compile of the loop's model). CPU: the throughput part's dot model; CUDA: synth-1.3b's dot
               twin, bf16, 1 GPU. Goal: ≤ 1.05.
-  documents   every variant's tokens/s under model.document_mask ÷ without (benchmarks/bench_plan.py DOCUMENTS), on
+  documents   every variant's tokens/s under model.document_mask ÷ without (benchmarks/bench_points.py DOCUMENTS), on
               the same random tokens with an eos at each position with probability 1/95 (the demo corpus's mean
               document length), both points beside dot's. No goal: the cost of the mask (docs/DESIGN.md §1).
   gpu-binding (CUDA only) the binding goals as configured: synth-1.3b's dot twin (MFU ≥ 55%) and the flagship
@@ -47,10 +47,10 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               fp32-master eager run; the bf16-master loss over the bench steps within 1% of the fp32-master one.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
-              (pretrain/engine.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
+              (pretrain/observe/device_peaks.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
               on dense+dot ≥ 40%.
   gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16)
-              under the engine, eager and with compiled blocks, goals GPU_GOALS (benchmarks/bench_plan.py).
+              under the engine, eager and with compiled blocks, goals GPU_GOALS (benchmarks/bench_points.py).
   gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
               random, random+dot).
   convergence the convergence check of master weights (synth-125m's widths on the demo shards, 600 steps, fp32
@@ -79,7 +79,7 @@ import tempfile
 import time
 
 from benchmarks.bench_lib import RESULT_MARK
-from benchmarks.bench_plan import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
+from benchmarks.bench_points import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
 from benchmarks.bench_runs import full_plan
 from benchmarks.gpu_queue import gpu_queue, part0_or_census, report as queue_report, standing, write_part_census
 from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary

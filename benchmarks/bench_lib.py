@@ -22,7 +22,7 @@ from functools import partial
 
 from benchmarks import bench_data
 from benchmarks.bench_sched import Foreground, runqueue_s
-from pretrain.metrics import memory_mb, reset_peak_memory
+from pretrain.observe.metrics import memory_mb, reset_peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)

@@ -25,9 +25,9 @@ import subprocess
 import sys
 import time
 
-from benchmarks.bench_plan import GOAL_MEM
+from benchmarks.bench_points import GOAL_MEM
 from model import variants
-from pretrain.metrics import memory_mb, reset_peak_memory
+from pretrain.observe.metrics import memory_mb, reset_peak_memory
 
 VARIANTS = ",".join(variants.subset("layers"))
 

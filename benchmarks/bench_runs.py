@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 
-from benchmarks.bench_plan import AUTOCAST, BIG, Plan, big_model, plan
+from benchmarks.bench_points import AUTOCAST, BIG, Plan, big_model, plan
 
 CONVERGENCE = "configs/synth-125m.yaml"
 SHARDS = "build/demo/shards"
@@ -51,7 +51,7 @@ def convergence_run(quick: bool) -> list[str]:
 
 
 def full_plan(a) -> Plan:
-    """benchmarks/bench_plan.py's plan of a's parts, and the runs' parts (convergence, fp8) where a.only names them."""
+    """benchmarks/bench_points.py's plan of a's parts, and the runs' parts (convergence, fp8) where a.only names them."""
     p = plan(a)
     for part, plan_part in (("convergence", plan_convergence), ("fp8", plan_fp8)):
         if part in a.only:

@@ -22,7 +22,7 @@ With L = model.cfg.max_seq_len and p the model's next-token softmax:
     generate_until(c, kw)   = model/generate.py's `sample` one token at a time (argmax unless do_sample), stopped at
                               eos, at max_gen_toks or when an `until` string appears; the text is cut before it.
 Batches are right-padded: the model is causal, so pads after a sequence do not change its logits. Single process only
-(no data-parallel ranks); one device. The requests are answered by pretrain/downstream.py's LiveLM, which the trainer
+(no data-parallel ranks); one device. The requests are answered by pretrain/observe/downstream.py's LiveLM, which the trainer
 also uses to score its live weights during training (logging.eval_tasks); this class loads the model from a path.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lm_eval.api.registry import register_model
 
 from model import ConfigError
 from pretrain.checkpoints import load_any
-from pretrain.downstream import LiveLM
+from pretrain.observe.downstream import LiveLM
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

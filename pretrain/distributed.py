@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import TrainConfig
-from pretrain.supervision import timeouts
+from pretrain import timeouts
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Layout:
     device: torch.device
     dp_group: object = None
     peers: tuple = ()    # (host, pid) of every rank, to name the one that is lost if a rank dies
+    collective_timeout_s: float = 0.0   # C of pretrain/timeouts.py: computed once, here, for every process group
 
     @property
     def is_main(self) -> bool:
@@ -221,7 +222,9 @@ def init(cfg: TrainConfig) -> Layout:
         torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // max(1, local)))
         if cfg.parallel.cpu_keep_freed_memory:
             keep_freed_memory()
-    timeout = timeouts.as_timedelta(timeouts.collective_timeout(cfg.train))   # every group's: supervision/timeouts.py
+    # C, computed once (pretrain/timeouts.py): given to the groups made here; the trainer sets every group to exactly C
+    # once its engine has made its own (supervision/rank.py supervise: timeouts.agree)
+    timeout = timeouts.as_timedelta(timeouts.collective_timeout(cfg.train))
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     if accel.device_name() == "cpu":
         _release_shm_segment_name()
@@ -234,13 +237,12 @@ def init(cfg: TrainConfig) -> Layout:
                                                  pipeline_model_parallel_size=cfg.parallel.pp,
                                                  distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
         dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
-    timeouts.agree(timeout.total_seconds())   # exactly, and for the groups made without one (again after the engine)
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
     return Layout(rank=dist.get_rank(), world=world, dp_rank=dp_rank, dp=runtime.dp, tp=cfg.parallel.tp,
                   pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device, dp_group=dp_group,
-                  peers=tuple(peers))
+                  peers=tuple(peers), collective_timeout_s=timeout.total_seconds())
 
 
 # What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers.

@@ -1,13 +1,13 @@
-"""The DeepSpeed engine of a run, and what its speed is measured against.
+"""The DeepSpeed engine of a run: built here, and only here. Of pretrain/, only the trainer (train.py) imports this
+module; the planner and the checks before a launch read the DeepSpeed config from pretrain/config/deepspeed_dict.py.
 
     build_engine(cfg, layout)   model (full init from one seed, this rank's TP slice) → FP8 linears (train.fp8) →
                                 activation checkpointing → compiled blocks, embedding and head + loss → pipeline
                                 stages (PP > 1) →
                                 deepspeed.initialize (ZeRO, AdamW, LR schedule)
-    deepspeed_config(cfg, dp)   the DeepSpeed config, generated, never hand-kept
+    build_optimizer(cfg, ...)   torch's fused AdamW, or GuardedAdamW where the trainer drops non-finite steps
     lr_lambda(train, T)         the LR schedule
-    peak_tflops(device, ...)    the device's peak: MFU = model/accounting.py's FLOP count × tokens/s ÷ it, for the
-                                trainer's log and benchmarks/bench.py alike
+    compile_model, checkpoint_activations   the wrappers build_engine applies from outside the model
 
 The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
 kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
@@ -28,9 +28,9 @@ from model.lm import Block, SynthesizerLM
 from model.parallel import is_sharded, tp_rank
 from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
-from pretrain.config.files import merge
-from pretrain.health import GuardedAdamW
+from pretrain.config.deepspeed_dict import clips_on_device, deepspeed_config, guards_steps_itself
 from pretrain.pipeline import build_pipeline
+from pretrain.step_guard import GuardedAdamW
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -45,74 +45,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def guards_steps_itself(cfg: TrainConfig) -> bool:
-    """Whether the trainer's optimizer, not DeepSpeed, drops a step with a non-finite gradient.
-    ZeRO-0 fp32: DeepSpeed has no such check. ZeRO-1/2 bf16: its check (`bf16.check_grad_overflow`) launches ~4
-    kernels per gradient tensor and reads the result on the host, every step (1564 `abs` and 780 `isfinite` a
-    step for synth-1.3b on an H100, tools/profile_step.py); it is turned off and one fused norm over the flat fp32
-    partition decides instead. train.autocast (ZeRO-0, fp32 weights): as ZeRO-0 fp32. Elsewhere (fp16's loss
-    scaling, ZeRO-3, bf16 ZeRO-0 with bf16 weights) DeepSpeed's own check stays."""
-    zero, precision = cfg.parallel.zero_stage, cfg.train.weights_precision()
-    return (zero == 0 and precision == "fp32") or (zero in (1, 2) and precision == "bf16")
-
-
 def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layout,
                     device_clip: bool = True) -> torch.optim.Optimizer:
     """torch's fused AdamW: one vectorized pass over each flat ZeRO partition (~6× faster on CPU than the per-op
     AdamW of DeepSpeed's `torch_adam`, benchmarks/bench.py), and on CUDA a kernel that needs no build. Where DeepSpeed
-    does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/health.py), which also
+    does not drop non-finite steps itself (`guards_steps_itself`), GuardedAdamW (pretrain/step_guard.py), which also
     clips the gradients on the device (`device_clip`, see `clips_on_device`)."""
     t = cfg.train
     adamw = dict(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
     if guards_steps_itself(cfg):
         return GuardedAdamW(groups, lay, clip=t.grad_clip if device_clip else 0.0, **adamw)
     return torch.optim.AdamW(groups, fused=lay.device.type in ("cpu", "cuda"), **adamw)
-
-
-def clips_on_device(cfg: TrainConfig, deepspeed_clipped_checkpoint: bool = False) -> bool:
-    """Whether GuardedAdamW clips the gradients (on the device, no host read) rather than DeepSpeed: wherever it
-    runs (`guards_steps_itself`), unless the run resumes a ZeRO-1/2 checkpoint whose engine let DeepSpeed clip
-    (checkpoint.deepspeed_clipped): loading its optimizer state sets DeepSpeed's clipping back on (the state's
-    clip_grad wins over the config's), so such a run keeps DeepSpeed's clipping, and its host reads, alone."""
-    return guards_steps_itself(cfg) and not (deepspeed_clipped_checkpoint and cfg.parallel.zero_stage in (1, 2))
-
-
-def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = False,
-                     device_clip: bool | None = None) -> dict:
-    """The DeepSpeed config of a run with `dp_world` data-parallel ranks (`device_clip`: `clips_on_device`, by
-    default for a run that resumes no checkpoint).
-
-    No "optimizer" entry: the trainer hands DeepSpeed its AdamW (`build_optimizer`) with parameter groups (no
-    decay on norms/biases). No "scheduler" entry: the schedule is `lr_lambda`, given to `deepspeed.initialize` as
-    `lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(cfg.train, cfg.total_steps()))`, so one tested function
-    defines it on every backend and its step count lives in the engine's checkpoint. The config's `deepspeed:`
-    section is merged over it (what the trainer sets itself is refused there)."""
-    t, stage = cfg.train, cfg.parallel.zero_stage
-    device_clip = clips_on_device(cfg) if device_clip is None else device_clip
-    generated = {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum(dp_world),
-        # GuardedAdamW clips on the device (under ZeRO-1/2 with the norm DeepSpeed computes, never read on the host)
-        "gradient_clipping": 0.0 if device_clip else t.grad_clip,
-        "zero_optimization": {"stage": stage},
-        # GuardedAdamW is torch's AdamW plus a skip flag; DeepSpeed's ZeRO vets optimizers by exact type
-        "zero_allow_untested_optimizer": guards_steps_itself(cfg),
-        # master_weights=bf16: ZeRO keeps its flat weights and both AdamW moments in bf16 (DeepSpeed needs the two
-        # flags together on a GPU), so the step neither reads fp32 copies nor casts them back to the model
-        "bf16": {"enabled": t.weights_precision() == "bf16", "check_grad_overflow": not guards_steps_itself(cfg),
-                 "bf16_master_weights_and_grads": t.master_weights == "bf16",
-                 "bf16_optimizer_states": t.master_weights == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
-        # train.autocast: fp32 weights, each forward under torch.autocast in bf16 (DeepSpeed enters it in forward)
-        "torch_autocast": {"enabled": t.autocast, "dtype": "bfloat16"},
-        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
-        "steps_per_print": 10**9,  # the trainer logs itself
-        # and times itself: DeepSpeed's throughput timer synchronizes the device at each forward and each step
-        "timers": {"throughput": {"enabled": False}},
-        "wall_clock_breakdown": False,
-    }
-    return merge(generated, cfg.deepspeed.passed())   # the `deepspeed:` section (pretrain/config/deepspeed_section.py)
 
 
 def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
@@ -230,34 +173,3 @@ def counted_elsewhere(optimizer: GuardedAdamW, lay) -> dict:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {p: None for p in params if lay.dp_rank > 0 or (not is_sharded(p) and tp_rank() > 0)
             or getattr(p, "ds_pipe_replicated", False)}
-
-
-# ---- what speed is measured against (the FLOP count: model/accounting.py train_flops_per_token) -------------------
-# Dense peak TFLOP/s per device (no sparsity), by a part of torch's device name: (bf16/fp16 tensor cores, fp32).
-# The longest matching name wins ("H100 PCIe" before "H100"). From the vendors' data sheets.
-PEAK_TFLOPS = {
-    "H100 PCIe": (756.0, 51.2),
-    "H100": (989.4, 66.9),    # SXM
-    "H200": (989.4, 66.9),
-    "A100": (312.0, 19.5),
-    "L40S": (362.1, 91.6),
-}
-
-
-def peak_tflops_of(device_name: str, precision: str) -> float | None:
-    """The table's peak for a device name at train.precision, or None for a device it does not know."""
-    known = [name for name in PEAK_TFLOPS if name in device_name]
-    if not known:
-        return None
-    half, fp32 = PEAK_TFLOPS[max(known, key=len)]
-    return fp32 if precision == "fp32" else half
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
-def peak_tflops(device: torch.device, precision: str, configured: float | None = None) -> float | None:
-    """The MFU denominator: logging.peak_tflops_per_device when a config sets it, else the table's figure for this
-    device, else None (a CPU, or a GPU the table does not know: MFU is then not a number anyone should quote)."""
-    return configured if configured is not None else peak_tflops_of(device_name(device), precision)

@@ -22,10 +22,10 @@ from model import ConfigError
 from pretrain.checkpoints import universal
 from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem, resume_point
 from pretrain.config import Runtime, TrainConfig, load_config, reference
-from pretrain.engine import deepspeed_config
-from pretrain.memory_plan import parse_size, report
-from pretrain.monitor import requirements
-from pretrain.plan import live, load_cluster, search
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.memory import parse_size, report
+from pretrain.observe.monitor import requirements
+from pretrain.plan import load_cluster, run_prediction, search
 from tokendata import remote
 from tokendata.shards import check_seq_len, check_vocab
 from tokendata.sources import as_sources, open_sources
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "--deepspeed: the config only; default 1)")
     p.add_argument("--run-dir", action="store_true", help="print only the run's directory (train.run_dir), after the "
                                                           "checks: where the ranks' logs and records go")
-    p.add_argument("--memory", action="store_true", help="print the memory plan per rank (pretrain/memory_plan.py): "
+    p.add_argument("--memory", action="store_true", help="print the memory plan per rank (pretrain/plan/memory.py): "
                    "model states, DeepSpeed's buffers, activations, the peak; reads no shard")
     p.add_argument("--gpu-memory", default=None, help="with --memory: the memory of one GPU (80GiB, 80GB, 81920MiB): "
                                                       "whether the run fits, the largest micro-batch that does, and "
@@ -120,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             print(report(cfg, args.world_size or 1, budget, args.device))
             return 0
         if args.plan:   # every layout that fits, by predicted step time; the config alone
-            gpu = live.device_cluster_name()   # a CPU-only login node plans for GPUs: h100 unless told
-            cluster = live.cluster_of(cfg, "" if gpu == "cpu" else gpu, args.cluster) or load_cluster("h100")
+            gpu = run_prediction.device_cluster_name()   # a CPU-only login node plans for GPUs: h100 unless told
+            cluster = run_prediction.cluster_of(cfg, "" if gpu == "cpu" else gpu, args.cluster) or load_cluster("h100")
             print(search.report(cfg, args.world_size or 1, cluster))
             return 0
         if args.deepspeed:                # the DeepSpeed config of a launch of that many ranks
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             check_launch(cfg, args.world_size, relayout=True)
-            print(live.StepCheck.for_run(cfg, args.world_size, live.device_cluster_name(), args.cluster).line,
+            print(run_prediction.StepCheck.for_run(cfg, args.world_size, run_prediction.device_cluster_name(), args.cluster).line,
                   file=sys.stderr)
         if args.run_dir:
             print(cfg.train.run_dir)

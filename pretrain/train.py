@@ -20,17 +20,21 @@ import torch
 from model import parallel as tp, release
 from model.accounting import train_flops_per_token
 from model.generate import sample
-from pretrain import distributed, live, memory_plan, monitor
+from pretrain import distributed
+from pretrain.observe import live_model, monitor
+from pretrain.plan import memory as memory_plan
 from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
-from pretrain.engine import build_engine, clips_on_device, device_name, peak_tflops
+from pretrain.config.deepspeed_dict import clips_on_device
+from pretrain.engine import build_engine
+from pretrain.observe.device_peaks import device_name, peak_tflops
 from pretrain.faults import Faults
-from pretrain.health import GuardedAdamW, LossGuard
-from pretrain.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
+from pretrain.step_guard import GuardedAdamW, LossGuard
+from pretrain.observe.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.observe import ProfileWindows, StepTimes
-from pretrain.plan.live import StepCheck
+from pretrain.plan.run_prediction import StepCheck
 from pretrain.prelaunch import check_launch
 from pretrain.supervision.rank import run_rank, supervise
 from tokendata import tokenizer as tokenizers
@@ -70,7 +74,7 @@ class Trainer:
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None
-        self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/live.py)
+        self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/run_prediction.py)
         self.log.info(checked.vocab_note)   # a note, or None (padded ids)
         self.times = StepTimes(lay.device, lay.grad_accum, self.pipeline)   # perf/*_s (pretrain/observe/)
         self.profile = ProfileWindows(cfg.logging.profile, lay.rank, lay.device, cfg.train.run_dir, self.times)
@@ -195,7 +199,7 @@ class Trainer:
 
     def train_step(self, micro_batches) -> tuple[float, str | None, str | None]:
         """One optimizer step: (its loss, averaged over the micro-batches and DP ranks; why the update was skipped,
-        or None; why every rank must stop now, or None). How a step is skipped: pretrain/health.py.
+        or None; why every rank must stop now, or None). How a step is skipped: pretrain/step_guard.py.
 
         The host waits for the device once: the loss, GuardedAdamW's skip count and the stop flags come back in
         one read (`step_outcome`). DeepSpeed's skip count is a number it has already read itself."""
@@ -335,7 +339,7 @@ class Trainer:
         """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
         over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the
         first stage. Every rank that holds part of that model computes (TP, ZeRO-3 collectives); rank 0 writes."""
-        model = live.whole_model(self.engine, self.cfg, self.layout)
+        model = live_model.whole_model(self.engine, self.cfg, self.layout)
         if model is None:
             return
         cfg, dev = self.cfg, self.layout.device
@@ -353,9 +357,9 @@ class Trainer:
         self.log.info(f"sample: {text!r}")
         self.engine.train()
 
-    def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/live.py)
+    def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/observe/live_model.py)
         if self.cfg.logging.eval_tasks:
-            live.log_scores(self.step, live.whole_model(self.engine, self.cfg, self.layout), self.cfg, self.tokenizer,
+            live_model.log_scores(self.step, live_model.whole_model(self.engine, self.cfg, self.layout), self.cfg, self.tokenizer,
                             self.log)
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from pretrain import distributed
 from pretrain.checkpoints.resume import deepspeed_clipped
 from pretrain.config import load_config
 from pretrain.engine import build_engine
-from pretrain.health import GuardedAdamW
+from pretrain.step_guard import GuardedAdamW
 
 STEPS = 3
 

@@ -147,7 +147,7 @@ def test_gpu_part_plans_every_variant_against_dot_with_the_goals():
     """What the gpu part measures on a CUDA machine (planned here; measuring needs the GPU): each variant ÷ dot under
     the engine, eager and compiled, with the GPU issue's goals, and memory at the longest n ÷ the shortest."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
+    from benchmarks.bench_points import GPU_GOAL_MEM, GPU_GOALS, Plan, plan_gpu_memory, plan_gpu_variants
 
     a = parse_args(["--quick"])
     p = Plan(a)
@@ -173,7 +173,7 @@ def test_gpu_part_1_plans_the_binding_points_as_configured():
     + compiled blocks and under train.autocast (fp32 master, ZeRO-0) + compiled blocks, each against the MFU goal, and
     the bf16-master loss against the fp32-master eager run's."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import GOAL_MFU, GOAL_MFU_FLAGSHIP, LOSS_SLACK, Plan, plan_gpu_binding
+    from benchmarks.bench_points import GOAL_MFU, GOAL_MFU_FLAGSHIP, LOSS_SLACK, Plan, plan_gpu_binding
 
     a = parse_args(["--quick", "--gpu-part", "1"])
     p = Plan(a)
@@ -196,7 +196,7 @@ def test_the_data_part_plans_the_reader_and_the_start_at_100000_shards():
     """The data part's cluster-scale points (planned here; measured by `bench.py --only data`): a rank's reader at
     one rank, three sources, G 1024, and the demo trainer's start from 100,000 shards over HTTP."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import DEMO, STARTUP_SHARDS, plan
+    from benchmarks.bench_points import DEMO, STARTUP_SHARDS, plan
 
     p = plan(parse_args(["--quick", "--only", "data"]))
     by_id = {e["id"]: e for e in p.entries}
@@ -240,7 +240,7 @@ def test_the_gpu_queue_splits_the_gpu_parts_and_plans_them_skipped_without_a_gpu
     machine without CUDA the GPU parts plan one skipped entry each, saying why; part 0 plans no bench point (it runs
     benchmarks/compile_check.py), part 7 the three convergence runs (also on the CPU: --quick sizes)."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import GPU_GOALS
+    from benchmarks.bench_points import GPU_GOALS
     from benchmarks.bench_runs import SETTINGS, full_plan
 
     parts = {k: parse_args(["--quick", "--gpu-part", str(k)]) for k in range(9)}
@@ -265,7 +265,7 @@ def loop_and_engine_worker(rank, world):
     process: each step's loss and learning rate, and the batches drawn."""
     from benchmarks.bench import parse_args
     from benchmarks.bench_lib import training_step
-    from benchmarks.bench_plan import plan
+    from benchmarks.bench_points import plan
     from pretrain import distributed
 
     a = parse_args(["--quick", "--only", "engine"])

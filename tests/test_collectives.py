@@ -47,7 +47,7 @@ def test_trainer_collectives_build_their_tensors_on_the_layouts_device():
 def guarded_steps(rank, world):
     """Two steps of GuardedAdamW on every rank: in the first, rank 1 alone has a NaN gradient (as a TP rank can).
     Then `clipped_steps`."""
-    from pretrain.health import GuardedAdamW
+    from pretrain.step_guard import GuardedAdamW
 
     lay = layout("cpu", world)
     p = torch.nn.Parameter(torch.arange(4.0))
@@ -69,7 +69,7 @@ def clipped_steps(lay):
     rule as GuardedAdamW ran it before clipping moved into the fused kernel: torch's clip_grads_with_norm_ with the
     same global norm (a foreach multiply over every gradient), then the fused AdamW step; the kernels of each
     (benchmarks/kernel_census.py)."""
-    from pretrain.health import GuardedAdamW
+    from pretrain.step_guard import GuardedAdamW
     from benchmarks.kernel_census import Kernels
 
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,8 @@ from model import variants
 from model.config import ConfigError
 from pretrain.config import TrainConfig, load_config
 from pretrain.distributed import free_local_port
-from pretrain.engine import deepspeed_config, lr_lambda
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.engine import lr_lambda
 from pretrain.prelaunch import main
 from tools import variant_configs
 
@@ -299,7 +300,7 @@ def test_autocast_is_deepspeeds_torch_autocast_over_fp32_weights_with_one_line_e
     assert error_of(tp2.check_runtime, 2).startswith("train.autocast=true needs parallel.tp=1 (it is 2)")
     # the memory plan: fp32 weights and moments (12 B a parameter at rest, no master copy), fp32 gradients in the
     # step, and each weight's bf16 copy among the activations
-    from pretrain.memory_plan import layout_of, plan
+    from pretrain.plan.memory import layout_of, plan
 
     stage = plan(cfg, layout_of(cfg, 1)).stages[0]
     T = stage.params[0]
@@ -374,7 +375,8 @@ ENGINE_SCRIPT = """
 import sys, torch, deepspeed
 from pretrain.config import load_config
 from pretrain.distributed import Layout
-from pretrain.engine import build_optimizer, deepspeed_config, lr_lambda
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.engine import build_optimizer, lr_lambda
 cfg = load_config(sys.argv[1], ["train.max_steps=20", "train.warmup_steps=4"])
 rt = cfg.check_runtime(1)
 lay = Layout(rank=0, world=1, dp_rank=0, dp=1, tp=1, pp=1, grad_accum=rt.grad_accum, device=torch.device("cpu"))
@@ -428,7 +430,7 @@ def test_init_from_must_be_a_release_of_the_same_architecture(tmp_path):
 
 
 def test_mfu_peak_comes_from_the_device_name_unless_a_config_sets_it():
-    from pretrain.engine import peak_tflops, peak_tflops_of
+    from pretrain.observe.device_peaks import peak_tflops, peak_tflops_of
 
     assert peak_tflops_of("NVIDIA H100 80GB HBM3", "bf16") == 989.4
     assert peak_tflops_of("NVIDIA H100 PCIe", "bf16") == 756.0           # the longest matching name wins

@@ -1,6 +1,6 @@
 """A training step that never makes the host wait for the device, and gradient clipping done on the device.
 
-GuardedAdamW (pretrain/health.py) clips where it runs (bf16 ZeRO-1/2, fp32 ZeRO-0): one all-reduce of the squared
+GuardedAdamW (pretrain/step_guard.py) clips where it runs (bf16 ZeRO-1/2, fp32 ZeRO-0): one all-reduce of the squared
 norm, each replicated gradient counted once, no host read. Its steps must equal those of DeepSpeed's own clipping
 on the same engine (tests/clip_compare.py), in the layouts where replicas exist: TP (norms and row biases on every TP
 rank), PP (the tied embedding on the last stage) and ZeRO-0's data-parallel copies.

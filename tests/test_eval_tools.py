@@ -23,7 +23,7 @@ from evaluation import perplexity
 from evaluation.loading import load
 from evaluation.prompts import prompt_ids
 from tokendata.corpus import documents
-from pretrain.metrics import layer_maps
+from pretrain.observe.metrics import layer_maps
 from tools import evaluate, generate, plot_attention
 
 L = 16

@@ -1,4 +1,4 @@
-"""The skip rules of pretrain/health.py on their own: spikes against a window computed another way, the stop after
+"""The skip rules of pretrain/step_guard.py on their own: spikes against a window computed another way, the stop after
 K skips in a row, and the state a checkpoint carries; the optimizer each device and ZeRO stage gets, and the CPU
 allocator setting of pretrain/distributed.py."""
 import os
@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from model import ConfigError
-from pretrain.health import LossGuard, TrainingStopped
+from pretrain.step_guard import LossGuard, TrainingStopped
 
 
 def test_spike_rule_is_mean_plus_z_std_of_the_window_once_full():
@@ -80,8 +80,9 @@ def test_the_optimizer_per_device_and_stage_is_adamw_with_the_config(tmp_path):
     Its steps equal torch's per-op AdamW with train.lr/betas/eps/weight_decay, to rounding."""
     from pretrain.config import load_config
     from pretrain.distributed import Layout
-    from pretrain.engine import build_optimizer, deepspeed_config
-    from pretrain.health import GuardedAdamW
+    from pretrain.config.deepspeed_dict import deepspeed_config
+    from pretrain.engine import build_optimizer
+    from pretrain.step_guard import GuardedAdamW
 
     base = {"model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
             "data": {"shard_dir": str(tmp_path)},

@@ -159,7 +159,7 @@ def test_rolling_loglikelihood_covers_every_token_once(tiny, rolling_context):
 
 
 def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(tiny, monkeypatch):
-    import pretrain.downstream as downstream
+    import pretrain.observe.downstream as downstream
 
     release, sp, model, _ = tiny
     phrases = ["Emma Woodhouse, handsome, clever, and rich", "Mr. Darcy walked with Elizabeth in the park",

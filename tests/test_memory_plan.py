@@ -1,4 +1,4 @@
-"""The memory plan (model/memory.py, pretrain/memory_plan.py) against what the real modules and engines hold.
+"""The memory plan (model/memory.py, pretrain/plan/memory.py) against what the real modules and engines hold.
 
 - Activations: for every variant (and activation checkpointing), the bytes the plan says a layer keeps for backward
   equal the bytes autograd saves, counted by torch's saved-tensors hooks during a real forward pass (each storage
@@ -101,10 +101,10 @@ def layout_overrides(tp, pp, dp, zero):
 @pytest.mark.slow
 def test_plan_against_launches_of_five_layouts():
     from benchmarks.bench import run_point
-    from benchmarks.bench_plan import CPU, LIVE_MEMORY, LIVE_MEMORY_ENV
+    from benchmarks.bench_points import CPU, LIVE_MEMORY, LIVE_MEMORY_ENV
     from pretrain.config import load_config
-    from pretrain.engine import deepspeed_config
-    from pretrain.memory_plan import Layout, plan
+    from pretrain.config.deepspeed_dict import deepspeed_config
+    from pretrain.plan.memory import Layout, plan
 
     config, rows, failures = os.path.join(ROOT, "configs", "demo-cpu.yaml"), [], []
     for tp, pp, dp, zero in LAYOUTS:
@@ -133,7 +133,7 @@ def test_plan_against_launches_of_five_layouts():
 
 def test_model_states_pass_100_mb():
     from pretrain.config import load_config
-    from pretrain.memory_plan import Layout, plan
+    from pretrain.plan.memory import Layout, plan
 
     cfg = load_config(os.path.join(ROOT, "configs", "demo-cpu.yaml"), layout_overrides(1, 1, 1, 0))
     assert plan(cfg, Layout(1, 1, 1, 0)).stages[0].states_bytes > 100e6

@@ -1,6 +1,6 @@
-"""The memory verdict (pretrain/memory_verdict.py): "fits with X GiB to spare", "tight" or "does not fit", with
+"""The memory verdict (pretrain/plan/verdict.py): "fits with X GiB to spare", "tight" or "does not fit", with
 headroom for the CUDA context, NCCL's buffers by layout and the allocator factor fitted on the GPU records
-(benchmarks/memory_fit.py: fitted on the H100's, checked on the H200's)."""
+(benchmarks/allocator_fit.py: fitted on the H100's, checked on the H200's)."""
 import os
 
 from tests.runs import PY, ROOT, run_py
@@ -10,8 +10,8 @@ CONTEXT, NCCL = GIB, 768 * MIB   # the estimates the verdict uses (asserted belo
 
 
 def test_the_headroom_is_context_nccl_by_layout_and_the_allocator_margin():
-    from pretrain.memory_plan import Layout
-    from pretrain.memory_verdict import ALLOCATOR_FACTOR, CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, communicators, verdict
+    from pretrain.plan.memory import Layout
+    from pretrain.plan.verdict import ALLOCATOR_FACTOR, CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, communicators, verdict
 
     assert (CUDA_CONTEXT, NCCL_PER_COMMUNICATOR) == (CONTEXT, NCCL)
     one = Layout(1, 1, 1, 0)
@@ -36,8 +36,8 @@ def test_the_plan_says_tight_where_the_peak_alone_would_fit():
     """The demo on 2 GPUs with a GPU 1 MiB larger than its planned peak, the CUDA context and NCCL: the old verdict
     (peak ≤ budget) said "fits"; with the allocator's margin it is tight."""
     from pretrain.config import load_config
-    from pretrain.engine import deepspeed_config
-    from pretrain.memory_plan import layout_of, plan
+    from pretrain.config.deepspeed_dict import deepspeed_config
+    from pretrain.plan.memory import layout_of, plan
 
     config = os.path.join(ROOT, "configs", "demo-cpu.yaml")
     cfg = load_config(config)
@@ -51,11 +51,11 @@ def test_the_plan_says_tight_where_the_peak_alone_would_fit():
 
 
 def test_the_allocator_factor_is_fitted_on_the_h100_records_and_holds_on_the_h200_ones():
-    """The factor in the code is the fit of benchmarks/memory_fit.py on the H100 records (a record added, or a plan
+    """The factor in the code is the fit of benchmarks/allocator_fit.py on the H100 records (a record added, or a plan
     changed, changes it: refit). On the held-out H200 records, factor × planned covers every measured peak, by at
     most +15%."""
-    from benchmarks.memory_fit import fit
-    from pretrain.memory_verdict import ALLOCATOR_FACTOR
+    from benchmarks.allocator_fit import fit
+    from pretrain.plan.verdict import ALLOCATOR_FACTOR
 
     result = fit(os.path.join(ROOT, "docs", "gpu"), "H100")
     assert result["factor"] == ALLOCATOR_FACTOR

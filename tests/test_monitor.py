@@ -1,4 +1,4 @@
-"""Unit tests of what watches and configures a run without starting one: the ETA formula (pretrain/monitor.py), the
+"""Unit tests of what watches and configures a run without starting one: the ETA formula (pretrain/observe/monitor.py), the
 `deepspeed:` section (pretrain/config/deepspeed_section.py) and the install's declared ranges (pyproject.toml)."""
 import os
 import tomllib
@@ -10,8 +10,8 @@ from packaging.utils import canonicalize_name
 
 from model import ConfigError
 from pretrain.config import load_config
-from pretrain.engine import deepspeed_config
-from pretrain.monitor import Eta, clock_text
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.observe.monitor import Eta, clock_text
 from tests.runs import ROOT
 
 DEMO = os.path.join(ROOT, "configs", "demo-cpu.yaml")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pretrain.supervision.rank import RESTARTS, supervise
-from pretrain.supervision.timeouts import MARGIN_S
+from pretrain.timeouts import MARGIN_S
 from pretrain.supervision.watchdog import HANG_EXIT
 from tests.runs import (PY, ROOT, finish, free_local_port, launch, logged_step, metric_rows, record, start,
                         tensorboard_scalars, trainer_ranks, write_config)

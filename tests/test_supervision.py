@@ -179,7 +179,8 @@ def save(step, chunks, stall):
 checkpointer = SimpleNamespace(partial_path=lambda step: os.path.join(run, "checkpoints", f"step_{step}.partial"))
 checkpointer.save = save
 cfg = SimpleNamespace(train=SimpleNamespace(hang_timeout=1.5, run_dir=run, compile=False, collective_timeout=None))
-trainer = SimpleNamespace(step=6, cfg=cfg, layout=SimpleNamespace(rank=0), checkpointer=checkpointer,
+trainer = SimpleNamespace(step=6, cfg=cfg, layout=SimpleNamespace(rank=0, collective_timeout_s=1800.0),
+                          checkpointer=checkpointer,
                           log=SimpleNamespace(info=print, event=None), train_step=print, validate=print,
                           log_samples=print, log_scores=print, train=print)
 dog = supervise(trainer)
@@ -281,7 +282,7 @@ def test_every_process_group_of_the_launch_waits_the_collective_timeout(tmp_path
 def test_the_collective_timeout_must_leave_the_watchdog_time_to_act():
     from model import ConfigError
     from pretrain.config import load_config
-    from pretrain.supervision.timeouts import collective_timeout
+    from pretrain.timeouts import collective_timeout
 
     demo = os.path.join(ROOT, "configs", "demo-cpu.yaml")
     assert collective_timeout(load_config(demo, ["train.hang_timeout=600"]).train) == 720

@@ -9,15 +9,15 @@ import pytest
 
 from model.config import ConfigError
 from pretrain.config import load_config
-from pretrain.memory_plan import Layout
+from pretrain.plan.memory import Layout
 from pretrain.plan import PRESETS, load_cluster, terms
 from pretrain.plan.calibration import calibrated, fit_host, load, predicted
 from pretrain.plan.cluster import Link
-from pretrain.plan.live import StepCheck, expected
+from pretrain.plan.run_prediction import StepCheck, expected
 from pretrain.plan.published import MEGATRON_2021, check, paper_flops
 from pretrain.plan.step import Efficiency, LayerWork, layer_memory_bytes, optimizer_bytes_per_param, predict
 from pretrain.plan.workload import engine_of
-from pretrain.engine import deepspeed_config
+from pretrain.config.deepspeed_dict import deepspeed_config
 from pretrain.prelaunch import main as config_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +218,7 @@ def test_the_bench_measures_the_cpu_layouts_less_their_waits_for_a_cpu():
     """benchmarks/bench.py --only layouts (planned here, measured once): every layout of the demo model at 2 ranks,
     each step less its ranks' waits for a CPU, ÷ the demo's own layout's."""
     from benchmarks.bench import parse_args
-    from benchmarks.bench_plan import LAYOUTS, plan
+    from benchmarks.bench_points import LAYOUTS, plan
 
     p = plan(parse_args(["--only", "layouts"]))
     assert len(LAYOUTS) >= 4 and len(p.points) == len(LAYOUTS)

@@ -11,8 +11,8 @@
     shard_pool.py   the shards a reader holds: at most data.fetch_threads in memory, the rest on the local disk
     stream.py       TokenStream: the resumable, deterministic train batches of one data-parallel rank, and its
                     validation batches
-    streams_v1.py   the order of canonical streams dealt by shard, for the checkpoints of runs started with it
-    legacy.py       the order of runs started before canonical streams, for their checkpoints
+    shard_stream_order.py  the order of canonical streams dealt by shard, for the checkpoints of runs started with it
+    rank_order.py   the order of runs started before canonical streams (shards dealt to ranks), for their checkpoints
     corpus.py       reading a corpus: text (a document a line), JSONL, Parquet, Hugging Face datasets (a record a
                     document, newlines kept); bad records
     tokenizer.py    the tokenizer of a shard set: sentencepiece or Hugging Face, one interface for every reader

@@ -33,9 +33,9 @@ num_workers, micro_batch_size or accumulation read it; rank r trains on position
 workers read stream by stream. The position is the picks so far and each source's count, plus the shards found bad
 while reading; it is the same on every rank. A stream resumed in another layout goes on at the next global batch; one
 stopped inside a global batch (never the trainer, which saves between steps) resumes only in its own layout. Older
-checkpoints keep their order: a data state of canonical streams dealt by shard (tokendata/streams_v1.py) resumes it
+checkpoints keep their order: a data state of canonical streams dealt by shard (tokendata/shard_stream_order.py) resumes it
 on data-parallel sizes that divide its C; one of before canonical streams (a count of micro-batches,
-tokendata/legacy.py), in its own layout.
+tokendata/rank_order.py), in its own layout.
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
@@ -60,7 +60,7 @@ import math
 import numpy as np
 import torch
 
-from tokendata import legacy, streams_v1
+from tokendata import rank_order, shard_stream_order
 from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, layout, rank_slice
 from tokendata.reading import Part, Plan, RankPieces, as_is, collate
 from tokendata.shard_files import ShardReader
@@ -82,7 +82,7 @@ def _one_line(e):
 def merged_state(states: list[dict]) -> dict | None:
     """One position for a run in any layout from its ranks' data states (each knows the shards its own readers found
     bad), or None where they are of the order of before canonical streams or one stopped inside a global batch."""
-    if not states or any(legacy.is_legacy(s) or s.get("micro_batches") for s in states):
+    if not states or any(rank_order.is_legacy(s) or s.get("micro_batches") for s in states):
         return None
     bad = [sorted(set().union(*(s["bad_read"][i] for s in states))) for i in range(len(states[0]["bad_read"]))]
     return dict(states[0], bad_read=bad)
@@ -207,7 +207,7 @@ class TokenStream:
             self.blend.picks(self._pos, self.global_batch_size)
 
     def _legacy_batches(self, me):
-        for batch in legacy.loader(self, self._legacy, self._bad[0]):
+        for batch in rank_order.loader(self, self._legacy, self._bad[0]):
             self._check_live(me)
             self._legacy += 1
             self._bad[0].update(self._urls[url][1] for url in batch["skipped_shards"])
@@ -244,7 +244,7 @@ class TokenStream:
 
     @property
     def legacy_order(self):
-        """Whether this stream reads in the order of a run started before canonical streams (tokendata/legacy.py)."""
+        """Whether this stream reads in the order of a run started before canonical streams (tokendata/rank_order.py)."""
         return self._legacy is not None
 
     @property
@@ -292,7 +292,7 @@ class TokenStream:
 
     def state_dict(self):
         if self._legacy is not None:
-            return legacy.state_dict(self, self._legacy, self._bad[0])
+            return rank_order.state_dict(self, self._legacy, self._bad[0])
         position = self._v1.state() if self._v1 is not None else {
             "order": ORDER, "samples": self._pos.samples, "counts": list(self._pos.counts)}
         return {**position, "micro_batches": self._into,
@@ -317,9 +317,9 @@ class TokenStream:
     def load_state_dict(self, sd):
         self._live += 1  # an iterator made before this no longer matches the position
         self._v1 = None
-        if legacy.is_legacy(sd):
+        if rank_order.is_legacy(sd):
             self.train = self._started_with()[0]
-            self._legacy, bad = legacy.check_state(self, sd)
+            self._legacy, bad = rank_order.check_state(self, sd)
             self._bad = [bad]
             return
         for key in ("samples", "counts", "micro_batches", "sources", "bad_read", "layout", *SETTING_KEYS):
@@ -340,8 +340,8 @@ class TokenStream:
             need(sd["layout"] == self.state_dict()["layout"],
                  f"cannot resume the data stream: it stopped inside a global batch, in the layout {sd['layout']}; "
                  f"resume it in that layout")
-        if sd.get("order") == streams_v1.ORDER:
-            self._v1 = streams_v1.Mode(self, sd, self._started_with())
+        if sd.get("order") == shard_stream_order.ORDER:
+            self._v1 = shard_stream_order.Mode(self, sd, self._started_with())
         else:
             self._pos = Position(int(sd["samples"]), list(sd["counts"]))
         self._into = int(sd["micro_batches"])

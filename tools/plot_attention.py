@@ -22,10 +22,10 @@ import torch
 from cli import UsageError, one_line_errors
 from evaluation.loading import load
 from evaluation.prompts import default_prompt, prompt_ids
-from pretrain.metrics import attention_figure, layer_maps
+from pretrain.observe.metrics import attention_figure, layer_maps
 
 def plot(data, labels: list[str], out: str, title: str = "", dpi: int = 110) -> None:
-    """Write the grid PNG (pretrain.metrics.attention_figure, as TensorBoard shows it); `labels`: the token pieces."""
+    """Write the grid PNG (pretrain.observe.metrics.attention_figure, as TensorBoard shows it); `labels`: the token pieces."""
     import matplotlib.pyplot as plt
 
     fig = attention_figure(data, labels, title)

@@ -13,7 +13,7 @@ import yaml
 from model import ConfigError
 from model.config import architecture_difference
 from pretrain.checkpoints.durable import verify
-from tokendata import streams_v1
+from tokendata import shard_stream_order
 from tokendata.shards import DataError
 
 
@@ -25,7 +25,7 @@ def is_universal(path: str) -> bool:
 def deepspeed_clipped(path: str | None) -> bool:
     """Whether the ZeRO-1/2 checkpoint at `path` (a tag directory, or None) was written by an engine in which
     DeepSpeed clipped the gradients (its optimizer state records clip_grad > 0): every one written before
-    GuardedAdamW clipped them on the device (pretrain/engine.py clips_on_device). One optimizer-state file is read,
+    GuardedAdamW clipped them on the device (pretrain/config/deepspeed_dict.py clips_on_device). One optimizer-state file is read,
     memory-mapped; a universal checkpoint is loaded another way and never is one."""
     if path is None or is_universal(path):
         return False
@@ -142,15 +142,15 @@ def layout_problem(path: str, config: dict, world: int) -> str | None:
 
 def data_problem(path: str, dp: int) -> str | None:
     """Why a universal checkpoint's data order cannot go on with `dp` data-parallel ranks: that of canonical streams
-    dealt by shard (tokendata/streams_v1.py) gives each rank whole streams; None if it can (every newer order reads
+    dealt by shard (tokendata/shard_stream_order.py) gives each rank whole streams; None if it can (every newer order reads
     any divisor of the global batch; a regular checkpoint is resumed in its own layout)."""
     if not is_universal(path):
         return None
     data = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False).get("data") or {}
-    if data.get("order") != streams_v1.ORDER:
+    if data.get("order") != shard_stream_order.ORDER:
         return None
     try:
-        streams_v1.check_streams(data["canonical_streams"], data["layout"]["global_batch_size"], dp)
+        shard_stream_order.check_streams(data["canonical_streams"], data["layout"]["global_batch_size"], dp)
     except DataError as e:
         return f"checkpoint {path}: {e}"
     return None

@@ -1,5 +1,5 @@
 """The `deepspeed:` section: DeepSpeed settings the trainer does not own, merged into the generated DeepSpeed config
-(pretrain/engine.py `deepspeed_config`) — overlap_comm, bucket sizes, communication logging, the flops profiler, ...
+(pretrain/config/deepspeed_dict.py `deepspeed_config`) — overlap_comm, bucket sizes, communication logging, the flops profiler, ...
 
     deepspeed:
       zero_optimization: {overlap_comm: true, reduce_bucket_size: 5e7}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_keys, check_types, described, need
-from pretrain.supervision.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
+from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
 from tokendata.sources import Source, as_sources
 
@@ -190,7 +190,7 @@ class TrainSection:
                                     "DP, DeepSpeed's pipeline groups), before it fails; above hang_timeout + "
                                     f"{MIN_MARGIN_S}, so that the watchdog acts first. null: hang_timeout + "
                                     f"{MARGIN_S}, or {WITHOUT_WATCHDOG_S} without a hang_timeout "
-                                    "(pretrain/supervision/timeouts.py)", None)
+                                    "(pretrain/timeouts.py)", None)
     preempt_signals: tuple[str, ...] = described("signals that stop the run cleanly after the current step with a "
                                           "checkpoint and exit 0 (SLURM sends SIGTERM, or SIGUSR1 with --signal)",
                                           ("SIGTERM", "SIGUSR1"))
@@ -297,7 +297,7 @@ class LoggingSection:
     tensorboard_dir: str | None = described("TensorBoard event directory; default <train.run_dir>/tensorboard", None)
     peak_tflops_per_device: float | None = described(
         "peak dense TFLOP/s of one device at train.precision, the denominator of MFU; null = from the device's name "
-        "(pretrain/engine.py PEAK_TFLOPS: H100 bf16 989, A100 312, ...); on a CPU or an unknown GPU MFU is then n/a",
+        "(pretrain/observe/device_peaks.py PEAK_TFLOPS: H100 bf16 989, A100 312, ...); on a CPU or an unknown GPU MFU is then n/a",
         None)
     sample_prompt: str | None = described("prompt of the text sample in TensorBoard; null = the opening words of the "
                                           "first document of the run's validation data", None)

@@ -31,8 +31,8 @@ import yaml
 from model.config import ConfigError
 from pretrain.config import TrainConfig
 from pretrain.config import files
-from pretrain.engine import deepspeed_config
-from pretrain.memory_plan import layout_of
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.memory import layout_of
 from pretrain.plan.cluster import PRESETS
 from pretrain.plan.step import Efficiency, predict
 from pretrain.plan.workload import engine_of

@@ -28,7 +28,7 @@ import yaml
 
 from model.config import ConfigError
 from pretrain.config import TrainConfig
-from pretrain.memory_plan import Layout
+from pretrain.plan.memory import Layout
 from pretrain.plan.calibration import calibrated
 from pretrain.plan.cluster import PRESETS
 from pretrain.plan.step import Efficiency, predict

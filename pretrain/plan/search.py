@@ -2,7 +2,7 @@
 
     python -m pretrain.config CONFIG --world-size N --plan [--cluster h100|h200|a100|cpu|FILE]
 
-The search: each (tp, pp, dp, ZeRO) layout the trainer accepts (pretrain/memory_plan.py `layouts`, then the launch's
+The search: each (tp, pp, dp, ZeRO) layout the trainer accepts (pretrain/plan/memory.py `layouts`, then the launch's
 own checks), each micro-batch that divides the global batch over dp (the accumulation follows; the global batch never
 changes), activation checkpointing off and on every layer. Each candidate gets the memory plan's peak and its
 verdict against the GPU's memory (`memory_verdict`), and the time model's prediction (pretrain/plan/step.py) with
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from pretrain.config import TrainConfig
-from pretrain.engine import deepspeed_config
-from pretrain.memory_plan import GIB, Layout, layout_of, layouts, plan as memory_plan
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.memory import GIB, Layout, layout_of, layouts, plan as memory_plan
 from pretrain.plan.calibration import calibrated
 from pretrain.plan.cluster import Cluster
 from pretrain.plan.step import Prediction, predict

@@ -26,7 +26,7 @@ from functools import lru_cache
 from model.accounting import train_flops_per_token
 from model.memory import bytes_of
 from pretrain.config import TrainConfig
-from pretrain.memory_plan import Layout
+from pretrain.plan.memory import Layout
 from pretrain.plan import terms
 from pretrain.plan.cluster import Cluster
 from pretrain.plan.workload import LOSS_BYTES_PER_LOGIT, Engine, LayerWork, stage_work

@@ -27,7 +27,7 @@ from model.config import ModelConfig
 from model.memory import bytes_of, layer_bytes
 from model.synthesizers import linear_flops
 from pretrain.config import TrainConfig
-from pretrain.memory_plan import BUCKET, PREFETCH, Layout, rank_parameters, stage_layers
+from pretrain.plan.memory import BUCKET, PREFETCH, Layout, rank_parameters, stage_layers
 
 LOSS_BYTES_PER_LOGIT = 16   # fp32 logits and their fp32 gradient, each written once and read once
 

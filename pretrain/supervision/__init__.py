@@ -7,10 +7,10 @@ agree, and the evidence a hang leaves.
                         pretrain.supervision`): relaunches what a relaunch can fix, stops a crash loop
     rank.py             what a rank does: its log, its record, the timeouts set, the watchdog wrapped around the trainer
     watchdog.py         the hang watchdog (train.hang_timeout) and what counts as progress
-    timeouts.py         one collective timeout for every process group, longer than train.hang_timeout
     flight_recorder.py  PyTorch's flight recorder, on, and dumped beside the stacks of a hung rank
     ranklog.py          each rank's own log file, <run_dir>/logs/rank<k>.log
 
-Nothing is imported here: the supervisor process (relaunch.py) starts without torch, and pretrain/config reads
-timeouts.py's margins.
+The collective timeout itself, C, is pretrain/timeouts.py's, a floor below: pretrain/config checks its margins,
+distributed.init computes it once, and rank.py's `supervise` sets every group to it once the engine is built.
+Nothing is imported here: the supervisor process (relaunch.py) starts without torch.
 """

@@ -5,7 +5,7 @@ watchdog, and its failure record.
                                    (ranklog.py), the flight recorder on (flight_recorder.py), the trainer built and run,
                                    and how it ended written as its failure class (classes.py), with one `error:` line
     supervise(trainer)             at the end of the trainer's construction: every process group set to the collective
-                                   timeout (timeouts.py), the restart that started this launch logged, and the hang
+                                   timeout (pretrain/timeouts.py), the restart that started this launch logged, and the hang
                                    watchdog (watchdog.py) wrapped around the trainer's work from outside
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import socket
 import sys
 
 from model import ConfigError
-from pretrain import distributed
+from pretrain import distributed, timeouts
 from pretrain.checkpoints.checkpointer import CheckpointError
-from pretrain.health import TrainingStopped
-from pretrain.supervision import classes, flight_recorder, ranklog, timeouts
+from pretrain.step_guard import TrainingStopped
+from pretrain.supervision import classes, flight_recorder, ranklog
 from pretrain.supervision.watchdog import Watchdog, bytes_under
 from tokendata.shards import DataError
 
@@ -96,7 +96,7 @@ def supervise(trainer) -> Watchdog | None:
     rank's hang watchdog where train.hang_timeout is set, its heartbeats wrapped around the trainer's steps,
     validation, images and downstream scores, and its save watched while its bytes grow."""
     cfg = trainer.cfg.train
-    agreed = timeouts.agree(timeouts.collective_timeout(cfg))
+    agreed = timeouts.agree(trainer.layout.collective_timeout_s)   # C as distributed.init computed it
     if agreed:
         trainer.log.info(timeouts.words(agreed, cfg.hang_timeout))
     log_restart(trainer.log, trainer.step)

@@ -25,7 +25,8 @@ import sys
 import threading
 import time
 
-from pretrain.supervision import classes, flight_recorder, timeouts
+from pretrain import timeouts
+from pretrain.supervision import classes, flight_recorder
 
 HANG_EXIT = classes.HANG.exit
 BACKSTOP_S = timeouts.MIN_MARGIN_S   # faulthandler's dump and exit, after hang_timeout, where the watchdog cannot run

@@ -24,7 +24,7 @@ import webdataset as wds
 
 from tokendata.reading import as_is, worker_info
 from tokendata.shard_files import ShardReader
-from tokendata.streams_v1 import shuffled_samples
+from tokendata.shard_stream_order import shuffled_samples
 from tokendata.shards import need
 
 # Not bad_shards: a run stopped by a bad shard must resume after switching to "skip".

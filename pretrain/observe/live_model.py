@@ -40,9 +40,9 @@ def whole_model(engine, cfg, layout):
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")   # compiled blocks (train.compile) serve training steps only
 def log_scores(step: int, model, cfg, tokenizer: str, log) -> dict:
-    """logging.eval_tasks on the live weights (pretrain/downstream.py, lm-eval): `eval/<task>/<metric>` to
+    """logging.eval_tasks on the live weights (pretrain/observe/downstream.py, lm-eval): `eval/<task>/<metric>` to
     TensorBoard, W&B and metrics.jsonl at `step`, and one log line with the scores and the time they took."""
-    from pretrain.downstream import score   # lm-eval, an optional extra: imported only when scores are asked for
+    from pretrain.observe.downstream import score   # lm-eval, an optional extra: imported only when scores are asked for
 
     if model is None:
         return {}

@@ -13,8 +13,8 @@ import torch
 
 from model.config import ConfigError
 from pretrain.config import TrainConfig, cuda_available
-from pretrain.engine import deepspeed_config
-from pretrain.memory_plan import layout_of
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.memory import layout_of
 from pretrain.plan.calibration import calibrated
 from pretrain.plan.cluster import PRESETS, Cluster, load_cluster, preset_for_device
 from pretrain.plan.search import largest_terms

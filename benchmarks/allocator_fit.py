@@ -1,10 +1,10 @@
-"""Fit the memory verdict's allocator factor (pretrain/memory_verdict.py ALLOCATOR_FACTOR) on some GPU records and
+"""Fit the memory verdict's allocator factor (pretrain/plan/verdict.py ALLOCATOR_FACTOR) on some GPU records and
 check it on the others.
 
-    python benchmarks/memory_fit.py [--fit H100] [--records docs/gpu]
+    python benchmarks/allocator_fit.py [--fit H100] [--records docs/gpu]
 
 Each engine point of docs/gpu/*/*.jsonl (kind "train", with its spec: config, overrides, world) is planned again with
-today's pretrain/memory_plan.py and set beside what it measured: max_memory_reserved where the record has it
+today's pretrain/plan/memory.py and set beside what it measured: max_memory_reserved where the record has it
 (`reserved_mb`, `max_reserved_mb`), else max_memory_allocated (`peak_mb`). The device is the one the record's folder
 README names in its title (H100, H200). The factor is the largest measured ÷ planned on the fitted device (the
 smallest factor under which no fitted record exceeds its margin), rounded up to 3 decimals; on the held-out records
@@ -62,9 +62,9 @@ def records(root: str) -> list[dict]:
 
 def planned(spec: dict) -> int:
     """Today's plan of a record's point, as benchmarks/bench_lib.py ran it."""
-    from pretrain import memory_plan
+    from pretrain.plan import memory as memory_plan
     from pretrain.config import load_config
-    from pretrain.engine import deepspeed_config
+    from pretrain.config.deepspeed_dict import deepspeed_config
 
     cfg = load_config(os.path.join(ROOT, spec["config"]), spec["overrides"] +
                       (["train.compile=true"] if spec.get("compile") else []))

@@ -286,7 +286,7 @@ def plan_engine(a, p: Plan) -> None:
 
 def plan_gpu(a, p: Plan) -> None:
     from pretrain.config import load_config
-    from pretrain.engine import peak_tflops_of
+    from pretrain.observe.device_peaks import peak_tflops_of
 
     if not a.gpu:
         p.entry("gpu:mfu", "gpu", "synth-1.3b", None, "tflops", "TFLOP/s",
@@ -295,7 +295,7 @@ def plan_gpu(a, p: Plan) -> None:
     name = a.gpu
     peak = peak_tflops_of(name, "bf16")   # the trainer's table (pretrain/engine.py)
     p.entry("gpu:peak", "gpu", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
-            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
+            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/observe/device_peaks.py PEAK_TFLOPS)")
     to_peak = "gpu:peak" if peak else None
     mixer = load_config(BIG).model.mixer
     for m in dict.fromkeys([mixer, "dot"]):   # the config's mixer and its dot twin, 1 GPU, no TP
@@ -322,7 +322,7 @@ def plan_gpu_binding(a, p: Plan, device: str | None = None) -> None:
     beside its fp32-master eager run, whose loss over the same steps the bf16-master loss must stay within LOSS_SLACK
     of. `device`: the GPU's name (default a.gpu: CUDA device 0's, where there is one)."""
     from pretrain.config import load_config
-    from pretrain.engine import peak_tflops_of
+    from pretrain.observe.device_peaks import peak_tflops_of
 
     if device is None and not a.gpu:
         p.entry("gpu-binding", "gpu-binding", "synth-1.3b", None, "tflops", "TFLOP/s",
@@ -331,7 +331,7 @@ def plan_gpu_binding(a, p: Plan, device: str | None = None) -> None:
     name = device or a.gpu
     peak = peak_tflops_of(name, "bf16")
     p.entry("gpu-binding:peak", "gpu-binding", name, None, "tflops", "TFLOP/s", reps=[peak] if peak else None,
-            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/engine.py PEAK_TFLOPS)")
+            skipped=None if peak else f"no peak TFLOP/s known for {name!r} (pretrain/observe/device_peaks.py PEAK_TFLOPS)")
     to_peak = "gpu-binding:peak" if peak else None
     for m in dict.fromkeys(["dot", load_config(BIG).model.mixer]):
         goal = (GOAL_MFU if m == "dot" else GOAL_MFU_FLAGSHIP) if peak else None

@@ -6,7 +6,7 @@ gradients are non-finite, and then
     fp16, fp32 ZeRO 1-3, ZeRO-3, bf16 ZeRO-0: DeepSpeed's optimizer finds the gradients or their global norm
                             non-finite, drops the step and counts it in `engine.skipped_steps` (the LR schedule
                             does not advance);
-    ZeRO-0 fp32, bf16 ZeRO-1/2 (pretrain/engine.py guards_steps_itself): DeepSpeed has no check (ZeRO-0 fp32) or a
+    ZeRO-0 fp32, bf16 ZeRO-1/2 (pretrain/config/deepspeed_dict.py guards_steps_itself): DeepSpeed has no check (ZeRO-0 fp32) or a
                             costly one that is turned off (bf16), so the trainer hands it `GuardedAdamW`, a fused
                             AdamW that also clips the gradients and whose step does nothing when any rank holds a
                             non-finite gradient (one all-reduce of the squared norm, never read on the host); it

@@ -1,4 +1,4 @@
-"""Watching a run, beside TensorBoard (pretrain/metrics.py): Weights & Biases, the time left, downstream scores.
+"""Watching a run, beside TensorBoard (pretrain/observe/metrics.py): Weights & Biases, the time left, downstream scores.
 
     WandbRun.open(settings, run_dir, config, n)  logging.wandb on rank 0: the same scalars, images and text as
                                                 TensorBoard; every launch resumes the same W&B run by its id, each row

@@ -29,7 +29,7 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
     peak                   states at rest + buffers + max(activations at the end of the forward pass + their largest
                            temporary + the head weight's gradient, the step)
 
-Whether a peak fits a GPU, with headroom for the CUDA context, NCCL and the allocator: pretrain/memory_verdict.py.
+Whether a peak fits a GPU, with headroom for the CUDA context, NCCL and the allocator: pretrain/plan/verdict.py.
 How close this comes to what a launch measures: tests/test_memory_plan.py (CPU, five layouts) and the H100 records
 (docs/benchmarks.md).
 """
@@ -47,8 +47,8 @@ from model import ConfigError, ModelConfig
 from model.accounting import parameters
 from model.memory import FP32, Activations, Term, activations, bytes_of, per_layer_summary
 from pretrain.config import TrainConfig
-from pretrain.engine import deepspeed_config
-from pretrain.memory_verdict import verdict
+from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.verdict import verdict
 
 PERSISTENCE, PREFETCH, BUCKET = 100_000, 50_000_000, 500_000_000   # DeepSpeed's ZeRO defaults (elements)
 GIB = 2**30
@@ -266,7 +266,7 @@ def parse_size(text: str) -> int:
 
 def largest_micro_batch(cfg: TrainConfig, lay: Layout, budget: int, device: str, ds: dict) -> int | None:
     """The largest micro-batch that divides the global batch over dp and fits a GPU of `budget` bytes with headroom
-    (pretrain/memory_verdict.py; None: not even 1)."""
+    (pretrain/plan/verdict.py; None: not even 1)."""
     per_dp = cfg.train.global_batch_size // lay.dp
     best = None
     for micro in range(1, per_dp + 1):

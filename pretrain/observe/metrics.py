@@ -1,5 +1,5 @@
 """What the run reports: console lines, TensorBoard (scalars, attention-map images, text) and metrics.jsonl, and
-the same to Weights & Biases where logging.wandb is set (pretrain/monitor.py).
+the same to Weights & Biases where logging.wandb is set (pretrain/observe/monitor.py).
 
 Only global rank 0 writes; every other rank gets a Logger whose methods do nothing, so the training loop
 calls it unconditionally.
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pretrain.monitor import WandbRun
+from pretrain.observe.monitor import WandbRun
 
 
 def memory_mb(device: torch.device, peak: bool = True) -> float:
@@ -145,7 +145,7 @@ class Logger:
             logged = max((row["step"] for row in jsonl_rows(self.jsonl_path)), default=None)
             keep_rows_up_to(self.jsonl_path, step)
             self.jsonl = open(self.jsonl_path, "a")
-            if self.wandb_settings:   # W&B, the same run; the steps up to `logged` were sent (pretrain/monitor.py)
+            if self.wandb_settings:   # W&B, the same run; the steps up to `logged` were sent (pretrain/observe/monitor.py)
                 self.wandb = WandbRun.open(self.wandb_settings, self.run_dir, self.config or {}, logged)
 
     def info(self, msg: str | None) -> None:

@@ -1,4 +1,4 @@
-"""The memory verdict: whether a planned peak (pretrain/memory_plan.py) fits a GPU, with headroom for what the plan does
+"""The memory verdict: whether a planned peak (pretrain/plan/memory.py) fits a GPU, with headroom for what the plan does
 not count.
 
     headroom = CUDA context + NCCL buffers (per communicator the layout opens) + (ALLOCATOR_FACTOR − 1) · peak
@@ -10,7 +10,7 @@ not count.
     does not fit   the peak, the CUDA context and NCCL alone exceed the GPU
 
 ALLOCATOR_FACTOR is measured peak ÷ planned peak, at its largest over the GPU records it is fitted to
-(benchmarks/memory_fit.py; the records, the fit and its check on held-out records: docs/benchmarks.md, "The memory
+(benchmarks/allocator_fit.py; the records, the fit and its check on held-out records: docs/benchmarks.md, "The memory
 plan"). It is fitted on what the records hold: the caching allocator's max_memory_allocated, and max_memory_reserved
 where a record has it (none does yet). Until one does, the factor covers the plan's own error against allocated memory,
 not the allocator's reserve above it (fragmentation).
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
-ALLOCATOR_FACTOR = 1.089            # fitted: benchmarks/memory_fit.py --fit H100 (max over the records), tested
+ALLOCATOR_FACTOR = 1.089            # fitted: benchmarks/allocator_fit.py --fit H100 (max over the records), tested
 CUDA_CONTEXT = 1 * GIB              # estimate, not measured
 NCCL_PER_COMMUNICATOR = 768 * 2**20   # estimate: 4 MiB × 3 protocols × 2 directions × 32 channels = 768 MiB
 

@@ -1,5 +1,5 @@
 """Config fields and their one checker of keys and types, for every config section: `ModelConfig` (model/config.py)
-and the training sections (pretrain/config.py), wherever a config comes from (YAML, a checkpoint, a release, a
+and the training sections (pretrain/config/), wherever a config comes from (YAML, a checkpoint, a release, a
 Hugging Face export). Every mistake is a `ConfigError`: one line naming the dotted key, the value and what to do.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Two engines of one config, built alike (`build_engine(device_clip=…)`), train on the same random batches. Written by
 rank 0: per run the global gradient norm of each step (GuardedAdamW's `grad_norm`; DeepSpeed's
 `get_global_grad_norm()`, None where it keeps none), the loss, and whether the checkpoint the run's engine saves
-reads as one that DeepSpeed clipped (pretrain/checkpoint.py deepspeed_clipped); and every rank's largest difference
+reads as one that DeepSpeed clipped (pretrain/checkpoints/resume.py deepspeed_clipped); and every rank's largest difference
 between the two runs' parameters after the last step.
 """
 import json

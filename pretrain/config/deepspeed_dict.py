@@ -17,7 +17,7 @@ def guards_steps_itself(cfg: TrainConfig) -> bool:
     """Whether the trainer's optimizer, not DeepSpeed, drops a step with a non-finite gradient.
     ZeRO-0 fp32: DeepSpeed has no such check. ZeRO-1/2 bf16: its check (`bf16.check_grad_overflow`) launches ~4
     kernels per gradient tensor and reads the result on the host, every step (1564 `abs` and 780 `isfinite` a
-    step for synth-1.3b on an H100, tools/profile_step.py); it is turned off and one fused norm over the flat fp32
+    step for synth-1.3b on an H100, benchmarks/profile_step.py); it is turned off and one fused norm over the flat fp32
     partition decides instead. train.autocast (ZeRO-0, fp32 weights): as ZeRO-0 fp32. Elsewhere (fp16's loss
     scaling, ZeRO-3, bf16 ZeRO-0 with bf16 weights) DeepSpeed's own check stays."""
     zero, precision = cfg.parallel.zero_stage, cfg.train.weights_precision()
@@ -61,7 +61,7 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "fp16": {"enabled": t.precision == "fp16"},  # loss scale: DeepSpeed's dynamic default
         # train.autocast: fp32 weights, each forward under torch.autocast in bf16 (DeepSpeed enters it in forward)
         "torch_autocast": {"enabled": t.autocast, "dtype": "bfloat16"},
-        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/universal.py)
+        "checkpoint": {"load_universal": load_universal},  # a resume in another layout (pretrain/checkpoints/universal.py)
         "steps_per_print": 10**9,  # the trainer logs itself
         # and times itself: DeepSpeed's throughput timer synchronizes the device at each forward and each step
         "timers": {"throughput": {"enabled": False}},

@@ -222,8 +222,9 @@ def init(cfg: TrainConfig) -> Layout:
         torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // max(1, local)))
         if cfg.parallel.cpu_keep_freed_memory:
             keep_freed_memory()
-    # C, computed once (pretrain/timeouts.py): given to the groups made here; the trainer sets every group to exactly C
-    # once its engine has made its own (supervision/rank.py supervise: timeouts.agree)
+    # C, computed once (pretrain/timeouts.py) and kept in the layout: given to the groups made here, then set exactly
+    # on those that took another (megatron rounds to minutes, some groups take none); the groups the engine makes
+    # later get it in supervision/rank.py's `supervise`, from the layout
     timeout = timeouts.as_timedelta(timeouts.collective_timeout(cfg.train))
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     if accel.device_name() == "cpu":
@@ -237,6 +238,7 @@ def init(cfg: TrainConfig) -> Layout:
                                                  pipeline_model_parallel_size=cfg.parallel.pp,
                                                  distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
         dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
+    timeouts.agree(timeout.total_seconds())
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))

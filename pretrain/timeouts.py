@@ -12,8 +12,10 @@ The groups and where each gets C: the world group (deepspeed.init_distributed's 
 10 minutes, DEEPSPEED_TIMEOUT), megatron-core's TP, PP, DP and model-parallel groups (initialize_model_parallel's
 `distributed_timeout_minutes`, default 30, rounded up to whole minutes), and the groups DeepSpeed makes itself with
 no timeout at all (the pipeline grid's stage, data-parallel, slice and p2p groups, the tied-weights groups: torch's
-backend default, 10 minutes on NCCL, 30 on gloo). `agree(C)` then sets every group the rank belongs to to exactly C
-(torch's `_set_pg_timeout`, per group) and reads each back.
+backend default, 10 minutes on NCCL, 30 on gloo). C is computed once, by distributed.init, and kept in the rank's
+Layout; `agree(C)` sets each group of the rank that waits another time to exactly C (torch's `_set_pg_timeout`, per
+group) and reads every group back: at distributed.init for the groups made there, and once the engine is built
+(supervision/rank.py `supervise`) for the groups DeepSpeed made.
 
 With train.hang_timeout null there is no watchdog: a hang ends when a collective times out after C (1800 s by
 default). On NCCL the waiting ranks' communicators are aborted and, with TORCH_NCCL_DUMP_ON_TIMEOUT (set by
@@ -75,9 +77,11 @@ def group_timeout(group) -> float:
 
 
 def agree(seconds: float) -> dict[str, float]:
-    """Set every process group of this rank to `seconds`; {group: its timeout read back}."""
+    """Set every process group of this rank that waits another time to `seconds` (each group is set once: at
+    distributed.init those made there, once the engine is built those it made); {group: its timeout read back}."""
     for group in groups():
-        c10d._set_pg_timeout(as_timedelta(seconds), group)
+        if group_timeout(group) != seconds:
+            c10d._set_pg_timeout(as_timedelta(seconds), group)
     return {describe(g): group_timeout(g) for g in groups()}
 
 

@@ -146,7 +146,7 @@ def test_the_watchdog_takes_steps_validation_saves_and_compilation_as_progress(t
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     done = []
     work = lambda name: lambda *args: done.append(name) or name   # noqa: E731
-    trainer = SimpleNamespace(step=4, log=None, layout=SimpleNamespace(rank=0),
+    trainer = SimpleNamespace(step=4, log=None, layout=SimpleNamespace(rank=0, collective_timeout_s=720.0),
                               cfg=SimpleNamespace(train=SimpleNamespace(hang_timeout=600.0, run_dir=str(tmp_path),
                                                                         compile=True, collective_timeout=None)),
                               checkpointer=SimpleNamespace(save=work("save"), partial_path=str),

@@ -90,7 +90,7 @@ gpu-check:
 	    train.run_dir=$(CHECK)/stall train.hang_timeout=20 train.max_steps=10
 	$(GPY) -c "import pickle; d = pickle.load(open('$(CHECK)/stall/hang/flight_recorder/rank_0', 'rb')); \
 	    print('flight recorder:', len(d['entries']), 'entries;', d['pg_status'])"
-	$(GPY) -m pytest -q -o addopts=-ra tests/test_gpu.py tests/test_gpu_kernels.py
+	$(GPY) -m pytest -q -o addopts=-ra tests/distributed/test_gpu.py tests/distributed/test_gpu_kernels.py
 	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench
 
 # ---- the GPU measurement queue (benchmarks/gpu_queue.py): one short part per command on a lent GPU (each ≤ 4 min on

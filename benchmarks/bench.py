@@ -33,7 +33,7 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               gloo ranks on the CPU, ÷ the demo's own layout's: each repetition in the real-time class (root only;
               a pause after each lets the machine's other processes catch up), less the longest time a rank still
               waited for a CPU while runnable (Linux's /proc/self/schedstat): the steps the time model must order
-              (measured once, kept in pretrain/plan/calibration.yaml; tests/test_time_model.py checks it). No goal.
+              (measured once, kept in pretrain/plan/calibration.yaml; tests/unit/test_time_model.py checks it). No goal.
   engine      our DeepSpeed engine's step ÷ the step of the plain PyTorch loop a user would write for the same model
               (fp32 master weights, torch.autocast at train.precision, torch's fused AdamW, clipping), in the same
               mode: eager with eager, and on CUDA compiled with compiled (train.compile's compiled blocks;

@@ -1,4 +1,4 @@
-"""Synthetic shard sets for the data part of benchmarks/bench.py and the tests of scale (tests/test_order_scale.py):
+"""Synthetic shard sets for the data part of benchmarks/bench.py and the tests of scale (tests/unit/test_order_scale.py):
 as many shards as a cluster's corpus, made of arithmetic, and an HTTP server on 127.0.0.1 that serves them without
 writing them anywhere, counting every request.
 

@@ -49,7 +49,7 @@ BYTES_PER_PARAM = 20   # fp32 ZeRO-1, 1 process: weight 4 + fp32 partition copy 
 DOCUMENT_LENGTH, EOS = 95, 2
 DOCUMENTS = ["model.document_mask=true", f"model.eos_id={EOS}"]
 # The layouts part: the demo model (configs/demo-cpu.yaml, global batch 16) at 2 gloo ranks, each layout a step time the
-# time model must order (pretrain/plan/calibration.yaml keeps them; tests/test_time_model.py checks the order).
+# time model must order (pretrain/plan/calibration.yaml keeps them; tests/unit/test_time_model.py checks the order).
 LAYOUTS = {
     "dp2-zero2-micro8": ["parallel.zero_stage=2", "train.micro_batch_size=8"],   # the demo as configured
     "dp2-zero2-micro8-ckpt": ["parallel.zero_stage=2", "train.micro_batch_size=8",

@@ -1,6 +1,6 @@
 """The kernel census: the kernels a training step launches on the GPU path, by phase and by op name, counted on the
 CPU. Kernels (below) counts them under a TorchDispatchMode: every aten op that is not a view (each is a kernel launch
-on a GPU); tests/test_kernel_count.py counts a block with it, tests/loop_compare.py a whole step.
+on a GPU); tests/distributed/test_kernel_count.py counts a block with it, tests/support/loop_compare.py a whole step.
 
     python benchmarks/kernel_census.py SPECS.json OUT.json     (census_of: one fresh process, any checkout's code)
 
@@ -17,7 +17,7 @@ fused loss's chunk count, biases, positions, block, tying), what only sizes them
 d = 2·d_h, n, the vocabulary, a micro-batch of 1). Compiled configurations are counted eager: the census fingerprints
 the code torch.compile traces, not inductor's fusion of it; an FP8 configuration (train.fp8) is counted without
 FP8, whose kernels are torchao's. That the counts do not depend on what is shrunk is checked by
-tests/test_gpu_queue.py (two shapes, one census).
+tests/unit/test_gpu_queue.py (two shapes, one census).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ ENTRY_FILES = ("configuration_synthformer.py", "modeling_synthformer.py")
 def code_files(entry=ENTRY_FILES) -> list[str]:
     """The remote code of an export: the entry files and every model file they reach through module-level relative
     imports (`from .x import …`), found by reading them. transformers' loader copies them from the export into its
-    module cache, so the set must be complete; tests/test_hf.py loads an export in isolation."""
+    module cache, so the set must be complete; tests/unit/test_hf.py loads an export in isolation."""
     seen, todo = [], list(entry)
     while todo:
         name = todo.pop(0)

@@ -1,7 +1,7 @@
 """The variant registry: every token mixer a config may name is registered here, once, and everything that lists
 variants reads it — the config's valid mixer names (model/config.py), the module that runs a name
 (model/mixers.py), the tests' variant lists, the benchmark's, and configs/variants/ (written by
-tools/variant_configs.py, checked by tests/test_config.py).
+tools/variant_configs.py, checked by tests/unit/test_config.py).
 
 A variant is either
     a synthesizer   a module that gives its heads' logits S (a `Synthesizer` of model/forms.py); it runs inside

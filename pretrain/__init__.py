@@ -1,4 +1,4 @@
-"""The training system, in floors (tests/test_structure.py PRETRAIN_FLOORS); each imports only the floors below it:
+"""The training system, in floors (tests/unit/test_structure.py PRETRAIN_FLOORS); each imports only the floors below it:
 
     5  train.py          the trainer: builds everything in one place and runs the loop
     4  engine.py         the DeepSpeed engine, built (only the trainer imports it)

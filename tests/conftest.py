@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from tests.runs import BLEND, CORPUS, ROOT, build_blend, build_shards, built_once, launch, reference_config, tool
+from tests.support.runs import (BLEND, CORPUS, ROOT, build_blend, build_shards, built_once, launch, reference_config,
+                                tool)
 
 # Without a GPU, the Triton kernels of the GPU path (model/gpu_kernels/) run under Triton's interpreter on CPU
 # tensors. Set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
@@ -20,13 +21,13 @@ torch.set_num_threads(1)   # and so do the tests that compute in this process
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory):
-    """Tiny one-sample-per-shard token shards for the trainer's tests (see tests/runs.py)."""
+    """Tiny one-sample-per-shard token shards for the trainer's tests (see tests/support/runs.py)."""
     return str(built_once(tmp_path_factory, "train-data", build_shards) / "shards")
 
 
 @pytest.fixture(scope="session")
 def blend(shards, tmp_path_factory):
-    """{name: shard directory} of three shard sets of 8 samples a shard (tests/runs.py build_blend): a, b and c, which
+    """{name: shard directory} of three shard sets of 8 samples a shard (tests/support/runs.py build_blend): a, b and c, which
     is small enough to start its next epoch within a short run."""
     root = built_once(tmp_path_factory, "blend-data", lambda tmp: build_blend(tmp, shards))
     return {name: str(root / name) for name in BLEND}
@@ -34,7 +35,7 @@ def blend(shards, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_run(shards, tmp_path_factory):
-    """The uninterrupted run of tests/runs.py reference_config, trained once: its run directory (read only)."""
+    """The uninterrupted run of tests/support/runs.py reference_config, trained once: its run directory (read only)."""
     return built_once(tmp_path_factory, "reference",
                       lambda tmp: launch(reference_config(tmp, shards, "run"), 2)) / "run"
 
@@ -43,7 +44,7 @@ def reference_run(shards, tmp_path_factory):
 def demo(tmp_path_factory):
     """`make demo`, shortened: its tokenizer and shards built by the Makefile's own commands and settings (so the
     same files: the shipped tasks' tokenizer check holds), configs/demo-cpu.yaml on 2 ranks for 20 steps (steps 5-6
-    under the profiler on rank 1: tests/test_observe.py), and the release of its checkpoint."""
+    under the profiler on rank 1: tests/distributed/test_observe.py), and the release of its checkpoint."""
     tmp = built_once(tmp_path_factory, "demo", build_demo)
     return {"shards": str(tmp / "shards"), "run": str(tmp / "run"), "release": str(tmp / "release")}
 

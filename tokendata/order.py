@@ -14,7 +14,7 @@ near C/φ, so a batch's consecutive draws of a source spread over the streams ra
 global batch lists its picks stream by stream, each stream's in pick order (`layout`); data-parallel rank r of D
 serves its positions [rG/D, (r+1)G/D) (`rank_slice`), for every D that divides G. So the G samples of global batch
 g, in their order, are the same for every D, worker count and micro-batch. Stream c's band of a batch starts within
-2m positions of c·G/C (m sources; tests/test_order.py and tests/test_order_scale.py hold it), so a rank reads the
+2m positions of c·G/C (m sources; tests/unit/test_order.py and tests/unit/test_order_scale.py hold it), so a rank reads the
 streams of its positions, at most C/D + 2 + 4m·C/G of them (`rank_streams`), not all C.
 
 Epochs, exact. Epoch e of a source (n samples in N shards) is its shard list shuffled with Random(f"{key}/{e}") (key:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Write configs/variants/: one config per variant of the study (model/variants.py, subset "study"), each the CPU demo
-with only the model's mixer changed. tests/test_config.py checks that the files are what this writes.
+with only the model's mixer changed. tests/unit/test_config.py checks that the files are what this writes.
 
     python tools/variant_configs.py [--check]
 """

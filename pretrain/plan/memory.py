@@ -30,7 +30,7 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
                            temporary + the head weight's gradient, the step)
 
 Whether a peak fits a GPU, with headroom for the CUDA context, NCCL and the allocator: pretrain/plan/verdict.py.
-How close this comes to what a launch measures: tests/test_memory_plan.py (CPU, five layouts) and the H100 records
+How close this comes to what a launch measures: tests/distributed/test_memory_plan.py (CPU, five layouts) and the H100 records
 (docs/benchmarks.md).
 """
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""Crashes at random moments: `kill -9` of one rank at a random step (its shards streamed over HTTP), and death in
+the middle of a checkpoint save at a random phase (shards on disk). Each time the same command is launched again; at
+the end every loss the run ever logged (before and after each crash) and every sample id it read equal those of a run
+that was never interrupted and read the local directory, bit for bit."""
+import os
+import random
+import shutil
+import signal
+import time
+
+import pytest
+
+from pretrain.checkpoints.resume import newest_complete
+from pretrain.faults import SAVE_PHASES
+from tests.support.http_shards import ShardServer
+from tests.support.runs import (finish, free_local_port, launch, logged_step, output, record, reference_config, start,
+                                trainer_ranks)
+
+pytestmark = pytest.mark.slow
+# SYNTHFORMER_KILL_TRIALS=N: N random trials of each kind (10 for a thorough run); by default 3 kill -9 trials, and
+# one kill in a save for each place a rank can die in one (every save phase of rank 0, the two of rank 1)
+TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 0))
+STEPS, EVERY = 40, 3   # the reference config's
+SAVE_KILLS = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine")]   # rank 1 commits nothing
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run: {step: loss}, and {rank: {step: ids}}."""
+    return record(reference_run)
+
+
+def wait_until_started(proc):
+    """Until the relaunched run has resumed (and moved the rows it will replay aside) or died."""
+    while not ("resumed at step" in output(proc) or "starting fresh" in output(proc)) and proc.poll() is None:
+        time.sleep(0.01)
+
+
+def latest(run) -> int:
+    """The step `latest` names (0: none)."""
+    path = run / "checkpoints" / "latest"
+    return int(path.read_text().split("_")[1]) if path.exists() else 0
+
+
+def resume_point(run) -> int:
+    """The step a relaunch resumes at: `latest`'s, or with none yet the newest complete checkpoint (a kill between a
+    save's rename and its `latest` leaves the first checkpoint complete and unnamed: it is resumed)."""
+    tag = newest_complete(str(run / "checkpoints")) if (run / "checkpoints").is_dir() else None
+    return int(tag.split("_")[1]) if tag else 0
+
+
+def relaunch(cfg, env=None):
+    return start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_local_port()), **(env or {})})
+
+
+def check_resumed(out: str, step: int):
+    assert (f"resumed at step {step}" if step else "starting fresh") in out, out[-3000:]
+
+
+def test_kill_9_at_a_random_step_resumes_bit_for_bit(shards, tmp_path, reference):
+    with ShardServer(shards) as srv:   # the ranks stream their shards from http://127.0.0.1:PORT
+        kill_9_and_relaunch(reference_config(tmp_path, srv.url, "run"), tmp_path / "run", reference)
+
+
+def kill_9_and_relaunch(cfg, run, reference):
+    rng = random.Random(7)
+    resume_at, kills = 0, []
+    for _ in range(TRIALS or 3):
+        target = min(STEPS - 1, resume_at + rng.randint(1, 2 * EVERY + 1))
+        proc = relaunch(cfg)
+        wait_until_started(proc)
+        while logged_step(run) < target and proc.poll() is None:
+            time.sleep(0.005)
+        victim, ranks = rng.randint(0, 1), trainer_ranks(proc.pid)
+        assert proc.poll() is None and len(ranks) == 2, finish(proc).stderr[-3000:]
+        os.kill(ranks[victim].pid, signal.SIGKILL)
+        killed_at = logged_step(run)
+        r = finish(proc)
+        assert r.returncode != 0
+        check_resumed(r.stdout, resume_at)
+        # the rank left standing says, in one line and without a traceback, which one it lost and what to do; the
+        # supervisor's one line after it names that rank's record (pretrain/supervision/)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert "Traceback" not in r.stderr and len(errors) == 2, r.stderr[-3000:]
+        assert f"lost rank {victim} " in errors[0] and "relaunch the same command" in errors[0], errors[0]
+        assert errors[1].startswith(f"error: rank {1 - victim} failed first (lost rank): lost rank {victim} "), errors
+        kills.append((killed_at, victim))
+        resume_at = resume_point(run)
+        assert resume_at <= killed_at
+    r = finish(relaunch(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_resumed(r.stdout, resume_at)
+    print(f"kill -9 at (step, rank): {kills}")
+    loss, ids = record(run)
+    assert loss == reference[0] and ids == reference[1]
+
+
+def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp_path, reference):
+    rng, run, cfg = random.Random(11), tmp_path / "run", reference_config(tmp_path, shards, "run")
+    trials = [rng.choice(SAVE_KILLS) for _ in range(TRIALS)] if TRIALS else SAVE_KILLS   # each place once
+    resume_at, kills = 0, []
+    for phase, rank in trials:
+        save = resume_at + EVERY * rng.randint(1, 2)
+        shutil.rmtree(run / "faults", ignore_errors=True)   # a new injection: a fault's marker stops it firing twice
+        # the ranks started directly (the launcher's part, a one-line message, is test_kill_9's)
+        r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"})
+        assert r.returncode != 0
+        check_resumed(r.stdout, resume_at)
+        assert f"saved checkpoint {run / 'checkpoints' / f'step_{save:08d}'}" not in r.stdout
+        kills.append((save, phase, rank))
+        assert latest(run) == save - EVERY, (kills, latest(run))   # the one before the interrupted save
+        resume_at = save - EVERY
+    r = launch(cfg, 2)
+    check_resumed(r.stdout, resume_at)
+    print(f"killed in the save of (step, phase, rank): {kills}")
+    loss, ids = record(run)
+    assert loss == reference[0] and ids == reference[1]

@@ -134,7 +134,8 @@ def test_a_refused_wandb_is_one_warning_and_the_logger_goes_on(tmp_path, capsys,
     with refusing_wandb() as wandb_env:
         for key, value in wandb_env.items():
             monkeypatch.setenv(key, value)
-        log = Logger(True, str(tmp_path / "tb"), str(tmp_path / "run"), {"project": "p", "mode": "online"}, {})
+        from pretrain.config import WandbSection
+        log = Logger(True, str(tmp_path / "tb"), str(tmp_path / "run"), WandbSection(project="p", mode="online"), {})
         log.resume_at(0)
         log.scalars(1, {"train/loss": 2.5})
         log.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import types
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, field, fields, is_dataclass
 from typing import Any, Callable, Union, get_args, get_origin, get_type_hints
 
 
@@ -39,13 +39,30 @@ def check_keys(mapping: Any, prefix: str, valid: list[str], source: str,
 
 def build(cls, mapping: Any, prefix: str, source: str, suggest: Callable[[str], str | None] | None = None):
     """A config section (dataclass `cls`) from a mapping: unknown keys named with the nearest valid one, missing
-    required keys named with what they are; then the section's own checks (`__post_init__`, types first)."""
+    required keys named with what they are; a field that is itself a section (`nested`) is built the same way from
+    its mapping, under `prefix.field`; then the section's own checks (`__post_init__`, types first)."""
     check_keys(mapping, prefix, [f.name for f in fields(cls)], source, suggest)
     for f in fields(cls):
         if f.name not in mapping and f.default is MISSING and f.default_factory is MISSING:
             raise ConfigError(f"missing required config key '{prefix}.{f.name}' ({f.metadata.get('help', '')}) "
                               f"in {source}")
-    return cls(**mapping)
+    values = dict(mapping)
+    for name, sub in nested(cls).items():
+        if values.get(name) is not None and not isinstance(values[name], sub):   # null: the section is off
+            values[name] = build(sub, values[name], f"{prefix}.{name}", source, suggest)
+    return cls(**values)
+
+
+def nested(cls) -> dict[str, type]:
+    """{field: its section class} of the fields of dataclass `cls` that are sections themselves (`profile:
+    ProfileSection | None`): written in YAML as a mapping of their own keys, or null where None is allowed."""
+    out = {}
+    for name, want in get_type_hints(cls).items():
+        options = get_args(want) if get_origin(want) in (Union, types.UnionType) else (want,)
+        sub = next((t for t in options if is_dataclass(t)), None)
+        if sub is not None and name in {f.name for f in fields(cls)}:
+            out[name] = sub
+    return out
 
 
 def check_types(section: Any, prefix: str) -> None:

@@ -1,7 +1,7 @@
 """The training config: the whole run in typed, nested sections, each field with its docstring and its checks.
 
-    sections.py       the YAML sections (data, parallel, train, checkpoint, logging); the model section is
-                      model/config.py's ModelConfig
+    sections.py       the YAML sections (data, parallel, train, checkpoint, logging, and logging's own mappings
+                      profile and wandb); the model section is model/config.py's ModelConfig
     train_config.py   TrainConfig (the sections together, the checks across them and against a launch) and
                       load_config, the one loader
     files.py          YAML files with `base:` chains, and `section.key=value` overrides
@@ -18,8 +18,9 @@ This package imports nothing of the trainer: the model's config, the data layer'
 
 runs the check before a launch (its code is pretrain/prelaunch.py's `main`; this package only hands over to it).
 """
-from pretrain.config.sections import CheckpointSection, DataSection, LoggingSection, ParallelSection, TrainSection
+from pretrain.config.sections import (CheckpointSection, DataSection, LoggingSection, ParallelSection, ProfileSection,
+                                      TrainSection, WandbSection)
 from pretrain.config.train_config import Runtime, TrainConfig, check_release, cuda_available, load_config
 
-__all__ = ["CheckpointSection", "DataSection", "LoggingSection", "ParallelSection", "Runtime", "TrainConfig",
-           "TrainSection", "check_release", "cuda_available", "load_config"]
+__all__ = ["CheckpointSection", "DataSection", "LoggingSection", "ParallelSection", "ProfileSection", "Runtime",
+           "TrainConfig", "TrainSection", "WandbSection", "check_release", "cuda_available", "load_config"]

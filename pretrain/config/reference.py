@@ -1,7 +1,7 @@
 """The key reference: every key of a training config with its type, default and description, read from the sections
-themselves (each field's `described(...)` or field metadata, the model section's included) and from SUBKEYS for the
-settings that are mappings. `python -m pretrain.config --keys [SECTION]` prints it; docs/config.md is its markdown
-(`--keys --markdown`), and a test fails when that file is stale.
+themselves (each field's `described(...)` or field metadata, the model section's included), a field that is a section
+of its own (logging.profile) followed by its keys (logging.profile.start, …). `python -m pretrain.config --keys
+[SECTION]` prints it; docs/config.md is its markdown (`--keys --markdown`), and a test fails when that file is stale.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import textwrap
 
 import yaml
 
-from pretrain.config.sections import SUBKEYS
+from model.fields import nested
 from pretrain.config.train_config import TrainConfig
 
 BASE = ("base", "str", None, "a YAML file (relative to this one) merged underneath this file, recursively; a variant "
@@ -33,16 +33,23 @@ def sections() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
     out = [("(top level)", "keys outside the sections", [(BASE[0], BASE[1], shown(BASE[2]), BASE[3])])]
     for name in TrainConfig.SECTIONS:
         cls = types[name]
-        rows = []
-        for f in fields(cls):
-            has_default = f.default is not MISSING or f.default_factory is not MISSING
-            default = (f.default if f.default is not MISSING else f.default_factory()) if has_default else "required"
-            kind = f.metadata.get("type", f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type))
-            rows.append((f"{name}.{f.name}", str(kind).replace("Any", "any"), shown(default),
-                         f.metadata.get("help", "")))
-            for sub, (sub_kind, sub_default, sub_help) in SUBKEYS.get(f"{name}.{f.name}", {}).items():
-                rows.append((f"{name}.{f.name}.{sub}", sub_kind, shown(sub_default), sub_help))
-        out.append((name, (cls.__doc__ or "").strip().splitlines()[0], rows))
+        out.append((name, (cls.__doc__ or "").strip().splitlines()[0], section_rows(cls, name)))
+    return out
+
+
+def section_rows(cls, prefix: str) -> list[tuple[str, str, str, str]]:
+    """[(dotted key, type, default, description)] of the fields of section `cls`; a field that is a section itself
+    is a `mapping` (or null), its own keys listed after it under `prefix.field.`."""
+    out, inner = [], nested(cls)
+    for f in fields(cls):
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        default = (f.default if f.default is not MISSING else f.default_factory()) if has_default else "required"
+        kind = f.metadata.get("type", f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type))
+        if f.name in inner:
+            kind = str(kind).replace(inner[f.name].__name__, "mapping")
+        out.append((f"{prefix}.{f.name}", str(kind).replace("Any", "any"), shown(default), f.metadata.get("help", "")))
+        if f.name in inner:
+            out += section_rows(inner[f.name], f"{prefix}.{f.name}")
     return out
 
 
@@ -75,7 +82,8 @@ def markdown() -> str:
            "descriptions (pretrain/config/sections.py, model/config.py, pretrain/config/deepspeed_section.py): edit "
            "them there, then regenerate (tests/unit/test_docs.py fails while this file is stale). "
            "`python -m pretrain.config --keys SECTION` prints one section. How a config is read (defaults < the YAML "
-           "file after its `base:` chain < `section.key=value` overrides) and checked: pretrain/config/__init__.py.",
+           "file after its `base:` chain < `section.key=value` overrides; a key of a mapping such as logging.profile "
+           "too: `logging.profile.steps=5`) and checked: pretrain/config/__init__.py.",
            ""]
     for name, doc, rows in sections():
         out += [f"## {name}", "", doc, "", "| key | type | default | description |", "|---|---|---|---|"]

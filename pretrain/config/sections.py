@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model.config import ConfigError
-from model.fields import check_keys, check_types, described, need
+from model.fields import check_types, described, need
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
 from tokendata.sources import Source, as_sources
@@ -306,10 +306,10 @@ class LoggingSection:
     cluster: str | None = described("the cluster this run's predicted step is for (pretrain/plan/: the launch line and "
                                     "perf/measured_over_predicted): a preset (h100, h200, a100, cpu) or a cluster YAML "
                                     "file; null = the preset of the device's name", None)
-    wandb: dict | None = described("Weights & Biases beside TensorBoard, from rank 0, the same scalars, images and text: "
-                                   "{project, entity, mode: online|offline|disabled, tags: [...]}; a relaunch resumes "
-                                   "the same W&B run (its id in <run_dir>/wandb-run-id). null = off; needs pip install "
-                                   "'synthformer[wandb]'", None)
+    wandb: WandbSection | None = described("Weights & Biases beside TensorBoard, from rank 0, the same scalars, images "
+                                           "and text: {project, entity, mode, tags} (the keys below); a relaunch "
+                                           "resumes the same W&B run (its id in <run_dir>/wandb-run-id). null = off; "
+                                           "needs pip install 'synthformer[wandb]'", None)
     eval_tasks: tuple[str, ...] = described("lm-eval tasks scored on the live weights every logging.eval_every steps, "
                                             "logged as eval/<task>/<metric>: the shipped austen_cloze, austen_mc4, or "
                                             "any lm-eval task available offline; needs pip install "
@@ -317,19 +317,18 @@ class LoggingSection:
     eval_every: int = described("score logging.eval_tasks every this many steps (0 = only at the end of the run)", 0)
     eval_batch_size: int = described("sequences per forward pass of the scoring", 32)
     eval_limit: int | None = described("score only the first this many documents of each task (null = all)", None)
-    profile: dict | None = described("torch.profiler windows inside the run, {start, steps, ranks, every, memory} (the "
-                                     "keys below): each window writes <run_dir>/profile/steps_<a>-<b>/rank<k>.pt.trace."
-                                     "json (Perfetto, chrome://tracing, TensorBoard's profiler plugin), and on CUDA "
-                                     "with memory: true rank<k>.memory.pickle (pytorch.org/memory_viz). null = off, at "
-                                     "no cost (docs/monitoring.md)", None)
+    profile: ProfileSection | None = described("torch.profiler windows inside the run, {start, steps, ranks, every, "
+                                               "memory} (the keys below): each window writes <run_dir>/profile/steps_"
+                                               "<a>-<b>/rank<k>.pt.trace.json (Perfetto, chrome://tracing, "
+                                               "TensorBoard's profiler plugin), and on CUDA with memory: true "
+                                               "rank<k>.memory.pickle (pytorch.org/memory_viz). null = off, at no "
+                                               "cost (docs/monitoring.md)", None)
 
     def __post_init__(self):
         check_types(self, "logging")
         for name in ("every", "val_every", "image_every", "sample_tokens"):
             low = 1 if name == "every" else 0
             need(getattr(self, name) >= low, f"logging.{name}", getattr(self, name), f"≥ {low}")
-        check_wandb(self.wandb)
-        check_profile(self.profile)
         need(self.eval_every >= 0, "logging.eval_every", self.eval_every, "≥ 0 (0 = only at the end)")
         need(self.eval_batch_size >= 1, "logging.eval_batch_size", self.eval_batch_size, "≥ 1")
         need(self.eval_limit is None or self.eval_limit >= 1, "logging.eval_limit", self.eval_limit, "null or ≥ 1")
@@ -337,47 +336,38 @@ class LoggingSection:
               "logging.peak_tflops_per_device", self.peak_tflops_per_device, "null (from the device) or > 0")
 
 
-# the keys of the mapping-valued settings: (type, default, description), listed by `python -m pretrain.config --keys`
-WANDB_KEYS = {"project": ("str", "required", "the W&B project"),
-              "entity": ("str | None", None, "the W&B team or user; default your default entity"),
-              "mode": ("str", "online", "online, offline (a directory per launch under <run_dir>/wandb, for `wandb "
-                                        "sync`) or disabled"),
-              "tags": ("list[str]", [], "tags of the W&B run")}
-PROFILE_KEYS = {"start": ("int", "required", "the first optimizer step of the window (the step before it runs as the "
-                                             "profiler's warm-up)"),
-                "steps": ("int", 3, "optimizer steps in the window"),
-                "ranks": ("list[int]", [0], "the global ranks that record it (each writes its own files)"),
-                "every": ("int | None", None, "a window each this many steps from start (more than steps); null: one"),
-                "memory": ("bool", False, "CUDA: also record the allocator's history and dump a memory snapshot "
-                                          "(and one on an out-of-memory error inside the window)")}
-SUBKEYS = {"logging.wandb": WANDB_KEYS, "logging.profile": PROFILE_KEYS}
+@dataclass(kw_only=True)
+class WandbSection:
+    """logging.wandb: the W&B run that mirrors TensorBoard (pretrain/monitor.py WandbRun)."""
+    project: str = described("the W&B project")
+    entity: str | None = described("the W&B team or user; default your default entity", None)
+    mode: str = described("online, offline (a directory per launch under <run_dir>/wandb, for `wandb sync`) or "
+                          "disabled", "online")
+    tags: tuple[str, ...] = described("tags of the W&B run", ())
+
+    def __post_init__(self):
+        check_types(self, "logging.wandb")
+        need(bool(self.project), "logging.wandb.project", self.project, "a W&B project name")
+        need(self.mode in ("online", "offline", "disabled"), "logging.wandb.mode", self.mode,
+             "online, offline, disabled")
 
 
-def check_profile(settings: dict | None) -> None:
-    """logging.profile: known keys; a first step ≥ 1, ≥ 1 steps, ranks ≥ 0, windows that do not overlap."""
-    if settings is None:
-        return
-    check_keys(settings, "logging.profile", list(PROFILE_KEYS), "the config")
-    whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa: E731
-    need(whole(settings.get("start"), 1), "logging.profile.start", settings.get("start"), "the first optimizer "
-         "step of the window, ≥ 1")
-    need(whole(settings.get("steps", 3), 1), "logging.profile.steps", settings.get("steps"), "≥ 1")
-    ranks = settings.get("ranks", [0])
-    need(isinstance(ranks, list) and all(whole(r, 0) for r in ranks), "logging.profile.ranks", ranks,
-         "a list of global ranks, e.g. [0, 8]")
-    every = settings.get("every")
-    need(every is None or whole(every, settings.get("steps", 3) + 1), "logging.profile.every", every,
-         "null (one window) or more than logging.profile.steps")
-    need(isinstance(settings.get("memory", False), bool), "logging.profile.memory", settings.get("memory"),
-         "true or false")
+@dataclass(kw_only=True)
+class ProfileSection:
+    """logging.profile: torch.profiler windows inside the run (pretrain/observe/profiler.py ProfileWindows)."""
+    start: int = described("the first optimizer step of the window (the step before it runs as the profiler's "
+                           "warm-up)")
+    steps: int = described("optimizer steps in the window", 3)
+    ranks: tuple[int, ...] = described("the global ranks that record it (each writes its own files)", (0,))
+    every: int | None = described("a window each this many steps from start (more than steps); null: one", None)
+    memory: bool = described("CUDA: also record the allocator's history and dump a memory snapshot (and one on an "
+                             "out-of-memory error inside the window)", False)
 
-
-def check_wandb(settings: dict | None) -> None:
-    """logging.wandb: known keys, a project, a mode W&B knows, a list of tags."""
-    if settings is None:
-        return
-    check_keys(settings, "logging.wandb", list(WANDB_KEYS), "the config")
-    need(bool(settings.get("project")), "logging.wandb.project", settings.get("project"), "a W&B project name")
-    need(settings.get("mode", "online") in ("online", "offline", "disabled"), "logging.wandb.mode",
-         settings.get("mode"), "online, offline, disabled")
-    need(isinstance(settings.get("tags", []), list), "logging.wandb.tags", settings.get("tags"), "a list of strings")
+    def __post_init__(self):
+        check_types(self, "logging.profile")
+        need(self.start >= 1, "logging.profile.start", self.start, "the first optimizer step of the window, ≥ 1")
+        need(self.steps >= 1, "logging.profile.steps", self.steps, "≥ 1")
+        need(all(r >= 0 and not isinstance(r, bool) for r in self.ranks), "logging.profile.ranks", list(self.ranks),
+             "a list of global ranks, e.g. [0, 8]")
+        need(self.every is None or self.every > self.steps, "logging.profile.every", self.every,
+             "null (one window) or more than logging.profile.steps")

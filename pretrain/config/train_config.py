@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, get_type_hints
 
 from model.config import ConfigError, ModelConfig, architecture_difference, plain
-from model.fields import build, check_keys, described, nearest_key
+from model.fields import build, check_keys, described, nearest_key, nested
 from model.release import FORMAT, is_release
 from pretrain.config import files
 from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
@@ -124,12 +124,13 @@ class TrainConfig:
                       for name in cls.SECTIONS})
 
     def to_dict(self) -> dict:
-        """Plain nested dict (lists, no tuples): YAML-dumpable and `from_dict`-loadable."""
-        out = {}
-        for name in self.SECTIONS:
-            section = getattr(self, name)
-            out[name] = {f.name: plain(getattr(section, f.name)) for f in fields(section)}
-        return out
+        """Plain nested dict (lists, no tuples; a nested section a dict of its keys): YAML-dumpable and
+        `from_dict`-loadable."""
+        return {name: _as_dict(getattr(self, name)) for name in self.SECTIONS}
+
+
+def _as_dict(section) -> dict:
+    return {f.name: _as_dict(v) if is_dataclass(v := getattr(section, f.name)) else plain(v) for f in fields(section)}
 
 
 def check_release(path: str, model: ModelConfig) -> None:
@@ -152,9 +153,20 @@ def _valid_keys() -> dict[str, list[str]]:
     return {s: [f.name for f in fields(types[s])] for s in TrainConfig.SECTIONS}
 
 
+def _nested() -> dict[str, list[str]]:
+    """{dotted field: its keys} of the fields that are sections of their own (logging.profile: start, steps, …)."""
+    types = get_type_hints(TrainConfig)
+    return {f"{s}.{name}": [f.name for f in fields(cls)] for s in TrainConfig.SECTIONS
+            for name, cls in nested(types[s]).items()}
+
+
 def _suggest(key: str) -> str | None:
-    """The nearest valid dotted key of any section (train.tp → parallel.tp, learning_rate → lr)."""
-    return nearest_key(key, list(TrainConfig.SECTIONS) + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks])
+    """The nearest valid dotted key of any section (train.tp → parallel.tp, learning_rate → lr); for a key inside a
+    nested section (logging.profile.strat), of the nested sections' keys too."""
+    valid = list(TrainConfig.SECTIONS) + [f"{s}.{k}" for s, ks in _valid_keys().items() for k in ks]
+    if key.count(".") > 1:
+        valid += [f"{prefix}.{k}" for prefix, ks in _nested().items() for k in ks]
+    return nearest_key(key, valid)
 
 
 def _unknown(key: str, source: str) -> ConfigError:
@@ -180,17 +192,23 @@ def _check_keys(tree: Any, source: str) -> None:
     for name, sub in tree.items():
         if sub is not None:
             check_keys(sub, name, valid[name], source, _suggest)
+    for prefix, keys in _nested().items():   # logging.profile's own keys, named against this file
+        section, _, name = prefix.partition(".")
+        if isinstance((tree.get(section) or {}).get(name), dict):
+            check_keys(tree[section][name], prefix, keys, source, _suggest)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Defaults, then the YAML file (with its `base:` chain), then `section.key=value` overrides; validated."""
+    """Defaults, then the YAML file (with its `base:` chain), then `section.key=value` overrides (a nested section's
+    key too: logging.wandb.mode=offline); validated."""
     tree = files.read(str(path), _check_keys)
     for item in overrides:
         section, name, value = files.override(item)
         refuse_owned({name: value} if section == "deepspeed" else None, f"override '{item}'")
-        if name not in _valid_keys().get(section, ()):  # also catches 'lr=…' and 'train=…': suggest the full key
-            raise _unknown(item.partition("=")[0], f"override '{item}'")
-        tree = files.merge(tree, {section: {name: value}})
+        name, _, sub = name.partition(".")
+        if name not in _valid_keys().get(section, ()) or (sub and sub not in _nested().get(f"{section}.{name}", ())):
+            raise _unknown(item.partition("=")[0], f"override '{item}'")   # also 'lr=…', 'train=…': the full key
+        tree = files.merge(tree, {section: {name: {sub: value} if sub else value}})
     return TrainConfig.from_dict(tree, source=str(path))
 
 

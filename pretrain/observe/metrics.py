@@ -11,10 +11,14 @@ import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pretrain.observe.monitor import WandbRun
+
+if TYPE_CHECKING:
+    from pretrain.config.sections import WandbSection
 
 
 def memory_mb(device: torch.device, peak: bool = True) -> float:
@@ -122,7 +126,7 @@ def keep_rows_up_to(path: str, step: int) -> None:
 
 
 class Logger:
-    def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str, wandb: dict | None = None,
+    def __init__(self, enabled: bool, tensorboard_dir: str, run_dir: str, wandb: WandbSection | None = None,
                  config: dict | None = None):
         self.enabled = enabled
         self.writer = None

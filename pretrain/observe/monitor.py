@@ -17,8 +17,12 @@ import secrets
 import sys
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from model import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.config.sections import WandbSection
 
 WANDB_ID_FILE = "wandb-run-id"
 STEP_METRIC = "trainer/step"   # the x axis of every W&B chart: the training step
@@ -50,7 +54,7 @@ class WandbRun:
     (metrics.jsonl and TensorBoard have everything) and no restart is spent on it. In offline mode each launch writes
     its own directory under <run_dir>/wandb with the same id; `wandb sync` uploads them in order."""
 
-    def __init__(self, settings: dict, run_dir: str, config: dict, logged_up_to: int | None = None):
+    def __init__(self, settings: WandbSection, run_dir: str, config: dict, logged_up_to: int | None = None):
         import wandb
 
         self.wandb, self.logged_up_to = wandb, logged_up_to
@@ -63,14 +67,14 @@ class WandbRun:
             with open(path + ".tmp", "w") as f:
                 f.write(run_id + "\n")
             os.replace(path + ".tmp", path)
-        self.run = wandb.init(project=settings["project"], entity=settings.get("entity"),
-                              mode=settings.get("mode", "online"), tags=settings.get("tags") or None, dir=run_dir,
-                              config=config, id=run_id, resume="allow")
+        self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
+                              tags=list(settings.tags) or None, dir=run_dir, config=config, id=run_id, resume="allow")
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
 
     @classmethod
-    def open(cls, settings: dict, run_dir: str, config: dict, logged_up_to: int | None = None) -> "WandbRun | None":
+    def open(cls, settings: WandbSection, run_dir: str, config: dict,
+             logged_up_to: int | None = None) -> "WandbRun | None":
         try:
             return cls(settings, run_dir, config, logged_up_to)
         except Exception as e:   # unreachable, refused, a bad key: W&B is a mirror, not a reason to stop

@@ -25,20 +25,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from pretrain.config.sections import ProfileSection
+
 
 class ProfileWindows:
-    def __init__(self, settings: dict | None, rank: int, device: torch.device, run_dir: str, times):
-        self.settings = settings or {}
-        self.on = settings is not None and rank in self.settings.get("ranks", [0])
+    def __init__(self, settings: ProfileSection | None, rank: int, device: torch.device, run_dir: str, times):
+        self.on = settings is not None and rank in settings.ranks   # None: off
         self.rank, self.device, self.run_dir, self.times = rank, device, run_dir, times
-        self.start, self.steps = self.settings.get("start", 1), self.settings.get("steps", 3)
-        self.every = self.settings.get("every")
-        self.memory = self.on and self.settings.get("memory", False) and device.type == "cuda"
+        if settings is not None:
+            self.start, self.steps, self.every = settings.start, settings.steps, settings.every
+        self.memory = self.on and settings.memory and device.type == "cuda"
         self.prof, self.window, self.recording = None, None, False
-        if self.on and self.settings.get("memory") and device.type != "cuda":
+        if self.on and settings.memory and device.type != "cuda":
             print(f"note: logging.profile.memory records CUDA's allocator; rank {rank} runs on {device.type}: the "
                   f"window has its trace, no memory snapshot", flush=True)
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from model import ConfigError
-from pretrain.config import load_config
+from pretrain.config import ProfileSection, load_config
 from pretrain.observe import ProfileWindows
 from tests.support.runs import ROOT, launch, metric_rows, write_config
 
@@ -82,12 +82,14 @@ def test_profile_settings_are_checked_and_windows_repeat(tmp_path):
     for value, needle in (("{strat: 3}", "did you mean 'logging.profile.start'"),
                           ("{start: 0}", "logging.profile.start=0 is out of range"),
                           ("{start: 5, steps: 3, every: 3}", "logging.profile.every=3 is out of range"),
-                          ("{start: 5, ranks: 0}", "logging.profile.ranks=0 is out of range")):
+                          ("{start: 5, ranks: 0}", "logging.profile.ranks=0 must be a list of int"),
+                          ("{start: 5, ranks: [-1]}", r"logging.profile.ranks=\[-1\] is out of range")):
         with pytest.raises(ConfigError, match=needle):
             load_config(cfg, [f"logging.profile={value}"])
-    assert load_config(cfg, ["logging.profile={start: 5}"]).logging.profile == {"start": 5}
-    windows = ProfileWindows({"start": 5, "steps": 2, "every": 10, "ranks": [1]}, 1, __import__("torch").device("cpu"),
-                             str(tmp_path), None)
+    assert load_config(cfg, ["logging.profile={start: 5}"]).logging.profile == ProfileSection(start=5)
+    windows = ProfileWindows(ProfileSection(start=5, steps=2, every=10, ranks=[1]), 1,
+                             __import__("torch").device("cpu"), str(tmp_path), None)
     assert [s for s in range(1, 30) if windows.first_of(s) is not None] == [5, 6, 15, 16, 25, 26]
-    assert ProfileWindows({"start": 5}, 0, windows.device, str(tmp_path), None).first_of(7) == 5
-    assert not ProfileWindows({"start": 5}, 1, windows.device, str(tmp_path), None).on   # rank 1 is not in [0]
+    assert ProfileWindows(ProfileSection(start=5), 0, windows.device, str(tmp_path), None).first_of(7) == 5
+    assert not ProfileWindows(ProfileSection(start=5), 1, windows.device, str(tmp_path), None).on   # not in [0]
+    assert not ProfileWindows(None, 0, windows.device, str(tmp_path), None).on   # null: off

@@ -128,13 +128,14 @@ def test_a_refused_wandb_is_one_warning_and_the_logger_goes_on(tmp_path, capsys,
     """A W&B server that refuses the run (403, as a self-managed server without rewind, or without the project, does):
     one warning line, and the Logger writes metrics.jsonl and TensorBoard as without W&B (before, the refusal raised
     from the trainer's construction, and each relaunch spent a restart on it)."""
+    from pretrain.config import WandbSection
     from pretrain.observe.metrics import Logger
     from tests.support.wandb_server import refusing_wandb
 
     with refusing_wandb() as wandb_env:
         for key, value in wandb_env.items():
             monkeypatch.setenv(key, value)
-        log = Logger(True, str(tmp_path / "tb"), str(tmp_path / "run"), {"project": "p", "mode": "online"}, {})
+        log = Logger(True, str(tmp_path / "tb"), str(tmp_path / "run"), WandbSection(project="p", mode="online"), {})
         log.resume_at(0)
         log.scalars(1, {"train/loss": 2.5})
         log.close()

@@ -49,10 +49,34 @@ def tensor_mb() -> float:
     return sum(seen.values()) / 2**20
 
 
+def cpu_memory_mb() -> tuple[float, float] | None:
+    """(peak, now) of this process's resident memory less its file-backed pages, in MB: the kernel's high-water mark
+    (VmHWM) and the resident set (VmRSS), each less the file pages mapped now (RssFile: the code of torch's and the
+    other libraries' .so files, which a step's new code paths fault in). None where /proc/self/status has no RssFile.
+
+    Those pages are not the step's memory, and how many a process maps for the same code is the machine's history,
+    not the process's: a fault maps the page cache's folio whole (2 MB where the file was read into the cache in large
+    folios: FilePmdMapped) or its cached neighbours, so it depends on how other processes read libtorch_cpu.so before
+    (in a full test run, every earlier test that imported torch). Measured on the (2,1,1,1) point of
+    tests/test_memory_plan.py, fresh ranks each time: total_mb 203.9 MiB with libtorch_cpu.so dropped from the page
+    cache, 212.8 after `cat` had read it in, 223.2 as earlier test runs had left it (16, 25 and 35 MB of its pages
+    mapped after the baseline; 82 MB of anonymous memory each time), 253.8 in a full CI run; less the file pages,
+    186.8-187.1 in each of the first three. The warm-up maps a step's code, so the file pages a repetition's peak
+    stood beside are still those mapped when it is read."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = dict(line.split(":", 1) for line in f)
+        hwm, rss, files = (int(kb[k].split()[0]) for k in ("VmHWM", "VmRSS", "RssFile"))
+    except (OSError, KeyError, ValueError):
+        return None
+    return (hwm - files) / 1024, (rss - files) / 1024
+
+
 class Memory:
-    """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size, with the
-    kernel's high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has
-    its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss).
+    """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size less the
+    file-backed pages (cpu_memory_mb: anonymous and shared memory, not the libraries' code), with the kernel's
+    high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has its own
+    peak; where that reset is refused, every repetition reports the peak so far.
     Readings: after imports (`after_init`), once the engine is built (`after_engine`), and at rest between steps after
     the warm-up (`at_rest`: parameters and optimizer states, Adam's being created by the first step). `phase(name)`
     closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins.
@@ -81,7 +105,12 @@ class Memory:
                 "max_reserved_mb": reserved, "free_mb": free / 2**20, "total_mb": total / 2**20}
 
     def now(self) -> float:
-        return memory_mb(self.device, peak=False)
+        return self.reading(peak=False)
+
+    def reading(self, peak: bool = True) -> float:
+        """memory_mb's reading, on a CPU without the file-backed pages (cpu_memory_mb) where /proc says them."""
+        cpu = cpu_memory_mb() if self.device.type == "cpu" else None
+        return memory_mb(self.device, peak=peak) if cpu is None else cpu[0 if peak else 1]
 
     def engine_built(self) -> None:
         self.after_engine = self.now()
@@ -97,7 +126,7 @@ class Memory:
         reset_peak_memory(self.device)
 
     def phase(self, name: str) -> None:
-        self.phases[name] = max(self.phases.get(name, 0.0), memory_mb(self.device))
+        self.phases[name] = max(self.phases.get(name, 0.0), self.reading())
         if self.device.type == "cuda":
             import torch
 
@@ -106,7 +135,7 @@ class Memory:
 
     def peak(self) -> float:
         """Since reset_peak(): the highest of the phases' peaks and of what came after the last phase."""
-        return max([memory_mb(self.device), *self.phases.values()])
+        return max([self.reading(), *self.phases.values()])
 
 
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,

@@ -13,7 +13,8 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
                            partition, 4·T/dp
     DeepSpeed's buffers    ZeRO-3's reduce bucket (zero_optimization.reduce_bucket_size elements in w, allocated when
                            the engine is built); ZeRO-1 under PP allocates the same at each step's reduction. On a GPU
-                           counted whole; on a CPU only the pages written are resident, about the rank's gradients.
+                           counted whole; on a CPU only the pages written are resident, about the rank's gradients
+                           (ZeRO-1 under PP: the gradients move into them, nothing counted above the gradients).
                            ZeRO-1/2's own reduce bucket is filled and released inside backward, while the loss's
                            buffers are already gone: not counted (the H100 record's backward peak equals its forward
                            peak). ZeRO-3 gathers whole parameters for each layer: at most the stage's weights, capped by
@@ -231,8 +232,13 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
                     w * T + w * T // lay.dp + fp32_copy)
     else:
         step = Term("the gradient partition's copies", (w + FP32) * T // lay.dp)
-    if lay.zero == 1 and lay.pp > 1:   # DeepSpeed's ZeRO-1 under PP reduces through a bucket allocated at the step
-        step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{cpu_note}", step.bytes + resident)
+    if lay.zero == 1 and lay.pp > 1:   # DeepSpeed's ZeRO-1 under PP reduces through a bucket allocated at the step;
+        # each gradient is copied into it and becomes a view of it, its own storage freed: on a CPU, where only the
+        # written pages are resident, they take the gradients' place (measured: about 3 copies of w·T above rest,
+        # not 4)
+        where = "" if gpu else "; on a CPU its written pages, in the gradients' place"
+        step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{where}",
+                    step.bytes + (resident if gpu else 0))
     breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers)
     return StagePlan(stage, (T, sum(n for n, tr in params if not tr)), states, buffers, pipe, act, in_flight,
                      backward_extra, step, breakdown, notes)

@@ -4,7 +4,8 @@
   equal the bytes autograd saves, counted by torch's saved-tensors hooks during a real forward pass (each storage
   once, parameters left out).
 - Whole steps, one launch per layout as benchmarks/bench.py's memory points measure them (a fresh process per
-  layout, malloc returning freed memory, live peaks): a model with dot, random and dense+dot layers whose states
+  layout, malloc returning freed memory, live peaks, not the mapped files' pages, whose count is the page cache's
+  state: the peaks are the same whatever ran before): a model with dot, random and dense+dot layers whose states
   pass 100 MB, at (tp, pp, dp, ZeRO) ∈ {(1,1,1,0), (2,1,1,1), (1,2,1,1), (1,1,2,2), (1,1,2,3)}; per rank, the
   predicted model-state bytes within 2% of those held in the engine's tensors at rest, and the predicted peak within
   15% of the measured one.
@@ -129,6 +130,36 @@ def test_plan_against_launches_of_five_layouts():
                 failures.append(rows[-1])
     print("\n".join(rows))
     assert not failures, "\n".join(failures)
+
+
+def test_a_point_s_cpu_memory_leaves_out_the_pages_of_mapped_files(tmp_path):
+    """The launches' CPU peaks (benchmarks/bench_lib.py Memory) count anonymous and shared memory, not the pages of
+    mapped files: the libraries' code, of which a process maps more or fewer for the same step as the page cache holds
+    the files, i.e. as other processes read them before (bench_lib.cpu_memory_mb; a full run's earlier tests). 64 MiB
+    of a file's pages mapped after the baseline count nothing; 64 MiB of tensors count whole."""
+    import mmap
+
+    from benchmarks.bench_lib import Memory
+
+    def rss_file_mb():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+    size = 64 * 2**20
+    path = tmp_path / "pages"
+    path.write_bytes(b"\1" * size)   # now in the page cache
+    mem = Memory(torch.device("cpu"))
+    mem.reset_peak()
+    before = rss_file_mb()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+        assert sum(pages[i] for i in range(0, size, 4096)) == size // 4096   # every page mapped into this process
+        assert rss_file_mb() - before > 48
+        mem.phase("file pages")
+        assert mem.peak() - mem.after_init < 16 and mem.now() - mem.after_init < 16, (mem.peak(), mem.after_init)
+    tensor = torch.ones(size // 4)
+    mem.phase("a tensor")
+    assert mem.phases["a tensor"] - mem.after_init > 56 and mem.now() - mem.after_init > 56
+    del tensor
 
 
 def test_model_states_pass_100_mb():

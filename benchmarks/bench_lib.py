@@ -57,11 +57,8 @@ def cpu_memory_mb() -> tuple[float, float] | None:
     Those pages are not the step's memory, and how many a process maps for the same code is the machine's history,
     not the process's: a fault maps the page cache's folio whole (2 MB where the file was read into the cache in large
     folios: FilePmdMapped) or its cached neighbours, so it depends on how other processes read libtorch_cpu.so before
-    (in a full test run, every earlier test that imported torch). Measured on the (2,1,1,1) point of
-    tests/test_memory_plan.py, fresh ranks each time: total_mb 203.9 MiB with libtorch_cpu.so dropped from the page
-    cache, 212.8 after `cat` had read it in, 223.2 as earlier test runs had left it (16, 25 and 35 MB of its pages
-    mapped after the baseline; 82 MB of anonymous memory each time), 253.8 in a full CI run; less the file pages,
-    186.8-187.1 in each of the first three. The warm-up maps a step's code, so the file pages a repetition's peak
+    (in a full test run, every earlier test that imported torch): docs/benchmarks.md, "The memory plan", has the
+    figures. The warm-up maps a step's code, so the file pages a repetition's peak
     stood beside are still those mapped when it is read."""
     try:
         with open("/proc/self/status") as f:

@@ -75,7 +75,8 @@ def test_a_fetch_that_outlasts_the_retries_raises_fetch_failed_and_a_corrupt_sha
 
 def test_the_skip_path_marks_a_corrupt_shard_bad_but_not_an_outage(served):
     """ShardReader (validation, older orders) and the train readers (reading.py, in the process and in a DataLoader
-    worker) under data.bad_shards=skip: a damaged shard is skipped and recorded; an outage is raised, recorded nowhere."""
+    worker) under data.bad_shards=skip: a damaged shard is skipped and recorded; an outage is raised, recorded
+    nowhere."""
     srv, manifest, damaged, down = served
     files = ShardFiles(srv.url, manifest)
     names = [s["name"] for s in manifest["splits"]["train"]["shards"]]

@@ -156,9 +156,11 @@ class Verdict:
 
 
 # What differs between two launches that fail alike, and what stands in for it: process ids, sequence numbers and
-# collective counts (from the process's start), addresses and ports, durations, and measurements (a number with a
-# fraction: memory free, rates). Integers that name things stay: ranks, steps, process groups, settings, error codes.
+# collective counts (from the process's start), addresses and ports, dates and times, durations, and measurements (a
+# number with a fraction: memory free, rates). Integers that name things stay: ranks, steps, process groups, settings,
+# error codes.
 VARYING = ((re.compile(r"\b0x[0-9a-fA-F]+"), "0x?"),
+           (re.compile(r"\b\d{4}-\d\d-\d\d\b|\b\d\d:\d\d:\d\d(?:[.,]\d+)?"), "<time>"),
            (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?|\[[0-9a-fA-F:.]*\]:\d+"), "<address>"),
            (re.compile(r"\b(pid|PID|[Pp]rocess|tid|SeqNum|entered|the others)([ =:#]+)\d+"), r"\1\2N"),
            (re.compile(r"\b\d+(?:\.\d+)?(\s*)(ms|milliseconds|s|sec|seconds|min|minutes)\b"), r"N\1\2"),

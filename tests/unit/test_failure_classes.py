@@ -76,10 +76,10 @@ def test_the_same_hang_twice_is_a_crash_loop(tmp_path):
     key = classes.steady   # what stays: the class's words, ranks, steps, settings; what goes: what varies by launch
     assert key("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1234, OpType=ALLREDUCE, "
                "Timeout(ms)=1920000) ran for 1920043 milliseconds before timing out (pid 4242 on 10.0.0.7:29500, "
-               "at 0x7f3a2c) after 3.21 GiB") == \
+               "at 0x7f3a2c) after 3.21 GiB [2025-01-02 10:11:12,345]") == \
         key("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=99, OpType=ALLREDUCE, "
             "Timeout(ms)=1920000) ran for 1920002 milliseconds before timing out (pid 17 on 10.0.0.9:41234, "
-            "at 0x55e1) after 3.19 GiB")
+            "at 0x55e1) after 3.19 GiB [2025-01-03 09:01:02,007]")
     assert key(hang_line(run, 2, 1800)) != key(hang_line(run, 3, 1800)) != key(hang_line(run, 3, 1800, step=8))
     assert key("OpType=ALLREDUCE timed out") != key("OpType=ALLGATHER timed out")
 
@@ -158,14 +158,14 @@ def a_rank_whose_teardown_blocks(run_dir):
         step, layout = 7, None
 
         def __init__(self):
-            self.watchdog = Watchdog(0.5, run_dir, 3, lambda: self.step)
+            self.watchdog = Watchdog(0.25, run_dir, 3, lambda: self.step)
             self.watchdog.start()
 
         def train(self):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         def close(self):
-            time.sleep(2.0)
+            time.sleep(1.0)
 
     rank.run_rank(lambda: SimpleNamespace(train=SimpleNamespace(run_dir=run_dir)), lambda cfg: Trainer())
 

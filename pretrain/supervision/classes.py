@@ -204,21 +204,22 @@ def conclude(endings: list[Ending], exit_status: int) -> Verdict:
         return Verdict(LOST, quiet[0] if quiet else None, best.step,
                        f"{who} left no record and the launch ended with exit status {exit_status} (killed: kill -9, "
                        f"the OOM killer)")
-    if best.failure is HANG:
-        verdict = Verdict(HANG, *culprit([e for e in endings if e.failure is HANG], best))
+    if best.failure is HANG:   # (with every record that counted its collectives: a waiting rank's lost rank too)
+        verdict = Verdict(HANG, *culprit([e for e in endings if e.failure is HANG or e.collectives], best))
     else:
         verdict = Verdict(best.failure, best.rank, best.step, best.line)
     if quiet and verdict.cls.relaunch:   # killed before they could write one: maybe the cause
         verdict.line += f"; {who} left no record (killed: kill -9, the OOM killer, a node lost?)"
-        verdict.rank = quiet[0] if verdict.cls is LOST else verdict.rank
     return verdict
 
 
 def culprit(hung: list[Ending], first: Ending) -> tuple[int, int, str]:
     """(rank, step, line) of a hang. Every rank's watchdog expires, the ranks waiting in a collective as well as the
-    one they wait for. Each rank recorded, per process group, how many collectives it entered: rank r waits for rank
-    s where they share a group in which r entered more than s. The ranks someone waits for, and who wait for nobody,
-    are the hang's cause. None such (a cycle, or every rank level): the first watchdog's line."""
+    one they wait for, unless a waiting rank sees the hung one's exit first (then it records a lost rank, its own
+    watchdog stopped: its collectives count all the same). Each rank recorded, per process group, how many
+    collectives it entered: rank r waits for rank s where they share a group in which r entered more than s. The ranks
+    someone waits for, and who wait for nobody, are the hang's cause. None such (a cycle, or every rank level): the
+    first watchdog's line."""
     entered: dict[str, dict[int, int]] = {}
     for e in hung:
         for name, g in e.collectives.items():

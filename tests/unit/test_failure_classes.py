@@ -46,14 +46,27 @@ def test_an_error_before_the_others_hang_names_its_rank_not_the_hang(tmp_path):
     assert (v.cls.name, v.rank, v.cls.relaunch) == ("transient", 5, True)
 
 
+def test_a_hang_names_the_rank_the_others_wait_for_whatever_they_recorded():
+    """Rank 0 stalls; rank 1, waiting for it in a collective, sees it exit before its own watchdog expires and records
+    a lost rank (its watchdog stopped before its record): its collectives still name rank 0 (before: only the hang
+    records were compared, and the line said no rank stands out)."""
+    t = time.time()
+    records = [Ending(0, "hang", "rank 0 made no progress for 16 s", 7, time=t, collectives={"0": {"entered": 40}}),
+               Ending(1, "lost rank", "lost rank 0", 7, time=t + 1, collectives={"0": {"entered": 41}})]
+    v = conclude(records, 1)
+    assert (v.cls, v.rank) == (classes.HANG, 0) and v.line.startswith(
+        "rank 0 hung; rank 1 waits for it in a collective (rank 0 entered 40 collectives"), v.line
+
+
 def test_the_ranks_that_left_no_record_are_named(tmp_path):
-    """Rank 6 of 8 was killed (the OOM killer): the others recorded lost ranks, or all hang in NCCL; the verdict names
-    rank 6. A failed launch whose records all say done names the silent rank too."""
+    """Rank 6 of 8 was killed (the OOM killer): the others recorded lost ranks, or all hang in NCCL; the verdict's line
+    names rank 6. A failed launch whose records all say done names the silent rank (its log is the one to read)."""
     t = time.time()
     lost = [Ending(r, "lost rank", "lost rank 6 (its process is gone) in the middle of a step", 7, time=t + r, world=8)
             for r in range(8) if r != 6]
     v = conclude(lost, 1)
-    assert (v.cls, v.rank) == (classes.LOST, 6) and "rank 6 left no record" in v.line, v.line
+    assert v.cls is classes.LOST and v.line == ("lost rank 6 (its process is gone) in the middle of a step; rank 6 "
+                                                "left no record (killed: kill -9, the OOM killer, a node lost?)"), v.line
     run = str(tmp_path)
     hangs(run, 0, t, 1801, [41] * 8, skip={6}, world=8)
     v = conclude(read(run, 0, t - 1), 3)

@@ -65,8 +65,9 @@ def test_the_ranks_that_left_no_record_are_named(tmp_path):
     lost = [Ending(r, "lost rank", "lost rank 6 (its process is gone) in the middle of a step", 7, time=t + r, world=8)
             for r in range(8) if r != 6]
     v = conclude(lost, 1)
-    assert v.cls is classes.LOST and v.line == ("lost rank 6 (its process is gone) in the middle of a step; rank 6 "
-                                                "left no record (killed: kill -9, the OOM killer, a node lost?)"), v.line
+    assert v.cls is classes.LOST and v.line == (
+        "lost rank 6 (its process is gone) in the middle of a step; rank 6 left no record (killed: kill -9, the OOM "
+        "killer, a node lost?)"), v.line
     run = str(tmp_path)
     hangs(run, 0, t, 1801, [41] * 8, skip={6}, world=8)
     v = conclude(read(run, 0, t - 1), 3)

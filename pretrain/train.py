@@ -363,6 +363,8 @@ class Trainer:
                             self.log)
 
     def close(self) -> None:
+        if self.watchdog is not None:   # (already stopped before the rank's record: supervision/rank.py)
+            self.watchdog.stop()
         self.profile.close()
         self.log.close()
         if self.ids_file:

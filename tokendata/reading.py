@@ -24,6 +24,7 @@ import torch
 from tokendata.order import Blend, Position, SourceOrder, layout, rank_slice
 from tokendata.shard_files import ShardFiles, fix
 from tokendata.shard_pool import ShardPool
+from tokendata.remote import FetchFailed
 from tokendata.shards import MAKE, DataError
 
 
@@ -150,7 +151,7 @@ class Reader:
 
     def _bad(self, s: int, name: str, error: DataError) -> None:
         part = self.plan.parts[s]
-        if self.plan.bad_shards != "skip":
+        if self.plan.bad_shards != "skip" or isinstance(error, FetchFailed):   # an outage is no bad shard
             raise error
         url = part.files.url(name)
         what = str(error).removesuffix(f": {fix(part.files.location)}")

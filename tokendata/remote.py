@@ -13,7 +13,10 @@ Faults. Transient: a dropped or reset connection, a read cut short, a timeout, H
 that exits non-zero (a command cannot say which it was). Each is retried up to RETRIES times with exponential backoff;
 an HTTP read resumes at the byte it had reached (a Range request; from the start, discarding what was read, where the
 server ignores ranges), and a file is handed on only whole, so a retry never reads a sample twice or loses one.
-Permanent: HTTP 4xx other than those, a missing file or object: a DataError naming the URL and the status at once.
+A transient fault that outlasts the retries (an outage of the server, the store or the network) is FetchFailed, a
+DataError that says nothing against the file: a reader must not record the shard as bad for it, and a trainer may try
+again later. Permanent: HTTP 4xx other than those, a missing file or object: a DataError naming the URL and the status
+at once.
 A certificate that fails verification is permanent too (CertificateError): it is never retried, and verification is
 never switched off.
 
@@ -56,6 +59,10 @@ class DataError(ValueError):
 
 class Transient(Exception):
     """A fault worth retrying (the message says what happened)."""
+
+
+class FetchFailed(DataError):
+    """Transient faults that outlasted the retries: an outage, not a fault of the file (it is not bad)."""
 
 
 class CertificateError(DataError):
@@ -210,15 +217,16 @@ def _fsspec(url: str):
 
 
 def retrying(what: str, url: str, attempt):
-    """attempt(progress) until it returns, retrying Transient faults with backoff; (result, retries). `progress` is
-    a dict the attempt may keep state in across tries (how far it got)."""
+    """attempt(progress) until it returns, retrying Transient faults with backoff; (result, retries); FetchFailed once
+    the retries are spent. `progress` is a dict the attempt may keep state in across tries (how far it got)."""
     progress, retries = {}, 0
     while True:
         try:
             return attempt(progress), retries
         except Transient as e:
             if retries == RETRIES:
-                raise DataError(f"{what} {url}: {e}, still after {RETRIES} retries") from None
+                raise FetchFailed(f"{what} {url}: {e}, still after {RETRIES} retries (an outage, not a fault of the "
+                                  "file)") from None
             time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** retries))
             retries += 1
         except (FileNotFoundError, PermissionError) as e:
@@ -306,8 +314,8 @@ def sizes(urls: list[str]) -> tuple[dict, int]:
     def check(url):
         try:
             return retrying("shard", url, lambda _: _size(url))
-        except (CertificateError, CredentialError):
-            raise   # the server or the settings, not this shard: no data.bad_shards=skip of every shard
+        except (CertificateError, CredentialError, FetchFailed):
+            raise   # the server, the settings or an outage, not this shard: no data.bad_shards=skip of any shard
         except DataError as e:
             return Missing(str(e).removeprefix(f"shard {url}: ")), 0
 

@@ -103,6 +103,8 @@ class ShardFiles:
                      f"shard {url} has content hash {self.manifest['hash']}:{got} but manifest.json says "
                      f"{self.manifest['hash']}:{record['hash']} (read twice" + (", the second time past data.cache_dir"
                                                                               if cache else "") + ")")
+        except remote.FetchFailed:
+            raise   # an outage: the shard is not bad
         except DataError as e:
             raise DataError(f"{e}: {fix(self.location)}") from None
         return data, retries
@@ -142,7 +144,7 @@ class ShardFiles:
 
 class ShardReader:
     """Reads the shards of one iterator. Under bad_shards="skip" a bad shard gives no samples, is warned about on
-    stderr once and not reopened. What a sample's reader learned rides on the next sample out (`tag`): the URLs of
+    stderr once and not reopened; an outage (FetchFailed) is raised, never recorded. What a sample's reader learned rides on the next sample out (`tag`): the URLs of
     shards found bad, and the retries that fetches took, so the batch that takes that sample reports them: the only
     way out of a DataLoader worker that keeps the batch order. Shards in `known_bad` are bad from the start (found
     while reading before a resume) and not reported again. `fetch` touches no state (a prefetch thread calls it);
@@ -154,7 +156,7 @@ class ShardReader:
         self.skipped, self.retries = [], 0  # URLs found bad not yet handed on; retries
 
     def fetch(self, name, count):
-        """(samples, retries), or (the DataError, retries) for a bad shard."""
+        """(samples, retries), or (the DataError, retries) for a bad shard or an outage (FetchFailed)."""
         if self.files.url(name) in self.bad:
             return [], 0
         try:
@@ -167,7 +169,7 @@ class ShardReader:
         self.retries += retries
         if not isinstance(samples, DataError):
             return samples
-        if self.bad_shards != "skip":
+        if self.bad_shards != "skip" or isinstance(samples, remote.FetchFailed):   # an outage is no bad shard
             raise samples
         url = self.files.url(name)
         what = str(samples).removesuffix(f": {fix(self.files.location)}")

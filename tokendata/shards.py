@@ -62,9 +62,9 @@ def read_manifest(shard_dir):
             text = remote.fetch(path, what="manifest")[0]
         except remote.CredentialError:
             raise   # the settings, not the location
-        except DataError as e:
-            raise DataError(f"{e}: is data.shard_dir={shard_dir} right? (shards written with {MAKE} --out, "
-                            "manifest.json beside them)") from None
+        except DataError as e:   # an outage stays one (FetchFailed)
+            raise type(e)(f"{e}: is data.shard_dir={shard_dir} right? (shards written with {MAKE} --out, "
+                          "manifest.json beside them)") from None
     else:
         need(os.path.isdir(shard_dir), f"shard directory {shard_dir} does not exist: build it with {MAKE} --out ...")
         if not os.path.isfile(path):

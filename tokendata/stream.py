@@ -74,9 +74,10 @@ SETTING_KEYS = {"canonical_streams": "data.canonical_streams", "seed": "data.see
 
 
 def _one_line(e):
-    """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line."""
-    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{DataError.__module__}.DataError: "
-    return DataError(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
+    """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line (of
+    the same type: an outage stays FetchFailed)."""
+    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{type(e).__module__}.{type(e).__qualname__}: "
+    return type(e)(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
 def merged_state(states: list[dict]) -> dict | None:

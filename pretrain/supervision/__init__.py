@@ -2,7 +2,8 @@
 agree, and the evidence a hang leaves.
 
     classes.py          the failure classes (done, preempted, config or data error, training stopped, hang, unknown,
-                        lost rank), each rank's record of how it ended, and the launch's verdict from all of them
+                        transient, lost rank), each rank's record of how it ended, and the launch's verdict from all
+                        of them (the first cause, not its echoes)
     relaunch.py         the supervisor around a launcher (launch/pretrain.sh --max-restarts N; `python -m
                         pretrain.supervision`): relaunches what a relaunch can fix, stops a crash loop
     rank.py             what a rank does: its log, its record, the timeouts set, the watchdog wrapped around the trainer

@@ -10,7 +10,8 @@ from pretrain.supervision import relaunch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.supervision", description="Run a launch command and relaunch "
-                                "it after a failure that a relaunch can fix (a hang, a lost rank, an unknown error), "
+                                "it after a failure that a relaunch can fix (a hang, a lost rank, an unknown error, "
+                                "an outage of the data), "
                                 "with backoff, deciding by each rank's failure record in the run directory. "
                                 "launch/pretrain.sh runs the DeepSpeed launcher or torchrun under it.")
     p.add_argument("--max-restarts", type=int, default=0, help="relaunches at most (default 0)")

@@ -4,28 +4,35 @@ Every rank ends in one class and, before it exits, appends that class, its first
 <run_dir>/logs/rank<k>.exits.jsonl (`write`: one line a launch, so the file is the rank's history). A rank killed by -9 or the OOM killer writes nothing: its silence is its
 record. The supervisor (relaunch.py) reads these files, not the launcher's exit status: DeepSpeed's launcher exits
 with whichever failing rank it polls first (a data error on rank 3 can surface as rank 0's failed collective), and
-torchrun's agent restarts on any non-zero exit. Of all the ranks' records, the class first in PRECEDENCE names the
-launch (`conclude`): the cause before its echoes (a rank that lost its peer is an echo of the peer's error).
+torchrun's agent restarts on any non-zero exit. Of all the ranks' records, the cause names the launch before its echoes
+(`conclude`): a class a relaunch cannot fix first, in PRECEDENCE's order; else the earliest record of a hang, an
+unknown error or an outage (the first cause: a CUDA error on rank 3 before the hangs of the ranks that wait for it);
+else a lost rank (an echo of a peer's death); the ranks that left no record are named. A rank's first record is its
+own (`read`): what it records after it (a hang in its teardown) is left out, and its watchdog is stopped before it.
 
     class                 exit  relaunched   what it is
     done                     0  no           the launch trained what it was asked (train.max_steps, stop_after_steps)
     preempted                0  no           a signal (train.preempt_signals) or train.max_wall_minutes: a checkpoint of
                                              the step, then exit 0; the scheduler, or the user, relaunches
-    config or data error     2  no           ConfigError, DataError (a bad shard under data.bad_shards=fail, a hash
-                                             mismatch): the same command fails the same way
+    config or data error     2  no           ConfigError, DataError (a bad shard under data.bad_shards=fail: missing, a
+                                             size, hash or parse that is wrong): the same command fails the same way
     training stopped         4  no           TrainingStopped (train.max_consecutive_skips non-finite steps in a row), a
                                              checkpoint that cannot be written (a full disk): replayed, it stops again
     hang                     3  yes          the watchdog (train.hang_timeout), or a collective that timed out
     unknown                  1  yes          anything else (a CUDA error, out of memory, a bug)
+    transient                6  yes          an outage that outlasted the data retries (tokendata/remote.py's
+                                             FetchFailed): relaunched after a longer wait; no shard recorded bad
     lost rank                5  yes          a collective failed because another rank died; a rank with no record
 
 A relaunch that fails in the same class at the same step with the same first error line as the launch before it stops
-the relaunches (a crash loop: relaunch.py), whatever the class.
+the relaunches (a crash loop: relaunch.py), whatever the class but transient (an outage passes by itself); `steady`
+takes out of the line the numbers that change from launch to launch (durations, process ids, addresses).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,9 +55,12 @@ STOPPED = FailureClass("training stopped", 4, False, "train.max_consecutive_skip
                                                      "checkpoint that cannot be written: replayed, it stops again")
 HANG = FailureClass("hang", 3, True, "no progress for train.hang_timeout (the watchdog), or a collective timed out")
 UNKNOWN = FailureClass("unknown", 1, True, "anything else: a CUDA error, out of memory, a bug (a crash loop stops it)")
+TRANSIENT = FailureClass("transient", 6, True, "an outage of the data's server, store or network that outlasted the "
+                                               "retries (tokendata/remote.py): relaunched after a longer wait")
 LOST = FailureClass("lost rank", 5, True, "another rank died (kill -9, the OOM killer, a node lost); a rank that "
                                           "left no record")
-PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, LOST, PREEMPTED, DONE)   # the cause before its echoes
+PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, TRANSIENT, LOST, PREEMPTED, DONE)   # the cause before its echoes
+CAUSES = (HANG, UNKNOWN, TRANSIENT)   # what a relaunch can fix, the earliest of them first: the first cause wins
 BY_NAME = {c.name: c for c in PRECEDENCE}
 RANKED = {c.name: i for i, c in enumerate(PRECEDENCE)}
 BY_EXIT = {c.exit: c for c in reversed(PRECEDENCE) if c.exit}          # where no rank left a record
@@ -86,6 +96,7 @@ class Ending:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     collectives: dict = field(default_factory=dict)   # per process group: {desc, ranks, timeout_s, entered}
+    world: int = field(default_factory=lambda: int(os.environ.get("WORLD_SIZE") or 0))   # the launch's ranks (0: ?)
 
     @property
     def failure(self) -> FailureClass:
@@ -111,9 +122,9 @@ def write(run_dir: str, ending: Ending) -> str:
 
 def read(run_dir: str, restart: int, since: float) -> list[Ending]:
     """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), one a rank:
-    an older launch's, or one of a launch by hand with the same number, is left out. A rank that wrote two (its
-    watchdog's hang, then the lost peer its main thread saw while the watchdog was dumping) keeps the one first in
-    PRECEDENCE: the cause before its echo."""
+    an older launch's, or one of a launch by hand with the same number, is left out. A rank that wrote two keeps its
+    first: what it recorded after it is an echo (the lost peer its main thread saw while its watchdog dumped the hang,
+    a hang in its teardown after its error)."""
     folder = os.path.join(run_dir, "logs")
     found: dict[int, Ending] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
@@ -126,7 +137,7 @@ def read(run_dir: str, restart: int, since: float) -> list[Ending]:
                 except (ValueError, TypeError):   # a line cut short by a kill
                     continue
                 if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME and \
-                        (ending.rank not in found or RANKED[ending.cls] < RANKED[found[ending.rank].cls]):
+                        ending.rank not in found:
                     found[ending.rank] = ending
     return [found[rank] for rank in sorted(found)]
 
@@ -140,32 +151,75 @@ class Verdict:
     line: str
 
     def key(self) -> tuple:
-        """What a crash loop repeats: the class, the step and the first error line."""
-        return self.cls.name, self.step, self.line
+        """What a crash loop repeats: the class, the step and the first error line (`steady`)."""
+        return self.cls.name, self.step, steady(self.line)
+
+
+# What differs between two launches that fail alike, and what stands in for it: process ids, sequence numbers and
+# collective counts (from the process's start), addresses and ports, dates and times, durations, and measurements (a
+# number with a fraction: memory free, rates). Integers that name things stay: ranks, steps, process groups, settings,
+# error codes.
+VARYING = ((re.compile(r"\b0x[0-9a-fA-F]+"), "0x?"),
+           (re.compile(r"\b\d{4}-\d\d-\d\d\b|\b\d\d:\d\d:\d\d(?:[.,]\d+)?"), "<time>"),
+           (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?|\[[0-9a-fA-F:.]*\]:\d+"), "<address>"),
+           (re.compile(r"\b(pid|PID|[Pp]rocess|tid|SeqNum|entered|the others)([ =:#]+)\d+"), r"\1\2N"),
+           (re.compile(r"\b\d+(?:\.\d+)?(\s*)(ms|milliseconds|s|sec|seconds|min|minutes)\b"), r"N\1\2"),
+           (re.compile(r"\b\d+\.\d+"), "N"))
+
+
+def steady(line: str) -> str:
+    """A failure's line without what changes from one launch to the next (VARYING): the same hang, twice, reads
+    alike ("no progress for 1800 s" and "1801 s" are both "N s")."""
+    for pattern, stand_in in VARYING:
+        line = pattern.sub(stand_in, line)
+    return line
+
+
+def silent(endings: list[Ending]) -> list[int]:
+    """The ranks of the launch that left no record (the world from the records, else up to the highest rank)."""
+    world = max([e.world for e in endings] + [e.rank + 1 for e in endings])
+    return sorted(set(range(world)) - {e.rank for e in endings})
+
+
+def first_cause(endings: list[Ending]) -> Ending:
+    """The record that names the launch: a class a relaunch cannot fix, first in PRECEDENCE; else the earliest of
+    the CAUSES (a hang recorded after another rank's error is what that error left behind); else the echoes."""
+    def order(e: Ending) -> tuple:
+        cause = e.failure in CAUSES
+        return RANKED[CAUSES[0].name] if cause else RANKED[e.cls], e.time if cause else 0, RANKED[e.cls], e.time
+    return min(endings, key=order)
 
 
 def conclude(endings: list[Ending], exit_status: int) -> Verdict:
-    """The launch's class: the first in PRECEDENCE among the ranks' records, its earliest rank naming it; with no
-    record, the exit status's (a rank killed by a signal leaves none); a failed launch whose records all say done or
-    preempted lost a rank that left none."""
+    """The launch's class: the first cause among the ranks' records (`first_cause`), naming the ranks that left
+    none; with no record, the exit status's (a rank killed by a signal leaves none); a failed launch whose records
+    all say done or preempted lost a rank that left none."""
     if not endings:
         cls = of_exit_status(exit_status)
         why = ("the ranks left no record (killed before they could write one)" if cls is not DONE else "done")
         return Verdict(cls, None, None, f"{why}; the launch ended with exit status {exit_status}")
-    best = min(endings, key=lambda e: (PRECEDENCE.index(e.failure), e.time))
+    best, quiet = first_cause(endings), silent(endings)
+    who = f"{'rank' if len(quiet) == 1 else 'ranks'} {spans(quiet)}" if quiet else "a rank"
     if exit_status != 0 and best.failure in (DONE, PREEMPTED):
-        return Verdict(LOST, None, best.step, f"a rank left no record and the launch ended with exit status "
-                                              f"{exit_status} (killed: kill -9, the OOM killer)")
-    if best.failure is HANG:
-        return Verdict(HANG, *culprit([e for e in endings if e.failure is HANG], best))
-    return Verdict(best.failure, best.rank, best.step, best.line)
+        return Verdict(LOST, quiet[0] if quiet else None, best.step,
+                       f"{who} left no record and the launch ended with exit status {exit_status} (killed: kill -9, "
+                       f"the OOM killer)")
+    if best.failure is HANG:   # (with every record that counted its collectives: a waiting rank's lost rank too)
+        verdict = Verdict(HANG, *culprit([e for e in endings if e.failure is HANG or e.collectives], best))
+    else:
+        verdict = Verdict(best.failure, best.rank, best.step, best.line)
+    if quiet and verdict.cls.relaunch:   # killed before they could write one: maybe the cause
+        verdict.line += f"; {who} left no record (killed: kill -9, the OOM killer, a node lost?)"
+    return verdict
 
 
 def culprit(hung: list[Ending], first: Ending) -> tuple[int, int, str]:
     """(rank, step, line) of a hang. Every rank's watchdog expires, the ranks waiting in a collective as well as the
-    one they wait for. Each rank recorded, per process group, how many collectives it entered: rank r waits for rank
-    s where they share a group in which r entered more than s. The ranks someone waits for, and who wait for nobody,
-    are the hang's cause. None such (a cycle, or every rank level): the first watchdog's line."""
+    one they wait for, unless a waiting rank sees the hung one's exit first (then it records a lost rank, its own
+    watchdog stopped: its collectives count all the same). Each rank recorded, per process group, how many
+    collectives it entered: rank r waits for rank s where they share a group in which r entered more than s. The ranks
+    someone waits for, and who wait for nobody, are the hang's cause. None such (a cycle, or every rank level): the
+    first watchdog's line."""
     entered: dict[str, dict[int, int]] = {}
     for e in hung:
         for name, g in e.collectives.items():

@@ -10,6 +10,7 @@ watchdog, and its failure record.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from pretrain.checkpoints.checkpointer import CheckpointError
 from pretrain.step_guard import TrainingStopped
 from pretrain.supervision import classes, flight_recorder, ranklog
 from pretrain.supervision.watchdog import Watchdog, bytes_under
+from tokendata.remote import FetchFailed
 from tokendata.shards import DataError
 
 RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
@@ -35,6 +37,8 @@ def restart_number() -> int:
 
 def classify(e: BaseException, layout) -> tuple[classes.FailureClass, str]:
     """The failure class of an exception that ended a rank, and its one line."""
+    if isinstance(e, FetchFailed):   # an outage that outlasted the data retries: not the data's fault
+        return classes.TRANSIENT, classes.first_line(e)
     if isinstance(e, (ConfigError, DataError)):
         return classes.CONFIG, classes.first_line(e)
     if isinstance(e, (TrainingStopped, CheckpointError)):
@@ -55,7 +59,7 @@ def run_rank(load, make_trainer) -> int:
         cfg = load()
     except (ConfigError, DataError) as e:   # no run directory to write to: the exit status says it
         print(f"error: {e}", file=sys.stderr)
-        return classes.CONFIG.exit
+        return (classes.TRANSIENT if isinstance(e, FetchFailed) else classes.CONFIG).exit
     run_dir = cfg.train.run_dir
     ranklog.start(run_dir, rank, f"rank {rank} (pid {os.getpid()} on {socket.gethostname()}), launch {restart}")
     flight_recorder.enable(run_dir)
@@ -66,12 +70,13 @@ def run_rank(load, make_trainer) -> int:
         stopped = getattr(trainer, "stopped_by", None)
         cls = classes.PREEMPTED if stopped else classes.DONE
         line = f"stopped at step {trainer.step} ({stopped})" if stopped else f"trained to step {trainer.step}"
-        classes.write(run_dir, classes.Ending(rank, cls.name, line, trainer.step, restart))
+        final_record(run_dir, trainer, classes.Ending(rank, cls.name, line, trainer.step, restart))
         return 0
     except Exception as e:
         cls, line = classify(e, trainer.layout if trainer is not None else None)
-        classes.write(run_dir, classes.Ending(rank, cls.name, line, trainer.step if trainer is not None else None,
-                                              restart, collectives=safe_collectives()))
+        final_record(run_dir, trainer, classes.Ending(rank, cls.name, line,
+                                                      trainer.step if trainer is not None else None, restart,
+                                                      collectives=safe_collectives()))
         if cls is classes.UNKNOWN:
             raise
         if cls is classes.LOST:   # the launcher now ends every rank and their data workers: torch's SIGCHLD
@@ -82,6 +87,17 @@ def run_rank(load, make_trainer) -> int:
         if trainer is not None:
             trainer.close()
         distributed.shutdown()
+        faulthandler.cancel_dump_traceback_later()   # the teardown is over: its backstop (final_record) too
+
+
+def final_record(run_dir: str, trainer, ending: classes.Ending) -> None:
+    """The rank's record of how it ended, its hang watchdog stopped first: a teardown that blocks after it (W&B's
+    finish, NCCL's) writes no hang over it (the watchdog's backstop still ends it); a hang the watchdog had already
+    begun to record wins instead (the rank ends there, in the watchdog)."""
+    dog = getattr(trainer, "watchdog", None)
+    if dog is not None:
+        dog.stop(teardown=True)
+    classes.write(run_dir, ending)
 
 
 def safe_collectives() -> dict:

@@ -4,12 +4,15 @@ what each rank wrote of how it ended (classes.py) to decide, rather than the lau
 
 - it prints the failed rank's first error line and its log file (`error: rank 3 failed first (config or data error):
   …; its log: DIR/logs/rank3.log`); for a hang, the rank the others wait for;
-- it relaunches only the classes a relaunch can fix (hang, lost rank, unknown), after a backoff (--backoff, doubling
-  with each failure in a row, at most MAX_BACKOFF_S; a launch that ran STABLE_S before failing starts again from
-  --backoff), at most N times; the relaunch resumes from the newest checkpoint by itself and is told its number and
-  cause (SYNTHFORMER_RESTARTS, SYNTHFORMER_RESTART_CAUSE), which the trainer logs at the step it resumed;
+- it relaunches only the classes a relaunch can fix (hang, lost rank, unknown, transient), after a backoff (--backoff,
+  doubling with each failure in a row, at most MAX_BACKOFF_S; TRANSIENT_FACTOR times longer after an outage, at most
+  TRANSIENT_MAX_S; a launch that ran STABLE_S before failing starts again from --backoff), at most N times; the
+  relaunch resumes from the newest checkpoint by itself and is told its number and cause (SYNTHFORMER_RESTARTS,
+  SYNTHFORMER_RESTART_CAUSE), which the trainer logs at the step it resumed;
 - a relaunch that fails in the same class, at the same step, with the same first error line as the launch before it
-  stops the relaunches (a crash loop: the relaunch cannot help);
+  stops the relaunches (a crash loop: the relaunch cannot help): the line without the numbers that change by the
+  second (classes.steady), and for a launch whose ranks left no record (kill -9, the OOM killer) the step of the
+  newest complete checkpoint, which both resumed from; an outage that lasts is no loop;
 - each launch's verdict is appended to DIR/logs/launches.jsonl, which is how a requeued SLURM job (a new process:
   `--classify`) knows the launch before it.
 
@@ -32,6 +35,7 @@ from pretrain.supervision import classes
 from pretrain.supervision.ranklog import log_path
 
 MAX_BACKOFF_S = 300
+TRANSIENT_FACTOR, TRANSIENT_MAX_S = 6, 900   # after an outage: 6 × the wait (60 s for --backoff 10), at most 15 min
 STABLE_S = 600                # a launch that ran this long before failing starts the backoff again from --backoff
 RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -70,11 +74,13 @@ def judge(run_dir: str | None, restart: int, since: float, code: int, errors: li
         verdict = classes.conclude([], code)
     if verdict.rank is None and errors and verdict.cls is not classes.DONE:   # the launcher's first `error:` line
         verdict.line = errors[0].removeprefix("error:").strip()
+    if verdict.step is None and run_dir:   # no rank's record: the step both launches resumed from stands in
+        verdict.step = newest_checkpoint_step(run_dir)
     before = previous(run_dir, restart)
     stop = None
     if not verdict.cls.relaunch:
         stop = f"a relaunch cannot fix a {verdict.cls.name} ({verdict.cls.meaning})"
-    elif verdict.step is not None and before and tuple(before["key"]) == verdict.key():
+    elif crash_loop(before, verdict):
         stop = (f"launch {restart} failed as launch {restart - 1} did, at step {verdict.step} with the same first "
                 f"error line: a crash loop, which a relaunch does not end")
     if run_dir:
@@ -84,6 +90,39 @@ def judge(run_dir: str | None, restart: int, since: float, code: int, errors: li
                                 "rank": verdict.rank, "step": verdict.step, "line": verdict.line,
                                 "key": verdict.key(), "relaunch": stop is None}) + "\n")
     return verdict, stop
+
+
+def crash_loop(before: dict | None, verdict: classes.Verdict) -> bool:
+    """Whether a launch failed as the one before it did (`before`: its row in the history): the same class, step
+    and line but for the numbers that change by the second (an older row's line is made steady here). An outage
+    (transient) that lasts is no loop: it passes by itself; the backoff and --max-restarts bound it."""
+    if verdict.step is None or not before or verdict.cls is classes.TRANSIENT:
+        return False
+    cls, step, line = before["key"]
+    return (cls, step, classes.steady(line)) == verdict.key()
+
+
+def newest_checkpoint_step(run_dir: str) -> int | None:
+    """The step of the newest complete checkpoint under <run_dir>/checkpoints (checkpoint.dir's default): a tag
+    with its complete.json, which a save writes last before it renames `<tag>.partial`; None where there is none."""
+    folder = os.path.join(run_dir, "checkpoints")
+    tags = [t for t in os.listdir(folder) if t.startswith("step_") and t[5:].isdigit()] if os.path.isdir(folder) else []
+    tags.sort(key=lambda t: int(t[5:]), reverse=True)   # (a `.partial` tag is not a step: left out)
+    for tag in tags:
+        try:
+            with open(os.path.join(folder, tag, "complete.json")) as f:
+                return int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError, TypeError):   # no complete.json yet: not complete
+            continue
+    return None
+
+
+def wait_s(cls: classes.FailureClass, backoff: float, in_a_row: int) -> float:
+    """Seconds before a relaunch after the `in_a_row`-th failure in a row (0 the first): `backoff`, doubled per
+    failure, at most MAX_BACKOFF_S; after an outage TRANSIENT_FACTOR times longer, at most TRANSIENT_MAX_S."""
+    if cls is classes.TRANSIENT:
+        return min(TRANSIENT_MAX_S, TRANSIENT_FACTOR * backoff * 2 ** in_a_row)
+    return min(MAX_BACKOFF_S, backoff * 2 ** in_a_row)
 
 
 def failure_line(verdict: classes.Verdict, run_dir: str | None) -> str:
@@ -168,7 +207,7 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
                   f"{max_restarts}); not restarting again. The last failure: {verdict.line}", file=sys.stderr,
                   flush=True)
             return status
-        wait = min(MAX_BACKOFF_S, backoff * 2 ** in_a_row)
+        wait = wait_s(verdict.cls, backoff, in_a_row)
         restarts, in_a_row = restarts + 1, in_a_row + 1
         print(f"restart {restarts - first} of at most {max_restarts} in {wait:g} s, from the newest checkpoint, "
               f"after: {verdict.line}", file=sys.stderr, flush=True)

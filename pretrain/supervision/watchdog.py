@@ -52,6 +52,7 @@ class Watchdog:
         self.restart, self.log = restart, log   # log: the rank's RankLog, drained before the exit
         self.path = os.path.join(run_dir, "hang", f"rank{rank}.txt")
         self.last, self.stopped, self.undo = time.monotonic(), False, []
+        self.deciding = threading.Lock()   # held from an expiry's decision to its exit: stop() waits for one
         self.active: dict[str, list] = {}   # work in progress: {what: [progress(), its last value]}
         self.thread = threading.Thread(target=self.run, name="hang-watchdog", daemon=True)
 
@@ -106,10 +107,19 @@ class Watchdog:
         self.beat()
         self.thread.start()
 
-    def stop(self) -> None:
-        """No more watching (the process goes on without it)."""
-        self.stopped = True
+    def stop(self, teardown: bool = False) -> None:
+        """No more watching (the process goes on without it); once stopped, it records nothing. An expiry under way
+        is not stopped: it records its hang and ends the process (stop waits for it). `teardown`: the rank is about
+        to write its own record and end; faulthandler's backstop still ends a teardown that blocks for
+        hang_timeout + BACKSTOP_S (the stacks into the log, no record)."""
+        with self.deciding:
+            if self.stopped:
+                return
+            self.stopped = True
         faulthandler.cancel_dump_traceback_later()
+        if teardown:
+            faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True,
+                                              file=self.log.fileno if self.log else sys.stderr)
         for undo in self.undo:
             undo()
 
@@ -124,8 +134,10 @@ class Watchdog:
                     work[1] = value
                     self.beat()
             idle = time.monotonic() - self.last
-            if idle > self.timeout and not self.stopped:
-                self.expire(idle)
+            if idle > self.timeout:
+                with self.deciding:
+                    if not self.stopped:
+                        self.expire(idle)
             time.sleep(min(1.0, self.timeout / 10))
 
     def doing(self) -> str:

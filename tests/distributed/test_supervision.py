@@ -72,7 +72,7 @@ def test_the_launch_class_is_the_cause_not_its_echoes():
                              "of process group 0, the others 41); rank 2 made no progress"), v.line
     assert conclude([], -9).cls is classes.LOST and conclude([], 2).cls is classes.CONFIG
     assert conclude([Ending(0, "done", "trained to step 9", 9)], 1).cls is classes.LOST   # a rank left none
-    assert [c.name for c in classes.PRECEDENCE if c.relaunch] == ["hang", "unknown", "lost rank"]
+    assert [c.name for c in classes.PRECEDENCE if c.relaunch] == ["hang", "unknown", "transient", "lost rank"]
 
 
 def test_a_rank_s_own_echo_after_its_hang_does_not_hide_the_hang(tmp_path):

@@ -1,0 +1,98 @@
+"""An outage is not a bad shard (issue 52, finding 2): a fetch whose transient faults outlast the retries of
+tokendata/remote.py raises FetchFailed, which the readers never record as bad (data.bad_shards=skip) and the trainer
+classes `transient` (relaunched later); only content that is wrong (hash, size, parse) is a data error. Real servers on
+127.0.0.1: one that answers 503 to every GET of a shard, and a port that refuses connections."""
+import socket
+
+import pytest
+
+from benchmarks.bench_data import Synthetic
+from tests.support.http_shards import ShardServer
+from tokendata import remote
+from tokendata.shard_files import ShardFiles, ShardReader
+from tokendata.shards import DataError, read_manifest
+from tokendata.stream import TokenStream
+
+SEQ, PER_SHARD = 8, 4
+
+
+@pytest.fixture(autouse=True)
+def few_quick_retries(monkeypatch):
+    """The retry budget made small through the module's own settings (SYNTHFORMER_DATA_RETRIES at import)."""
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
+    monkeypatch.setenv(remote.HTTP_SETTINGS, "")
+
+
+@pytest.fixture
+def served(tmp_path):
+    """Six shards of four samples on a server: (server, its manifest, the name of a shard whose bytes are damaged
+    (same size, one byte changed: its content hash fails), the name of one whose every GET answers 503)."""
+    root = Synthetic(shards=6, per_shard=PER_SHARD, seq_len=SEQ, vocab=64).write(str(tmp_path / "shards"))
+    damaged, down = "train-000001.tar", "train-000002.tar"
+    path = tmp_path / "shards" / damaged
+    data = bytearray(path.read_bytes())
+    data[600] ^= 0xFF   # in the first sample's payload
+    path.write_bytes(bytes(data))
+    with ShardServer(root) as srv:
+        srv.faults[down] = ["503"] * 1000
+        yield srv, read_manifest(srv.url), damaged, down
+
+
+def outage(e: BaseException) -> bool:
+    """Whether an error is the outage's type (by name: the code before it had none, and its tests fail here)."""
+    return type(e).__name__ == "FetchFailed"
+
+
+def refused_url() -> str:
+    """A URL on 127.0.0.1 whose port nobody listens on (bound, then closed): every connection is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_a_fetch_that_outlasts_the_retries_raises_fetch_failed_and_a_corrupt_shard_a_data_error(served):
+    srv, manifest, damaged, down = served
+    files = ShardFiles(srv.url, manifest)
+    with pytest.raises(DataError) as e:
+        files.fetch_checked(down)
+    assert outage(e.value), repr(e.value)
+    assert srv.gets[down] == 3 and "\n" not in str(e.value), str(e.value)   # the first try and 2 retries
+    assert str(e.value).startswith(f"shard {srv.url}/{down}: HTTP 503 Service Unavailable, still after 2 retries")
+    assert "bad_shards" not in str(e.value)   # no advice to rebuild or skip a shard that is fine
+    with pytest.raises(DataError) as e:
+        files.fetch_checked(damaged)
+    assert not outage(e.value) and "has content hash" in str(e.value), str(e.value)
+    dead = refused_url()
+    for fetch in (lambda: remote.fetch(f"{dead}/{down}", 10),
+                  lambda: remote.sizes([f"{dead}/{down}"]),   # the size check of an older order: not a Missing shard
+                  lambda: read_manifest(dead)):               # a source's manifest on a server that is down
+        with pytest.raises(DataError) as e:
+            fetch()
+        assert outage(e.value), repr(e.value)
+
+
+def test_the_skip_path_marks_a_corrupt_shard_bad_but_not_an_outage(served):
+    """ShardReader (validation, older orders) and the train readers (reading.py, in the process and in a DataLoader
+    worker) under data.bad_shards=skip: a damaged shard is skipped and recorded; an outage is raised, recorded
+    nowhere."""
+    srv, manifest, damaged, down = served
+    files = ShardFiles(srv.url, manifest)
+    names = [s["name"] for s in manifest["splits"]["train"]["shards"]]
+    reader = ShardReader(files, ("tokens.u16", (SEQ + 1) * 2), "skip", "train", len(names))
+    assert reader.read(damaged, PER_SHARD) == [] and reader.bad == {files.url(damaged)}
+    with pytest.raises(DataError) as e:   # (before: [], the shard recorded bad for good)
+        reader.read(down, PER_SHARD)
+    assert outage(e.value), repr(e.value)
+    assert reader.bad == {files.url(damaged)} and reader.skipped == [files.url(damaged)]
+    for workers in (0, 1):
+        srv.faults[down] = ["503"] * 1000
+        stream = TokenStream(srv.url, 2, SEQ, num_workers=workers, seed=1, bad_shards="skip", canonical_streams=1,
+                             global_batch_size=2)
+        with pytest.raises(DataError) as e:
+            it = iter(stream)
+            for _ in range(len(names) * PER_SHARD // 2):   # every train sample once: shard `down` among them
+                next(it)
+        assert outage(e.value) and "\n" not in str(e.value) and down in str(e.value), repr(e.value)
+        assert files.url(down) not in stream.bad_found(), stream.bad_found()

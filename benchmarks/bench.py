@@ -16,7 +16,7 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
               a reference). Memory = the step's peak above the process before the engine: parameters, optimizer
               states, gradients, activations, temporaries (CUDA: the allocator's counters; CPU: resident set size less
               the pages of mapped files, the libraries' code, of which the page cache's state decides how many a step
-              maps: bench_lib.cpu_memory_mb; with malloc returning every freed block over 64 kB,
+              maps: bench_memory.cpu_memory_mb; with malloc returning every freed block over 64 kB,
               parallel.cpu_keep_freed_memory=false). The JSON also
               has `step_mb`, the peak above the engine at rest between steps (Adam's states exist from the first
               step on), and `phase_mb`, that of each phase (forward, backward, optimizer step; the table's notes).

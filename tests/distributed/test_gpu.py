@@ -108,9 +108,9 @@ def test_the_whole_model_compiled_equals_eager_on_cuda(variant, monkeypatch):
 
 
 def test_every_memory_reading_carries_the_allocators_and_the_devices_figures():
-    """benchmarks/bench_lib.Memory on CUDA (GPU part 5, the cluster-operations issue's memory verdicts): each reading
+    """benchmarks/bench_memory.Memory on CUDA (GPU part 5, the cluster-operations issue's memory verdicts): each reading
     has max_memory_allocated, max_memory_reserved (≥ it) and mem_get_info's free and total, in MB."""
-    from benchmarks.bench_lib import Memory
+    from benchmarks.bench_memory import Memory
 
     device = torch.device("cuda")
     mem = Memory(device)

@@ -135,11 +135,11 @@ def test_plan_against_launches_of_five_layouts():
 def test_a_point_s_cpu_memory_leaves_out_the_pages_of_mapped_files(tmp_path):
     """The launches' CPU peaks (benchmarks/bench_lib.py Memory) count anonymous and shared memory, not the pages of
     mapped files: the libraries' code, of which a process maps more or fewer for the same step as the page cache holds
-    the files, i.e. as other processes read them before (bench_lib.cpu_memory_mb; a full run's earlier tests). 64 MiB
+    the files, i.e. as other processes read them before (bench_memory.cpu_memory_mb; a full run's earlier tests). 64 MiB
     of a file's pages mapped after the baseline count nothing; 64 MiB of tensors count whole."""
     import mmap
 
-    from benchmarks.bench_lib import Memory
+    from benchmarks.bench_memory import Memory
 
     def rss_file_mb():
         with open("/proc/self/status") as f:

@@ -30,18 +30,7 @@ from pretrain.supervision import classes, flight_recorder
 
 HANG_EXIT = classes.HANG.exit
 BACKSTOP_S = timeouts.MIN_MARGIN_S   # faulthandler's dump and exit, after hang_timeout, where the watchdog cannot run
-
-
-def bytes_under(path: str) -> int:
-    """The size of every file under `path` (0 where there is none): a save's progress."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:   # renamed or removed meanwhile
-                pass
-    return total
+POLL_S = 10   # the longest wait between two readings of a work's progress (`during`: a save's on a shared filesystem)
 
 
 class Watchdog:
@@ -52,7 +41,7 @@ class Watchdog:
         self.restart, self.log = restart, log   # log: the rank's RankLog, drained before the exit
         self.path = os.path.join(run_dir, "hang", f"rank{rank}.txt")
         self.last, self.stopped, self.undo = time.monotonic(), False, []
-        self.active: dict[str, list] = {}   # work in progress: {what: [progress(), its last value]}
+        self.active: dict[str, list] = {}   # work in progress: {what: [progress(), its last value, next reading]}
         self.thread = threading.Thread(target=self.run, name="hang-watchdog", daemon=True)
 
     def beat(self, *_) -> None:
@@ -71,13 +60,14 @@ class Watchdog:
         return beating
 
     def during(self, what: str, method, progress):
-        """`method`, which is progress while `progress(*its arguments)` changes (polled by the watchdog), and a
-        heartbeat when it starts and when it returns."""
+        """`method`, which is progress while `progress(*its arguments)` changes, and a heartbeat when it starts and
+        when it returns. The watchdog reads the progress every `poll_s()` (POLL_S, or a quarter of the timeout where
+        that is shorter)."""
         @functools.wraps(method)
         def watched(*args, **kwargs):
             name = what.format(*args)
             self.beat()
-            self.active[name] = [functools.partial(progress, *args), None]
+            self.active[name] = [functools.partial(progress, *args), None, time.monotonic()]
             try:
                 return method(*args, **kwargs)
             finally:
@@ -91,7 +81,7 @@ class Watchdog:
 
         def started(*_):
             self.beat()
-            self.active["a torch.compile compilation"] = [time.monotonic, None]   # always moving
+            self.active["a torch.compile compilation"] = [time.monotonic, None, 0.0]   # always moving
 
         def ended(*_):
             self.active.pop("a torch.compile compilation", None)
@@ -113,13 +103,19 @@ class Watchdog:
         for undo in self.undo:
             undo()
 
+    def poll_s(self) -> float:
+        return min(POLL_S, self.timeout / 4)
+
     def run(self) -> None:
         while not self.stopped:
             for work in list(self.active.values()):
+                if time.monotonic() < work[2]:
+                    continue
                 try:
                     value = work[0]()
                 except Exception:   # a progress reading that fails is no progress; the watchdog goes on
                     value = work[1]
+                work[2] = time.monotonic() + self.poll_s()
                 if value != work[1]:
                     work[1] = value
                     self.beat()

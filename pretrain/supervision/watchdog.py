@@ -3,9 +3,10 @@ seconds writes what it was doing and exits, so that a hang becomes an ordinary f
 
 Progress, defined. A heartbeat is a finished training step, validation, checkpoint save, attention images and text
 sample, or downstream scores (`after`: when the call returns). Two kinds of work are progress while they run
-(`during`): a checkpoint save while its bytes grow (the size of the directory it writes, polled), so that a slow but
-moving save on a busy filesystem is not a hang and a save that writes nothing for hang_timeout is; and a torch.compile
-compilation, from its start to its end (the first may take minutes).
+(`during`): a checkpoint save while its bytes grow (read every POLL_S at most: saves.py reads this rank's own files and
+the run's count of moving saves, never a walk of the checkpoint), so that a slow but moving save on a busy filesystem
+is not a hang and a save that writes nothing for hang_timeout is; and a torch.compile compilation, from its start to
+its end (the first may take minutes).
 
 When it expires, the rank, in this order: writes the stack of every thread to <run_dir>/hang/rank<k>.txt
 (faulthandler); asks PyTorch's flight recorder for its dump, beside it (flight_recorder.py); writes its failure record

@@ -6,6 +6,7 @@ import os
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -67,6 +68,7 @@ def slow_save(rank, world, run):
     return took, after, total.item(), sorted(os.listdir(final))
 
 
+@pytest.mark.slow
 def test_a_save_three_times_slower_than_the_collective_timeout_finishes_and_the_run_goes_on(tmp_path):
     """Rank 0 writes the model's states for 3 × C (6 s) while rank 1, its own files written, waits in DeepSpeed's
     barrier, under hang_timeout 1.5 s: the save completes on both ranks (before, rank 1's barrier timed out after C:

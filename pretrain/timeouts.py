@@ -17,6 +17,10 @@ Layout; `agree(C)` sets each group of the rank that waits another time to exactl
 group) and reads every group back: at distributed.init for the groups made there, and once the engine is built
 (supervision/rank.py `supervise`) for the groups DeepSpeed made.
 
+A checkpoint save watched by the watchdog (train.hang_timeout set) raises every group to SAVE_S while it runs and sets
+C again after (`raised`, supervision/saves.py): its barriers, the checkpointer's and DeepSpeed's, wait for a slow
+writer as long as the save moves; the watchdogs end one that stops (no rank's own files grow for H).
+
 With train.hang_timeout null there is no watchdog: a hang ends when a collective times out after C (1800 s by
 default). On NCCL the waiting ranks' communicators are aborted and, with TORCH_NCCL_DUMP_ON_TIMEOUT (set by
 launch/pretrain.sh), each writes its flight recorder to <run_dir>/hang/flight_recorder/; on gloo the collective raises.
@@ -24,6 +28,7 @@ Either way the rank ends in the class `hang` (classes.py) and is relaunched, wit
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -33,6 +38,7 @@ from torch.distributed import distributed_c10d as c10d
 MARGIN_S = 120            # C - H where train.collective_timeout is null
 MIN_MARGIN_S = 60         # the least C - H: the watchdog's faulthandler backstop (watchdog.BACKSTOP_S)
 WITHOUT_WATCHDOG_S = 1800
+SAVE_S = 24 * 3600        # what a collective waits during a watched save: a bound where no watchdog can act
 
 
 def collective_timeout(train) -> float:
@@ -83,6 +89,21 @@ def agree(seconds: float) -> dict[str, float]:
         if group_timeout(group) != seconds:
             c10d._set_pg_timeout(as_timedelta(seconds), group)
     return {describe(g): group_timeout(g) for g in groups()}
+
+
+@contextlib.contextmanager
+def raised(seconds: float, after: float):
+    """Every process group of this rank waits `seconds` in a collective inside the block, `after` again once it
+    ends (where the block raised, a group that cannot be set back is left: the error is the block's)."""
+    for group in groups():
+        c10d._set_pg_timeout(as_timedelta(seconds), group)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            agree(after)
+        raise
+    agree(after)
 
 
 def collectives_entered() -> dict[str, dict]:

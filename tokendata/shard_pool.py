@@ -21,13 +21,14 @@ import collections
 import multiprocessing.util
 import os
 import shutil
+import socket
 import tempfile
 import threading
 
 from tokendata.shards import DataError
 
 STATS = {"peak_in_flight": 0, "fetched": 0}   # of every pool of this process: for the data bench and its tests
-SPILL = "synthformer-spill"   # under data.cache_dir or the temporary folder: <pid>-<n> per reader
+SPILL = "synthformer-spill"   # under data.cache_dir or the temporary folder: <pid>@<host>-<n> per reader
 OPEN_FILES = 64               # local files kept open for reading samples
 
 
@@ -180,16 +181,19 @@ class ShardPool:
 
     def spill_dir(self) -> str:
         """This reader's folder for remote shards without data.cache_dir, made at its first use; the folders of
-        readers that no longer run are removed then, and this one when the process exits."""
+        readers of this host that no longer run are removed then, and this one when the process exits. A folder is
+        named by its reader's pid and host: on a data.cache_dir that several nodes share, another node's folders
+        are never removed here (its pids mean nothing on this host), nor one named without a host."""
         with self._lock:
             if self._spill is None:
                 root = os.path.join(self.spill_root, SPILL)
                 os.makedirs(root, exist_ok=True)
+                host = socket.gethostname()
                 for name in os.listdir(root):   # left by a reader that was killed
-                    pid = name.split("-")[0]
-                    if pid.isdigit() and not _alive(int(pid)):
+                    pid, at, rest = name.partition("@")
+                    if at and rest.rpartition("-")[0] == host and pid.isdigit() and not _alive(int(pid)):
                         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                self._spill = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+                self._spill = tempfile.mkdtemp(prefix=f"{os.getpid()}@{host}-", dir=root)
                 # at exit, also of a DataLoader worker (multiprocessing runs its finalizers, not atexit's)
                 multiprocessing.util.Finalize(self, shutil.rmtree, args=(self._spill, True), exitpriority=0)
             return self._spill

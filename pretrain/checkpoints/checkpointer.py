@@ -9,7 +9,8 @@ A save is atomic: every rank writes into `<tag>.partial/`; after a barrier rank 
 file's size in `complete.json`, renames the directory to `<tag>` and only then replaces `latest` (write + rename).
 A crash at any moment leaves the previous checkpoint complete and named by `latest`; a leftover `.partial`
 directory is removed by the next save. Loading checks `complete.json` (every file present, same size) and falls
-back to the newest complete checkpoint when `latest` names a damaged one.
+back to the newest complete checkpoint when `latest` names a damaged one. While it saves, `own` lists the files this
+rank writes (DeepSpeed's, through its checkpoint engine, and the trainer's): all the hang watchdog reads of a save.
 """
 from __future__ import annotations
 
@@ -55,6 +56,38 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class OwnFiles:
+    """The files this rank writes in the save under way, as it starts each: the save's progress on this rank, read
+    with one stat (the file being written), never a walk of step_N.partial/, which holds every rank's files."""
+
+    def __init__(self):
+        self.begin()
+
+    def begin(self) -> None:
+        self.started, self.done, self.current = 0, 0, None   # files started, bytes of the finished ones, the last
+
+    def writing(self, path: str) -> None:
+        self.finished()
+        self.started, self.current = self.started + 1, path
+
+    def finished(self) -> None:
+        if self.current is not None:
+            self.done += size(self.current)
+            self.current = None
+
+    def progress(self) -> tuple[int, int]:
+        """(files started, bytes written)."""
+        current = self.current
+        return self.started, self.done + (size(current) if current is not None else 0)
+
+
+def size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:   # not made yet, or removed meanwhile
+        return 0
+
+
 class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
@@ -65,6 +98,17 @@ class Checkpointer:
         self.faults = faults
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
         self.loaded_from: str | None = None
+        self.own = OwnFiles()
+        writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes each of its files through it
+        if writer is not None:
+            writer.save = self._own_file(writer.save)
+
+    def _own_file(self, save):
+        """DeepSpeed's checkpoint engine's save(state_dict, path), each file listed in `own` as it starts."""
+        def listed(state_dict, path, *args, **kwargs):
+            self.own.writing(path)
+            return save(state_dict, path, *args, **kwargs)
+        return listed
 
     def save(self, step: int) -> str:
         """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
@@ -73,6 +117,7 @@ class Checkpointer:
         tag = f"step_{step:08d}"
         final, partial = os.path.join(self.dir, tag), self.partial_path(step)
         previous = self.latest_tag()
+        self.own.begin()
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)           # a crashed earlier attempt at this step
         dist.barrier()
@@ -99,7 +144,7 @@ class Checkpointer:
         return final
 
     def partial_path(self, step: int) -> str:
-        """Where the save of `step` writes until it is committed (the hang watchdog watches its bytes grow)."""
+        """Where the save of `step` writes until it is committed (every rank's files; the hang watchdog reads only `own`)."""
         return os.path.join(self.dir, f"step_{step:08d}.partial")
 
     def _write(self, partial: str, tag: str, step: int) -> None:
@@ -109,12 +154,15 @@ class Checkpointer:
         self.engine.save_checkpoint(self.dir, tag=tag + ".partial", save_latest=False)
         self.faults.saving("engine", step)
         own = {name: obj.state_dict() for name, obj in self.stateful.items()}
-        torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own},
-                   os.path.join(partial, f"trainer_rank{self.rank}.pt"))
+        mine = os.path.join(partial, f"trainer_rank{self.rank}.pt")
+        self.own.writing(mine)
+        torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own}, mine)
         if self.rank == 0:
+            self.own.writing(os.path.join(partial, "config.yaml"))
             with open(os.path.join(partial, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.config, f, sort_keys=False)
             copy_tokenizer(self.tokenizer, partial)
+        self.own.finished()
 
     def _commit(self, partial: str, final: str, tag: str, step: int) -> None:
         """Make the written files durable, record them, then publish: rename the directory, then point `latest`."""

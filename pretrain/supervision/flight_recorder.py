@@ -25,7 +25,7 @@ def folder(run_dir: str) -> str:
 
 def enable(run_dir: str) -> None:
     """Before the first process group: on, unless the environment says otherwise, with NCCL's own dumps (on a
-    collective's timeout) written where the watchdog writes its own."""
+    collective's timeout) written where the watchdog writes its own; that folder made now, before any timeout."""
     import torch
 
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER))
@@ -34,6 +34,12 @@ def enable(run_dir: str) -> None:
     if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 7):   # the older names (a warning in newer)
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ["TORCH_FR_BUFFER_SIZE"])
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):   # torch's writer makes no folder:
+        if os.environ.get(name):                                                  # without one, a timeout's dump
+            try:                                                                  # is only a logged failure
+                os.makedirs(os.path.dirname(os.environ[name]) or ".", exist_ok=True)
+            except OSError as e:
+                print(f"warning: no folder for the flight recorder's dumps ({name}): {e}", file=sys.stderr)
 
 
 def dump(run_dir: str, rank: int) -> str | None:

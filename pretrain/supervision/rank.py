@@ -21,7 +21,8 @@ from pretrain import distributed, timeouts
 from pretrain.checkpoints.checkpointer import CheckpointError
 from pretrain.step_guard import TrainingStopped
 from pretrain.supervision import classes, flight_recorder, ranklog
-from pretrain.supervision.watchdog import Watchdog, bytes_under
+from pretrain.supervision.saves import SaveProgress, waiting
+from pretrain.supervision.watchdog import Watchdog
 from tokendata.remote import FetchFailed
 from tokendata.shards import DataError
 
@@ -110,7 +111,8 @@ def safe_collectives() -> dict:
 def supervise(trainer) -> Watchdog | None:
     """Every process group to the collective timeout; the restart that started this launch logged, if it is one; the
     rank's hang watchdog where train.hang_timeout is set, its heartbeats wrapped around the trainer's steps,
-    validation, images and downstream scores, and its save watched while its bytes grow."""
+    validation, images and downstream scores, and its save watched while its bytes grow, its collectives waiting for
+    it meanwhile (supervision/saves.py)."""
     cfg = trainer.cfg.train
     agreed = timeouts.agree(trainer.layout.collective_timeout_s)   # C as distributed.init computed it
     if agreed:
@@ -124,8 +126,8 @@ def supervise(trainer) -> Watchdog | None:
                         (trainer, "log_scores"), (trainer, "train")):   # train: then the way out
         setattr(owner, name, dog.after(getattr(owner, name)))
     saver = trainer.checkpointer
-    saver.save = dog.during("the checkpoint save of step {0}", saver.save,
-                            lambda step, *_: bytes_under(saver.partial_path(step)))
+    saver.save = dog.during("the checkpoint save of step {0}", waiting(saver.save, trainer.layout.collective_timeout_s),
+                            SaveProgress(saver))
     if cfg.compile:
         dog.on_compilation()
     dog.start()

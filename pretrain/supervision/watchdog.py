@@ -3,9 +3,10 @@ seconds writes what it was doing and exits, so that a hang becomes an ordinary f
 
 Progress, defined. A heartbeat is a finished training step, validation, checkpoint save, attention images and text
 sample, or downstream scores (`after`: when the call returns). Two kinds of work are progress while they run
-(`during`): a checkpoint save while its bytes grow (the size of the directory it writes, polled), so that a slow but
-moving save on a busy filesystem is not a hang and a save that writes nothing for hang_timeout is; and a torch.compile
-compilation, from its start to its end (the first may take minutes).
+(`during`): a checkpoint save while its bytes grow (read every POLL_S at most: saves.py reads this rank's own files and
+the run's count of moving saves, never a walk of the checkpoint), so that a slow but moving save on a busy filesystem
+is not a hang and a save that writes nothing for hang_timeout is; and a torch.compile compilation, from its start to
+its end (the first may take minutes).
 
 When it expires, the rank, in this order: writes the stack of every thread to <run_dir>/hang/rank<k>.txt
 (faulthandler); asks PyTorch's flight recorder for its dump, beside it (flight_recorder.py); writes its failure record
@@ -30,18 +31,7 @@ from pretrain.supervision import classes, flight_recorder
 
 HANG_EXIT = classes.HANG.exit
 BACKSTOP_S = timeouts.MIN_MARGIN_S   # faulthandler's dump and exit, after hang_timeout, where the watchdog cannot run
-
-
-def bytes_under(path: str) -> int:
-    """The size of every file under `path` (0 where there is none): a save's progress."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:   # renamed or removed meanwhile
-                pass
-    return total
+POLL_S = 10   # the longest wait between two readings of a work's progress (`during`: a save's on a shared filesystem)
 
 
 class Watchdog:
@@ -53,7 +43,7 @@ class Watchdog:
         self.path = os.path.join(run_dir, "hang", f"rank{rank}.txt")
         self.last, self.stopped, self.undo = time.monotonic(), False, []
         self.deciding = threading.Lock()   # held from an expiry's decision to its exit: stop() waits for one
-        self.active: dict[str, list] = {}   # work in progress: {what: [progress(), its last value]}
+        self.active: dict[str, list] = {}   # work in progress: {what: [progress(), its last value, next reading]}
         self.thread = threading.Thread(target=self.run, name="hang-watchdog", daemon=True)
 
     def beat(self, *_) -> None:
@@ -72,13 +62,14 @@ class Watchdog:
         return beating
 
     def during(self, what: str, method, progress):
-        """`method`, which is progress while `progress(*its arguments)` changes (polled by the watchdog), and a
-        heartbeat when it starts and when it returns."""
+        """`method`, which is progress while `progress(*its arguments)` changes, and a heartbeat when it starts and
+        when it returns. The watchdog reads the progress every `poll_s()` (POLL_S, or a quarter of the timeout where
+        that is shorter)."""
         @functools.wraps(method)
         def watched(*args, **kwargs):
             name = what.format(*args)
             self.beat()
-            self.active[name] = [functools.partial(progress, *args), None]
+            self.active[name] = [functools.partial(progress, *args), None, time.monotonic()]
             try:
                 return method(*args, **kwargs)
             finally:
@@ -92,7 +83,7 @@ class Watchdog:
 
         def started(*_):
             self.beat()
-            self.active["a torch.compile compilation"] = [time.monotonic, None]   # always moving
+            self.active["a torch.compile compilation"] = [time.monotonic, None, 0.0]   # always moving
 
         def ended(*_):
             self.active.pop("a torch.compile compilation", None)
@@ -123,13 +114,19 @@ class Watchdog:
         for undo in self.undo:
             undo()
 
+    def poll_s(self) -> float:
+        return min(POLL_S, self.timeout / 4)
+
     def run(self) -> None:
         while not self.stopped:
             for work in list(self.active.values()):
+                if time.monotonic() < work[2]:
+                    continue
                 try:
                     value = work[0]()
                 except Exception:   # a progress reading that fails is no progress; the watchdog goes on
                     value = work[1]
+                work[2] = time.monotonic() + self.poll_s()
                 if value != work[1]:
                     work[1] = value
                     self.beat()

@@ -168,15 +168,18 @@ try:
 except ImportError:   # the code before pretrain/supervision/
     from pretrain.supervision import supervise
 run = sys.argv[1]
+from pretrain.checkpoints.checkpointer import OwnFiles
 def save(step, chunks, stall):
     os.makedirs(checkpointer.partial_path(step), exist_ok=True)
+    checkpointer.own.writing(os.path.join(checkpointer.partial_path(step), "model.pt"))   # this rank's file
     for i in range(chunks):   # a chunk every 0.5 s: moving, though the save outlasts hang_timeout's 1.5 s
         with open(os.path.join(checkpointer.partial_path(step), "model.pt"), "ab") as f:
             f.write(b"x" * 1000)
         time.sleep(0.5)
     time.sleep(stall)         # then nothing written (a stalled save) for this long
     return f"saved {step}"
-checkpointer = SimpleNamespace(partial_path=lambda step: os.path.join(run, "checkpoints", f"step_{step}.partial"))
+checkpointer = SimpleNamespace(partial_path=lambda step: os.path.join(run, "checkpoints", f"step_{step}.partial"),
+                               own=OwnFiles())
 checkpointer.save = save
 cfg = SimpleNamespace(train=SimpleNamespace(hang_timeout=1.5, run_dir=run, compile=False, collective_timeout=None))
 trainer = SimpleNamespace(step=6, cfg=cfg, layout=SimpleNamespace(rank=0, collective_timeout_s=1800.0),

@@ -59,8 +59,9 @@ class Parser(argparse.ArgumentParser):
 
 def sbatch_parser() -> argparse.ArgumentParser:
     p = Parser(prog="sbatch", allow_abbrev=False, exit_on_error=False, add_help=False)
-    for flags, kw in [(("-J", "--job-name"), {}), (("-N", "--nodes"), {"type": int}), (("-n", "--ntasks"), {"type": int}),
-                      (("--ntasks-per-node",), {"type": int}), (("-c", "--cpus-per-task"), {"type": int}),
+    for flags, kw in [(("-J", "--job-name"), {}), (("-N", "--nodes"), {"type": int}),
+                      (("-n", "--ntasks"), {"type": int}), (("--ntasks-per-node",), {"type": int}),
+                      (("-c", "--cpus-per-task"), {"type": int}),
                       (("--gpus-per-node",), {}), (("--gres",), {}), (("-t", "--time"), {}), (("--signal",), {}),
                       (("--open-mode",), {"choices": ["append", "truncate"]}), (("-o", "--output"), {}),
                       (("-e", "--error"), {}), (("-p", "--partition"), {}), (("-A", "--account"), {}),

@@ -24,7 +24,7 @@ from pretrain import distributed
 from pretrain.observe import live_model, monitor
 from pretrain.plan import memory as memory_plan
 from pretrain.checkpoints.checkpointer import Checkpointer
-from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point
+from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point, rewinds
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.config.deepspeed_dict import clips_on_device
@@ -90,7 +90,8 @@ class Trainer:
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
         self.data_log = DataLog(self.stream)   # tokens and epochs of each source, from the position resumed
-        self.log.resume_at(self.step)          # each step once in metrics.jsonl: replayed rows move aside
+        rewind = lay.is_main and rewinds(resume, cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world)
+        self.log.resume_at(self.step, rewind)  # each step once in metrics.jsonl: replayed rows move aside
         self.eta = monitor.Eta.for_config(cfg, self.step)   # elapsed time and time left in the step line
         self.ids_file = None
         if cfg.logging.sample_ids:

@@ -63,6 +63,16 @@ def resume_point(resume: str, directory: str, config: dict, world: int, announce
     return os.path.join(directory, tag) if tag else None
 
 
+def rewinds(resume: str | None, setting: str, directory: str, config: dict, world: int) -> bool:
+    """Whether resuming `resume` (resume_point's answer to checkpoint.resume=`setting`) goes back before the checkpoint
+    a relaunch resumes by itself (`auto`): a rewind (`setting` names an older checkpoint, or is 'none'), whose steps
+    after it are trained anew, not replayed bit for bit."""
+    if setting == "auto":
+        return False
+    newest = resume_point("auto", directory, config, world)
+    return (resume and os.path.realpath(resume)) != (newest and os.path.realpath(newest))
+
+
 def newest_complete(directory: str, announce: bool = False) -> str | None:
     """The tag to resume from: the one `latest` names if it verifies, else the newest that does (said when
     `announce`), else None."""

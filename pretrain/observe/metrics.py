@@ -142,15 +142,18 @@ class Logger:
             self.jsonl = open(self.jsonl_path, "a")
         self.t0 = time.time()
 
-    def resume_at(self, step: int) -> None:
-        """metrics.jsonl without the rows of the steps after `step`, which the resumed run writes again."""
+    def resume_at(self, step: int, rewind: bool = False) -> None:
+        """metrics.jsonl without the rows of the steps after `step`, which the resumed run writes again: replayed
+        bit for bit, or, after a `rewind` to an older checkpoint than a relaunch would resume, trained anew."""
         if self.enabled:
             self.jsonl.close()
             logged = max((row["step"] for row in jsonl_rows(self.jsonl_path)), default=None)
             keep_rows_up_to(self.jsonl_path, step)
             self.jsonl = open(self.jsonl_path, "a")
-            if self.wandb_settings:   # W&B, the same run; the steps up to `logged` were sent (pretrain/observe/monitor.py)
-                self.wandb = WandbRun.open(self.wandb_settings, self.run_dir, self.config or {}, logged)
+            if self.wandb_settings:   # W&B: the steps up to `logged` were sent (pretrain/observe/monitor.py)
+                anew = rewind and logged is not None and step < logged   # sent again: W&B's rewind, or a new run
+                self.wandb = WandbRun.open(self.wandb_settings, self.run_dir, self.config or {},
+                                           step if anew else logged, step if anew else None)
 
     def info(self, msg: str | None) -> None:
         if self.enabled and msg is not None:

@@ -3,7 +3,8 @@
     WandbRun.open(settings, run_dir, config, n)  logging.wandb on rank 0: the same scalars, images and text as
                                                 TensorBoard; every launch resumes the same W&B run by its id, each row
                                                 carrying the training step as its x axis; the steps a relaunch replays
-                                                are not sent twice; a refused or unreachable W&B is one warning
+                                                are not sent twice, those a rewind trains anew are (W&B's rewind, or a
+                                                new run naming its parent); a refused or unreachable W&B is one warning
     Eta                                         elapsed time and the estimate of the time left (formula below)
     deepspeed_readback(engine, passed)          what the engine reports of the `deepspeed:` section's settings
     requirements(cfg)                           one line naming the extra to install for what the config asks
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from pretrain.config.sections import WandbSection
 
 WANDB_ID_FILE = "wandb-run-id"
+WANDB_STEPS_FILE = "wandb-steps"   # a line a row W&B was sent: "<training step> <W&B's _step of the row>"
 STEP_METRIC = "trainer/step"   # the x axis of every W&B chart: the training step
 
 
@@ -50,36 +52,82 @@ class WandbRun:
     so W&B holds each step once, as first logged (a resumed run replays them bit for bit; metrics.jsonl keeps the
     replay's rows and moves the first ones aside). Events (a restart, at the step it resumed) are always sent.
 
+    A rewind (`rewind_to` s: the run went back to a checkpoint older than the one a relaunch resumes, and trains the
+    steps after s anew, e.g. after a loss spike) sends those steps again. Online, the run is rewound to the row before
+    its first of a step after s (`resume_from="<id>?_step=k"`: W&B truncates the history after row k and archives
+    the rows it drops); k, W&B's own step, is read from <run_dir>/wandb-steps, the rows sent. Where the server
+    refuses the rewind (a preview that self-managed servers lack), and offline (each launch's directory numbers its
+    rows from 0, so no k is known for `wandb sync`), a new run takes over: a new id in <run_dir>/wandb-run-id, its
+    config naming the parent (`wandb_parent: {run_id, step}`), its rows the steps after s; the parent keeps what
+    it had.
+
     `open` returns None, after one warning line, where W&B cannot be reached or refuses the run: the training goes on
     (metrics.jsonl and TensorBoard have everything) and no restart is spent on it. In offline mode each launch writes
     its own directory under <run_dir>/wandb with the same id; `wandb sync` uploads them in order."""
 
-    def __init__(self, settings: WandbSection, run_dir: str, config: dict, logged_up_to: int | None = None):
+    def __init__(self, settings: WandbSection, run_dir: str, config: dict, logged_up_to: int | None = None,
+                 rewind_to: int | None = None):
         import wandb
 
         self.wandb, self.logged_up_to = wandb, logged_up_to
-        path = os.path.join(run_dir, WANDB_ID_FILE)
-        if os.path.exists(path):
-            run_id = open(path).read().strip()
+        self.id_path, self.steps_path = os.path.join(run_dir, WANDB_ID_FILE), os.path.join(run_dir, WANDB_STEPS_FILE)
+        if os.path.exists(self.id_path):
+            run_id = open(self.id_path).read().strip()
         else:   # chosen before the first init: a launch whose init failed leaves the id for the next to use
-            run_id = secrets.token_hex(4)   # W&B's ids: 8 characters of [a-z0-9]
-            os.makedirs(run_dir, exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                f.write(run_id + "\n")
-            os.replace(path + ".tmp", path)
-        self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
-                              tags=list(settings.tags) or None, dir=run_dir, config=config, id=run_id, resume="allow")
+            run_id = self.new_id(run_dir)
+        where = dict(project=settings.project, entity=settings.entity, mode=settings.mode,
+                     tags=list(settings.tags) or None, dir=run_dir)
+        if rewind_to is None:
+            self.run = wandb.init(**where, config=config, id=run_id, resume="allow")
+        else:
+            self.run = self.rewound(where, run_dir, config, run_id, rewind_to)
+        self.next_step = self.run.starting_step   # W&B's _step of the next row: each log() is one row
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
 
+    def new_id(self, run_dir: str) -> str:
+        run_id = secrets.token_hex(4)   # W&B's ids: 8 characters of [a-z0-9]
+        os.makedirs(run_dir, exist_ok=True)
+        with open(self.id_path + ".tmp", "w") as f:
+            f.write(run_id + "\n")
+        os.replace(self.id_path + ".tmp", self.id_path)
+        return run_id
+
+    def rewound(self, where: dict, run_dir: str, config: dict, run_id: str, step: int):
+        """The W&B run, rewound to the row before its first of a training step after `step` (a restart's event, at the
+        step a relaunch resumed, may follow rows of later steps); where that cannot be, a new run that names `run_id`
+        as its parent."""
+        words = [line.split() for line in open(self.steps_path)] if os.path.exists(self.steps_path) else []
+        rows = [(int(w[0]), int(w[1])) for w in words if len(w) == 2]   # a line cut short by a crash is left out
+        after = [k for s, k in rows if s > step]
+        if where["mode"] == "online" and not after:   # W&B got none of the steps after it: nothing to take back
+            return self.wandb.init(**where, config=config, id=run_id, resume="allow")
+        if where["mode"] == "online" and min(after) > 0:
+            k = min(after) - 1
+            try:
+                run = self.wandb.init(**where, config=config, resume_from=f"{run_id}?_step={k}")
+                self.write_steps([(s, row) for s, row in rows if row <= k])
+                return run
+            except Exception as e:   # a server without rewind: a new run
+                print(f"warning: W&B did not rewind run {run_id} to step {step} ({type(e).__name__}: "
+                      f"{first_line(e)}); a new W&B run names it as its parent", file=sys.stderr, flush=True)
+        self.write_steps([])
+        return self.wandb.init(**where, id=self.new_id(run_dir), resume="allow",
+                               config={**config, "wandb_parent": {"run_id": run_id, "step": step}},
+                               notes=f"rewound to training step {step} of W&B run {run_id}")
+
+    def write_steps(self, rows: list[tuple[int, int]]) -> None:
+        with open(self.steps_path + ".tmp", "w") as f:
+            f.writelines(f"{s} {k}\n" for s, k in rows)
+        os.replace(self.steps_path + ".tmp", self.steps_path)
+
     @classmethod
     def open(cls, settings: WandbSection, run_dir: str, config: dict,
-             logged_up_to: int | None = None) -> "WandbRun | None":
+             logged_up_to: int | None = None, rewind_to: int | None = None) -> "WandbRun | None":
         try:
-            return cls(settings, run_dir, config, logged_up_to)
+            return cls(settings, run_dir, config, logged_up_to, rewind_to)
         except Exception as e:   # unreachable, refused, a bad key: W&B is a mirror, not a reason to stop
-            line = next((l.strip() for l in str(e).splitlines() if l.strip()), "")
-            print(f"warning: W&B could not start the run ({type(e).__name__}: {line[:300]}); training goes on "
+            print(f"warning: W&B could not start the run ({type(e).__name__}: {first_line(e)}); training goes on "
                   f"without it (metrics.jsonl and TensorBoard have every step)", file=sys.stderr, flush=True)
             return None
 
@@ -87,23 +135,34 @@ class WandbRun:
         """Whether the launch before this one already sent `step` (a replayed step)."""
         return self.logged_up_to is not None and step <= self.logged_up_to
 
+    def log(self, step: int, row: dict) -> None:
+        """One row, and its W&B step in <run_dir>/wandb-steps (the rewind point of a later rewind)."""
+        self.run.log({STEP_METRIC: step, **row})
+        with open(self.steps_path, "a") as f:
+            f.write(f"{step} {self.next_step}\n")
+        self.next_step += 1
+
     def scalars(self, step: int, values: dict, event: bool = False) -> None:
         if event or not self.sent(step):
-            self.run.log({STEP_METRIC: step, **{tag: float(v) for tag, v in values.items()}})
+            self.log(step, {tag: float(v) for tag, v in values.items()})
 
     def figure(self, step: int, tag: str, fig) -> None:
         if not self.sent(step):
-            self.run.log({STEP_METRIC: step, tag: self.wandb.Image(fig)})
+            self.log(step, {tag: self.wandb.Image(fig)})
 
     def text(self, step: int, tag: str, text: str, event: bool = False) -> None:
         if event or not self.sent(step):
-            self.run.log({STEP_METRIC: step, tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")})
+            self.log(step, {tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")})
 
     def close(self) -> None:
         try:
             self.run.finish()
         except Exception as e:   # the server went away during the run: what was logged stays in <run_dir>/wandb
             print(f"warning: W&B did not finish the run cleanly ({type(e).__name__}: {e})", file=sys.stderr)
+
+
+def first_line(e: Exception) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:300]
 
 
 class Eta:

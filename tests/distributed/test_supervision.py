@@ -297,38 +297,9 @@ def test_the_collective_timeout_must_leave_the_watchdog_time_to_act():
         load_config(demo, ["train.hang_timeout=600", "train.collective_timeout=620"])
 
 
-FAKE_SRUN = """\
-#!{py}
-# srun --kill-on-bad-exit=1 COMMAND…: SLURM_NTASKS tasks of COMMAND, each with its SLURM_PROCID, SLURM_LOCALID and
-# SLURM_NODEID; when one fails, the others are ended (SIGTERM, then SIGKILL 5 s later) and srun exits with its status
-import os, signal, subprocess, sys, time
-args = sys.argv[1:]
-while args and args[0].startswith("--"):
-    args = args[1:]
-n, per_node = int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_NTASKS_PER_NODE", 1))
-procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i % per_node),
-                                      "SLURM_NODEID": str(i // per_node)}}, start_new_session=True) for i in range(n)]
-status = 0
-while any(p.poll() is None for p in procs) and not status:
-    status = next((p.returncode for p in procs if p.returncode), 0)
-    time.sleep(0.1)
-status = status or next((p.returncode for p in procs if p.returncode), 0)
-for p in procs:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-deadline = time.time() + 5
-for p in procs:
-    try:
-        p.wait(max(0.1, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-sys.exit(status)
-"""
-
-
 @pytest.mark.slow
 def test_slurm_one_task_a_gpu_and_a_data_error_that_is_not_requeued(shards, tmp_path):
-    """launch/slurm.sbatch with --ntasks-per-node=2 under a faked SLURM (srun, scontrol, scancel on PATH): srun starts
+    """launch/slurm.sbatch with --ntasks-per-node=2 under a faked SLURM (tests/support/fake_slurm.py): srun starts
     both ranks itself (SLURM_PROCID → RANK); rank 1 reads a shard whose content does not match its hash
     (data.bad_shards=fail). The job is not requeued (scontrol requeue is never called), the line names rank 1 and its
     first error, and each rank wrote its own log in the run directory."""
@@ -343,14 +314,8 @@ def test_slurm_one_task_a_gpu_and_a_data_error_that_is_not_requeued(shards, tmp_
     with open(victim, "r+b") as f:   # the same size, another content
         f.seek(100)
         f.write(bytes(range(200)))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN.format(py=PY))
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.calls\n"
-                                      f"[ \"$1\" = show ] && echo localhost\nexit 0\n")
-    (bin_dir / "scancel").write_text("#!/bin/sh\nexit 0\n")
-    for tool in ("srun", "scontrol", "scancel"):
-        (bin_dir / tool).chmod(0o755)
+    from tests.support import fake_slurm
+
     run = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", str(bad), run, train={"max_steps": 4})
     slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NTASKS": "2",
@@ -358,10 +323,10 @@ def test_slurm_one_task_a_gpu_and_a_data_error_that_is_not_requeued(shards, tmp_
     from tests.support.runs import free_local_port
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm.sbatch"), config], cwd=str(tmp_path),
                        capture_output=True, text=True, timeout=600,
-                       env={**env(), **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": PY,
+                       env={**env(), **slurm, **fake_slurm.install(tmp_path), "PYTHON": PY,
                             "MASTER_PORT": str(free_local_port())})
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-3000:]
-    calls = (tmp_path / "scontrol.calls").read_text().splitlines()
+    calls = (tmp_path / "slurm" / "scontrol.calls").read_text().splitlines()
     assert calls == ["show hostnames localhost"], calls                      # never `requeue 77`
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: rank 1 failed first (config or data error): shard {victim} has content hash "), \

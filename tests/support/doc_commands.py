@@ -16,6 +16,9 @@ before it in its file, else the one after) with those options in place of its ow
 - `deepspeed …` / `python -m deepspeed.launcher.runner …`: DeepSpeed's runner's `parse_args`, then what it would start
   (`--module M`, `--no_python` a program, or a script);
 - `torchrun …` / `python -m torch.distributed.run …`: torch.distributed.run's parser, then what it would start;
+- `sbatch [options] SCRIPT CONFIG …`: the faked sbatch of tests/support/fake_slurm.py reads the script's #SBATCH
+  lines with the command line's options and refuses what its cluster (4 nodes of 8 GPUs, 192 CPUs) cannot grant;
+  then the config with its overrides is loaded (the job is not run);
 - `python -m pretrain.train CONFIG overrides`: its parser, load_config; `python -m <module>` (this project's, or
   another package's such as torch's fr_trace), `python tools/*.py`, `python benchmarks/*.py`: the program runs in
   this process until its argparse parser has parsed the arguments (ArgumentParser.parse_args / parse_known_args
@@ -38,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHONS = ("python", "python3", ".venv/bin/python", "$(VPY)", "$PYTHON")
-PROGRAMS = PYTHONS + ("launch/pretrain.sh", "deepspeed", "torchrun", "make")
+PROGRAMS = PYTHONS + ("launch/pretrain.sh", "deepspeed", "torchrun", "make", "sbatch")
 SKIP = {
     "pip": "installs packages: needs an index (the network) and would change this environment",
     "hf": "the Hugging Face Hub's downloader: needs the network",
@@ -47,7 +50,6 @@ SKIP = {
     "grep": "a coreutils command, not a parser of this project",
     "ls": "a coreutils command, not a parser of this project",
     "aws": "the AWS CLI: needs credentials and the network",
-    "sbatch": "SLURM, not installed here (tests/distributed/test_supervision.py runs launch/slurm.sbatch under a faked srun)",
     "tensorboard.main": "TensorBoard's server: its own flags (absl), and it serves until stopped",
 }
 PLACEHOLDERS = [  # (pattern, replacement), in order
@@ -196,6 +198,8 @@ def check_words(words: list[str], env: dict) -> str:
         return deepspeed(args, env)
     if program == "torchrun":
         return torchrun(args, env)
+    if program == "sbatch":
+        return sbatch(args)
     if program in PYTHONS:
         if args[:2] == ["-m", "deepspeed.launcher.runner"]:
             return deepspeed(args[2:], env)
@@ -232,6 +236,18 @@ def torchrun(args: list[str], env: dict) -> str:
     if a.no_python:
         return "torchrun's parser, then " + check_words(start, env)
     return "torchrun's parser, then " + script(start[0], start[1:])
+
+
+def sbatch(args: list[str]) -> str:
+    from tests.support.fake_slurm import Rejected, allocate, request
+
+    try:
+        job, script = request(args, cwd=str(ROOT))
+        allocate(job, 1)
+    except Rejected as e:
+        raise CommandError(str(e)) from None
+    config_args(script[0], script[1:], required=True)
+    return "the faked sbatch (its #SBATCH lines and the command line's options on its cluster), then the config"
 
 
 def module(name: str, args: list[str], env: dict) -> str:

@@ -39,7 +39,9 @@ def test_the_checker_refuses_what_a_parser_refuses():
              "launch/pretrain.sh configs/nope.yaml": "not found",
              "python -m pretrain.config configs/demo-cpu.yaml train.learning_rate=1": "did you mean 'train.lr'",
              "python tools/lm_eval.py --tasks x": "does not exist",
-             "make no-such-target": "No rule"}
+             "make no-such-target": "No rule",
+             "sbatch --ntasks-per-node=8 --cpus-per-task=64 launch/slurm.sbatch configs/demo-cpu.yaml":
+                 "Requested node configuration is not available"}
     for command, needle in wrong.items():
         with pytest.raises(CommandError, match=re.escape(needle)):
             check(command)

@@ -71,6 +71,9 @@ if [ -z "${NPROC:-}" ]; then   # one process per GPU, else 2 on the CPU (torch i
   NPROC=$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)
 fi
 NNODES="${NNODES:-1}" NODE_RANK="${NODE_RANK:-0}" ADDR="${MASTER_ADDR:-127.0.0.1}" PORT="${MASTER_PORT:-29500}"
+# One launcher a node (no HOSTFILE): this node's supervisor is one of NNODES, and a failure on any node stops them all
+NODES=()
+[ -n "${HOSTFILE:-}" ] || [ "$NNODES" -le 1 ] || NODES=(--nodes "$NNODES" --node-rank "$NODE_RANK")
 case "${LAUNCHER:-deepspeed}" in
   torchrun)   # static rendezvous at MASTER_ADDR:MASTER_PORT; restarts are the supervisor's, so torchrun makes none
     [ -z "${HOSTFILE:-}" ] || { echo "error: HOSTFILE is the DeepSpeed launcher's; under LAUNCHER=torchrun start" \
@@ -95,7 +98,8 @@ case "${LAUNCHER:-deepspeed}" in
      exit 2 ;;
 esac
 # The supervisor, given the run's directory (train.run_dir: where the ranks' records are) by the check below
-SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}")
+SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}"
+           ${NODES[@]+"${NODES[@]}"})
 if [ -n "$DRY_RUN" ]; then
   printf '%s\n' "${SUPERVISE[@]}" -- "${LAUNCH[@]}" "$@"
   exit 0

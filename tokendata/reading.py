@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import signal
 import sys
 import threading
@@ -40,9 +41,9 @@ def start(loader, ignored: tuple = ()):
     """iter(loader), its worker processes ignoring the signals `ignored` (the rank's preemption signals, which a
     scheduler may send to every process of the job: the rank finishes its step and saves, and its workers must read
     on until it does; torch's own handler would end them, and the rank's step with them). The signals are blocked in
-    this thread while the workers start, and each worker ignores them before it unblocks them: none falls between,
-    and the rank sees one that came meanwhile as soon as they are unblocked here."""
-    if not ignored or not loader.num_workers:
+    this thread while the workers start and stay blocked in them (`ignore`): none falls between, and the rank sees
+    one that came meanwhile as soon as they are unblocked here."""
+    if not ignored or not loader.num_workers or not hasattr(signal, "sigwaitinfo"):   # (macOS: as torch does)
         return iter(loader)
     loader.worker_init_fn = functools.partial(ignore, tuple(ignored))
     before = signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
@@ -53,10 +54,17 @@ def start(loader, ignored: tuple = ()):
 
 
 def ignore(signals: tuple, worker_id: int) -> None:
-    """A DataLoader worker's init: `signals` ignored, then unblocked (start)."""
-    for s in signals:
-        signal.signal(s, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    """A DataLoader worker's init: `signals`, blocked in every thread of it, are taken by a thread of their own, which
+    ignores each unless it comes from the rank itself: multiprocessing's terminate() (SIGTERM) when the rank shuts its
+    loader down or exits, which then ends the worker as it would have."""
+    threading.Thread(target=take, args=(signals, os.getppid()), daemon=True, name="preempt-signals").start()
+
+
+def take(signals: tuple, rank: int) -> None:
+    while (info := signal.sigwaitinfo(signals)).si_pid != rank:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [info.si_signo])   # here alone: the worker's own handler takes it
+    signal.raise_signal(info.si_signo)
 
 
 def in_background(fn, *args) -> Future:

@@ -5,7 +5,9 @@
                                  removed after it (`announce`, `withdraw`). A rank whose launcher did not pass the
                                  supervisor's environment on reads them there (`launch_of`): DeepSpeed over ssh
                                  (HOSTFILE, pdsh) passes to the other nodes only variables named MLFLOW*, PYTHON*,
-                                 MV2*, UCX* and NCCL*, so SYNTHFORMER_RESTARTS never arrives there.
+                                 MV2*, UCX* and NCCL*, so SYNTHFORMER_RESTARTS never arrives there. A stop signal to
+                                 the supervisor is written there too (`request_stop`): such ranks are not under it,
+                                 and their global rank 0 polls the file for it (supervision/rank.py watch_stop).
     <run_dir>/logs/nodes.jsonl   a line per event of a launch that the other nodes must know of (`tell`): a rank's
                                  failure (as it writes its failure record), and each node's launch that ended, with
                                  its exit status. With one supervisor a node (`--nodes N`), each watches it (`Board`):
@@ -34,14 +36,30 @@ def board_path(run_dir: str) -> str:
     return os.path.join(run_dir, "logs", "nodes.jsonl")
 
 
-def announce(run_dir: str, restart: int, cause: str | None) -> None:
+def announce(run_dir: str, restart: int, cause: str | None, stop: str | None = None) -> None:
     """Before launch `restart`: its number and cause, for ranks that the supervisor's environment does not reach."""
     path = launch_path(run_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = f"{path}.{socket.gethostname()}.{os.getpid()}"   # every node's supervisor writes the same: each its own
     with open(part, "w") as f:
-        json.dump({"restart": restart, "cause": cause}, f)
+        json.dump({"restart": restart, "cause": cause, "stop": stop}, f)
     os.replace(part, path)
+
+
+def request_stop(run_dir: str, restart: int, why: str) -> None:
+    """A stop signal to the supervisor during launch `restart` (`why`: its name), for the ranks not under it."""
+    told = told_launch(run_dir) or {}
+    announce(run_dir, restart, told.get("cause") if told.get("restart") == restart else None, why)
+
+
+def stop_requested(run_dir: str, restart: int) -> str | None:
+    told = told_launch(run_dir)
+    return told.get("stop") if told is not None and told.get("restart") == restart else None
+
+
+def from_run_dir() -> bool:
+    """Whether this rank takes its launch from the run directory: the supervisor's environment did not reach it."""
+    return not any(os.environ.get(name) for name in (RESTARTS, "SLURM_RESTART_COUNT"))
 
 
 def withdraw(run_dir: str, restart: int) -> None:

@@ -14,6 +14,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 from model import ConfigError
 from pretrain import distributed, timeouts
@@ -31,6 +33,7 @@ TIMED_OUT = ("collective operation timeout", "Timed out waiting", "timed out wai
 # process 0. Original Traceback …", of the worker's exception's type), and when one died ("DataLoader worker (pid
 # 4242) is killed by signal: Killed.", "… exited unexpectedly")
 IN_WORKER, WORKER_DIED = " in DataLoader worker process ", "DataLoader worker (pid"
+STOP_POLL_S = 5.0   # how often global rank 0 of a launch not under the supervisor looks for a stop request
 
 
 def restart_number(run_dir: str) -> int:
@@ -131,6 +134,8 @@ def supervise(trainer) -> Watchdog | None:
     if agreed:
         trainer.log.info(timeouts.words(agreed, cfg.hang_timeout))
     log_restart(trainer.log, trainer.step, cfg.run_dir)
+    if trainer.layout.rank == 0 and nodes.from_run_dir():   # not under the supervisor (DeepSpeed over ssh)
+        watch_stop(trainer, cfg.run_dir)
     if cfg.hang_timeout is None:
         return None
     dog = Watchdog(cfg.hang_timeout, cfg.run_dir, trainer.layout.rank, lambda: trainer.step,
@@ -145,6 +150,24 @@ def supervise(trainer) -> Watchdog | None:
         dog.on_compilation()
     dog.start()
     return dog
+
+
+def watch_stop(trainer, run_dir: str, every: float = STOP_POLL_S) -> threading.Thread:
+    """A thread that polls the run directory for a stop the supervisor was asked for (nodes.py request_stop) and
+    stops the trainer as its preemption signals do: after the step, every rank together, with a checkpoint."""
+    restart = restart_number(run_dir)
+
+    def poll():
+        while trainer.stop_reason is None:
+            why = nodes.stop_requested(run_dir, restart)
+            if why:
+                trainer.stop_reason = f"{why} to the supervisor"
+                return
+            time.sleep(every)
+
+    thread = threading.Thread(target=poll, daemon=True, name="stop-requests")
+    thread.start()
+    return thread
 
 
 def log_restart(log, step: int, run_dir: str) -> None:

@@ -121,7 +121,7 @@ def failure_line(verdict: classes.Verdict, run_dir: str | None) -> str:
     return f"error: rank {verdict.rank} failed first ({verdict.cls.name}): {verdict.line}{where}"
 
 
-def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None = None,
+def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None = None, restart: int = 0,
              watch: tuple | None = None) -> tuple[int, list[str], dict | None]:
     """Run the launch command in its own session, its stderr passed through line by line; (its exit status, its
     `error: …` lines, the failure on the board that made this node stop it or None).
@@ -131,8 +131,8 @@ def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None 
     never act on one, whoever sends it (SLURM signals every process of a job step), and never end ranks that are
     saving; each rank unblocks them and acts on its own (supervision/rank.py), and its DataLoader workers ignore its
     preemption signals (tokendata/reading.py). A stop signal to the supervisor is passed on to every process of the
-    launch, as SLURM would, and noted in `stopping`: the ranks finish their step, save and exit 0, and so do the
-    launchers. Another command gets it in its process group, as from a shell. `watch` (board, Node, launch number):
+    launch, as SLURM would, and written in the run directory for ranks not under it (DeepSpeed over ssh: nodes.py),
+    and noted in `stopping`: the ranks finish their step, save and exit 0, and so do the launchers. Another command gets it in its process group, as from a shell. `watch` (board, Node, launch number):
     one supervisor a node, and a failure on the board stops this node's launcher (end_tree) after the node's grace.
     Once the command has ended, whatever it left behind (a rank, a data worker) is killed with its group."""
     trainer = run_dir is not None
@@ -158,6 +158,7 @@ def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None 
     def forward(signum, frame):
         stopping.append(signum)
         if trainer:
+            nodes.request_stop(run_dir, restart, signal.Signals(signum).name)
             signal_tree(proc.pid, signum)
         else:
             os.killpg(proc.pid, signum)
@@ -252,7 +253,7 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
         started, since = time.monotonic(), time.time()
         if run_dir:   # for ranks that this environment does not reach
             nodes.announce(run_dir, restarts, env.get(RESTART_CAUSE))
-        code, errors, stopped_for = run_once(command, {**env, RESTARTS: str(restarts)}, stopping, run_dir,
+        code, errors, stopped_for = run_once(command, {**env, RESTARTS: str(restarts)}, stopping, run_dir, restarts,
                                              (board, node, restarts) if node else None)
         if run_dir:
             nodes.withdraw(run_dir, restarts)

@@ -5,6 +5,7 @@ number from the run directory; a launch's records are known by their place, not 
 them."""
 import json
 import os
+import signal
 import subprocess
 import textwrap
 import time
@@ -66,7 +67,7 @@ def test_a_failure_on_one_node_stops_the_other_node_s_launcher_and_both_relaunch
 
 
 RANK = """\
-    import sys
+    import sys, time
     from types import SimpleNamespace
     from pretrain.supervision import rank as supervised
 
@@ -78,10 +79,15 @@ RANK = """\
             print(line)
 
     class Trainer:
-        step, stopped_by, layout = 5, None, None
+        step, stopped_by, stop_reason, layout = 5, None, None, None
 
-        def train(self):
+        def train(self):   # what supervise() does on global rank 0, then steps until a stop
             supervised.log_restart(Log(), self.step, sys.argv[1])
+            supervised.watch_stop(self, sys.argv[1], every=0.05)
+            deadline = time.time() + 30
+            while self.stop_reason is None and time.time() < deadline:
+                time.sleep(0.05)
+            self.stopped_by = self.stop_reason
 
         def close(self):
             pass
@@ -91,10 +97,11 @@ RANK = """\
     """
 
 
-def test_a_rank_started_without_the_launch_number_takes_it_from_the_run_directory(tmp_path):
-    """DeepSpeed over ssh (HOSTFILE) passes the ranks of the other nodes none of the supervisor's SYNTHFORMER_*
-    variables. The supervisor's third launch (restart 2, after a hang) runs; a rank started without them, as pdsh
-    starts it, takes launch 2 and its cause from the run directory: its record is read as launch 2's."""
+def test_a_rank_the_supervisor_s_environment_does_not_reach_takes_the_launch_and_a_stop_from_the_run_dir(tmp_path):
+    """DeepSpeed over ssh (HOSTFILE) passes the ranks none of the supervisor's SYNTHFORMER_* variables, and they are
+    not its processes. The supervisor's third launch (restart 2, after a hang) runs; it is preempted (SIGTERM): its
+    launcher ignores that, and a rank started without those variables, as pdsh starts it, takes launch 2, its cause
+    and the stop from the run directory: it stops as preempted, its record read as launch 2's, and all exit 0."""
     run = tmp_path / "run"
     waiter = script(tmp_path, "launcher.py", f"""\
         import os, sys, time
@@ -111,13 +118,13 @@ def test_a_rank_started_without_the_launch_number_takes_it_from_the_run_director
     while not (tmp_path / "started").exists():
         assert time.time() < deadline and supervisor.poll() is None, supervisor.stderr.read()
         time.sleep(0.05)
+    supervisor.send_signal(signal.SIGTERM)
     r = run_py([PY, script(tmp_path, "rank.py", RANK), str(run)], env=env(RANK="0"))
     records = [json.loads(line) for line in (run / "logs" / "rank0.exits.jsonl").read_text().splitlines()]
-    assert [(e["restart"], e["cls"]) for e in records] == [(2, "done")], r.stdout + r.stderr
+    assert [(e["restart"], e["cls"]) for e in records] == [(2, "preempted")], r.stdout + r.stderr
+    assert records[0]["line"] == "stopped at step 5 (SIGTERM to the supervisor)"
     assert f"restart 2 of this run, resumed at step 5, after: {cause}" in r.stdout, r.stdout
-    assert supervisor.wait(timeout=60) == 0, supervisor.stderr.read()
-    history = [json.loads(line) for line in (run / "logs" / "launches.jsonl").read_text().splitlines()]
-    assert [(h["restart"], h["class"], h["rank"]) for h in history] == [(2, "done", 0)]   # rank 0's record, read
+    assert supervisor.wait(timeout=60) == 0, supervisor.stderr.read()   # its launcher went on to the end
     assert not (run / "logs" / "launch.json").exists()   # withdrawn: a rank started later takes no old number
 
 

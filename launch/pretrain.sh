@@ -15,8 +15,11 @@
 #
 # Single machine: one process per GPU, or NPROC CPU processes when there is no GPU (default 2).
 # Multi-node, ssh (DeepSpeed):  HOSTFILE=hostfile launch/pretrain.sh CONFIG    (hostfile lines: "node1 slots=8")
-# Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node, each with its own supervisor
+# Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node, each with its own supervisor (a failure on
+# any node stops every node's launcher, and they relaunch together)
 #   NNODES=2 NODE_RANK=<i> MASTER_ADDR=<node 0> MASTER_PORT=29500 launch/pretrain.sh CONFIG
+# A preemption signal (train.preempt_signals), to this script or to every process of the job, stops the ranks after
+# their step with a checkpoint, and everything exits 0 (the launchers never act on it).
 # In a rank that a scheduler or another launcher already started (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 # MASTER_PORT set: srun one task a GPU, torchrun --no-python), the same command runs the trainer in that process;
 # restarts are that launcher's.

@@ -122,7 +122,7 @@ def failure_line(verdict: classes.Verdict, run_dir: str | None) -> str:
 
 
 def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None = None, restart: int = 0,
-             watch: tuple | None = None) -> tuple[int, list[str], dict | None]:
+             board: nodes.Board | None = None, node: Node | None = None) -> tuple[int, list[str], dict | None]:
     """Run the launch command in its own session, its stderr passed through line by line; (its exit status, its
     `error: …` lines, the failure on the board that made this node stop it or None).
 
@@ -132,9 +132,10 @@ def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None 
     saving; each rank unblocks them and acts on its own (supervision/rank.py), and its DataLoader workers ignore its
     preemption signals (tokendata/reading.py). A stop signal to the supervisor is passed on to every process of the
     launch, as SLURM would, and written in the run directory for ranks not under it (DeepSpeed over ssh: nodes.py),
-    and noted in `stopping`: the ranks finish their step, save and exit 0, and so do the launchers. Another command gets it in its process group, as from a shell. `watch` (board, Node, launch number):
-    one supervisor a node, and a failure on the board stops this node's launcher (end_tree) after the node's grace.
-    Once the command has ended, whatever it left behind (a rank, a data worker) is killed with its group."""
+    and noted in `stopping`: the ranks finish their step, save and exit 0, and so do the launchers. Another command
+    gets it in its process group, as from a shell. With `node` (one supervisor a node), a failure of launch `restart`
+    on the run's `board` stops this node's launcher (end_tree) after the node's grace. Once the command has ended,
+    whatever it left behind (a rank, a data worker) is killed with its group."""
     trainer = run_dir is not None
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if trainer else None   # till `forward` is set
     try:
@@ -164,7 +165,6 @@ def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None 
             os.killpg(proc.pid, signum)
 
     def watch_board():
-        board, node, restart = watch
         while not ended.wait(POLL_S):
             failure = board.failure(restart, node.rank)
             if failure is None:
@@ -177,7 +177,7 @@ def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None 
             return
 
     threads = [threading.Thread(target=relay, daemon=True)] + (
-        [threading.Thread(target=watch_board, daemon=True)] if watch else [])
+        [threading.Thread(target=watch_board, daemon=True)] if node else [])
     before = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     if trainer:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -254,7 +254,7 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
         if run_dir:   # for ranks that this environment does not reach
             nodes.announce(run_dir, restarts, env.get(RESTART_CAUSE))
         code, errors, stopped_for = run_once(command, {**env, RESTARTS: str(restarts)}, stopping, run_dir, restarts,
-                                             (board, node, restarts) if node else None)
+                                             board, node)
         if run_dir:
             nodes.withdraw(run_dir, restarts)
         if node:

@@ -56,15 +56,14 @@ def start(loader, ignored: tuple = ()):
 def ignore(signals: tuple, worker_id: int) -> None:
     """A DataLoader worker's init: `signals`, blocked in every thread of it, are taken by a thread of their own, which
     ignores each unless it comes from the rank itself: multiprocessing's terminate() (SIGTERM) when the rank shuts its
-    loader down or exits, which then ends the worker as it would have."""
+    loader down or exits, which ends the worker as torch's own handler does (exit status 0)."""
     threading.Thread(target=take, args=(signals, os.getppid()), daemon=True, name="preempt-signals").start()
 
 
 def take(signals: tuple, rank: int) -> None:
-    while (info := signal.sigwaitinfo(signals)).si_pid != rank:
+    while signal.sigwaitinfo(signals).si_pid != rank:
         pass
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [info.si_signo])   # here alone: the worker's own handler takes it
-    signal.raise_signal(info.si_signo)
+    os._exit(0)
 
 
 def in_background(fn, *args) -> Future:

@@ -57,9 +57,11 @@ def stop_requested(run_dir: str, restart: int) -> str | None:
     return told.get("stop") if told is not None and told.get("restart") == restart else None
 
 
-def from_run_dir() -> bool:
-    """Whether this rank takes its launch from the run directory: the supervisor's environment did not reach it."""
-    return not any(os.environ.get(name) for name in (RESTARTS, "SLURM_RESTART_COUNT"))
+def from_run_dir(run_dir: str) -> bool:
+    """Whether this rank takes its launch from the run directory: the supervisor's environment did not reach it, and
+    a supervisor wrote one there."""
+    return not any(os.environ.get(name) for name in (RESTARTS, "SLURM_RESTART_COUNT")) and \
+        told_launch(run_dir) is not None
 
 
 def withdraw(run_dir: str, restart: int) -> None:

@@ -134,7 +134,7 @@ def supervise(trainer) -> Watchdog | None:
     if agreed:
         trainer.log.info(timeouts.words(agreed, cfg.hang_timeout))
     log_restart(trainer.log, trainer.step, cfg.run_dir)
-    if trainer.layout.rank == 0 and nodes.from_run_dir():   # not under the supervisor (DeepSpeed over ssh)
+    if trainer.layout.rank == 0 and nodes.from_run_dir(cfg.run_dir):   # not under its supervisor (DeepSpeed over ssh)
         watch_stop(trainer, cfg.run_dir)
     if cfg.hang_timeout is None:
         return None

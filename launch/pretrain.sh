@@ -15,8 +15,11 @@
 #
 # Single machine: one process per GPU, or NPROC CPU processes when there is no GPU (default 2).
 # Multi-node, ssh (DeepSpeed):  HOSTFILE=hostfile launch/pretrain.sh CONFIG    (hostfile lines: "node1 slots=8")
-# Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node, each with its own supervisor
+# Multi-node, no ssh (SLURM, or two "nodes" on one host): on every node, each with its own supervisor (a failure on
+# any node stops every node's launcher, and they relaunch together)
 #   NNODES=2 NODE_RANK=<i> MASTER_ADDR=<node 0> MASTER_PORT=29500 launch/pretrain.sh CONFIG
+# A preemption signal (train.preempt_signals), to this script or to every process of the job, stops the ranks after
+# their step with a checkpoint, and everything exits 0 (the launchers never act on it).
 # In a rank that a scheduler or another launcher already started (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 # MASTER_PORT set: srun one task a GPU, torchrun --no-python), the same command runs the trainer in that process;
 # restarts are that launcher's.
@@ -71,6 +74,9 @@ if [ -z "${NPROC:-}" ]; then   # one process per GPU, else 2 on the CPU (torch i
   NPROC=$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)
 fi
 NNODES="${NNODES:-1}" NODE_RANK="${NODE_RANK:-0}" ADDR="${MASTER_ADDR:-127.0.0.1}" PORT="${MASTER_PORT:-29500}"
+# One launcher a node (no HOSTFILE): this node's supervisor is one of NNODES, and a failure on any node stops them all
+NODES=()
+[ -n "${HOSTFILE:-}" ] || [ "$NNODES" -le 1 ] || NODES=(--nodes "$NNODES" --node-rank "$NODE_RANK")
 case "${LAUNCHER:-deepspeed}" in
   torchrun)   # static rendezvous at MASTER_ADDR:MASTER_PORT; restarts are the supervisor's, so torchrun makes none
     [ -z "${HOSTFILE:-}" ] || { echo "error: HOSTFILE is the DeepSpeed launcher's; under LAUNCHER=torchrun start" \
@@ -95,7 +101,8 @@ case "${LAUNCHER:-deepspeed}" in
      exit 2 ;;
 esac
 # The supervisor, given the run's directory (train.run_dir: where the ranks' records are) by the check below
-SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}")
+SUPERVISE=("$PYTHON" -m pretrain.supervision --max-restarts "$MAX_RESTARTS" --backoff "${RESTART_BACKOFF:-10}"
+           ${NODES[@]+"${NODES[@]}"})
 if [ -n "$DRY_RUN" ]; then
   printf '%s\n' "${SUPERVISE[@]}" -- "${LAUNCH[@]}" "$@"
   exit 0

@@ -4,6 +4,7 @@ validation (per source, and combined with the sources' weights), and what the lo
 from __future__ import annotations
 
 import math
+import signal
 
 import torch
 
@@ -15,13 +16,15 @@ from tokendata.stream import TokenStream
 
 def train_stream(cfg: TrainConfig, lay: Layout, sources: tuple = ()) -> TokenStream:
     """This rank's TokenStream, of the sources the launch check read (`sources`, else read here). An older
-    checkpoint's order has the shards' sizes checked by global rank 0 alone, its verdict broadcast."""
+    checkpoint's order has the shards' sizes checked by global rank 0 alone, its verdict broadcast. Its DataLoader
+    workers ignore train.preempt_signals: the rank stops after its step, they read on until it does."""
     return TokenStream(list(sources) or cfg.data.source_list(), cfg.train.micro_batch_size, cfg.model.max_seq_len,
                        dp_rank=lay.dp_rank, dp_world=lay.dp, num_workers=cfg.data.num_workers, seed=cfg.data.seed,
                        bad_shards=cfg.data.bad_shards, pin_memory=lay.device.type == "cuda",
                        cache_dir=cfg.data.cache_dir, decide=lambda check: distributed.from_rank0(check, lay),
                        global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.data.canonical_streams,
-                       verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads)
+                       verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads,
+                       preempt_signals=[getattr(signal, name) for name in cfg.train.preempt_signals])
 
 
 def named(stream: TokenStream) -> bool:

@@ -247,10 +247,12 @@ def init(cfg: TrainConfig) -> Layout:
                   peers=tuple(peers), collective_timeout_s=timeout.total_seconds())
 
 
-# What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers.
+# What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers
+# ("DataLoader worker (pid 4242) is killed by signal: …"). An exception raised in a worker ("Caught ValueError in
+# DataLoader worker process 0 …") is none: the supervision classes it by its cause (supervision/rank.py classify).
 LOSS_GRACE_S = 3.0   # how long a rank that saw a peer's connection drop waits to see that peer's process gone
 PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
-             "NCCL communicator was aborted", "DataLoader worker")
+             "NCCL communicator was aborted", "DataLoader worker (pid")
 
 
 def is_peer_loss(e: BaseException) -> bool:

@@ -2,6 +2,7 @@
 this rank's positions of every global batch (tokendata/order.py says which samples; this module reads them). Module
 level, so workers can pickle it under any start method.
 
+    start(loader, ignored)  iter(loader), its worker processes ignoring the rank's preemption signals
     RankPieces(plan)   the IterableDataset of one rank: worker w of W reads the positions whose stream c has
                        c mod W = w and yields, per global batch, one piece {"positions", "tokens", "ids",
                        "skipped_shards", "retries"}; the training process puts the pieces back in position order
@@ -14,6 +15,9 @@ after it (fetched ahead, in the order they will be needed), in one ShardPool (to
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import signal
 import sys
 import threading
 from concurrent.futures import Future
@@ -32,6 +36,35 @@ def worker_info() -> tuple[int, int]:
     """(this DataLoader worker's id, the workers) or (0, 1) in the training process."""
     info = torch.utils.data.get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+def start(loader, ignored: tuple = ()):
+    """iter(loader), its worker processes ignoring the signals `ignored` (the rank's preemption signals, which a
+    scheduler may send to every process of the job: the rank finishes its step and saves, and its workers must read
+    on until it does; torch's own handler would end them, and the rank's step with them). The signals are blocked in
+    this thread while the workers start and stay blocked in them (`ignore`): none falls between, and the rank sees
+    one that came meanwhile as soon as they are unblocked here."""
+    if not ignored or not loader.num_workers or not hasattr(signal, "sigwaitinfo"):   # (macOS: as torch does)
+        return iter(loader)
+    loader.worker_init_fn = functools.partial(ignore, tuple(ignored))
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def ignore(signals: tuple, worker_id: int) -> None:
+    """A DataLoader worker's init: `signals`, blocked in every thread of it, are taken by a thread of their own, which
+    ignores each unless it comes from the rank itself: multiprocessing's terminate() (SIGTERM) when the rank shuts its
+    loader down or exits, which ends the worker as torch's own handler does (exit status 0)."""
+    threading.Thread(target=take, args=(signals, os.getppid()), daemon=True, name="preempt-signals").start()
+
+
+def take(signals: tuple, rank: int) -> None:
+    while signal.sigwaitinfo(signals).si_pid != rank:
+        pass
+    os._exit(0)
 
 
 def in_background(fn, *args) -> Future:

@@ -4,14 +4,15 @@ or several blended by weight.
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
-                canonical_streams=None, verify="hash", fetch_threads=8)
+                canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=())
                             sources: a shard location (data.shard_dir), a list of Source / {"name", "path",
                             "weight"} (data.sources, tokendata/sources.py), or of Opened (read by the launch check); global_batch_size: G, the samples of one
                             optimizer step over all ranks (default micro_batch_size × dp_world); canonical_streams: C
                             (None: a checkpoint's, else tokendata.order.default_streams(G)); fetch_threads: shards a
                             rank fetches at once (its bound on shards in memory); decide(fn): fn's result as one rank
                             computed it, on every rank (the trainer's pretrain.distributed.from_rank0: the size check
-                            an older checkpoint's order needs)
+                            an older checkpoint's order needs); preempt_signals: the rank's, which its DataLoader
+                            workers ignore (tokendata/reading.py start)
         iter(stream)        endless train micro-batches {"tokens": LongTensor (B, n+1), "ids": [B sample ids,
                             "<source name>/<key>" for a named source], "skipped_shards": [URLs of shards found bad
                             while this batch was read; usually []], "retries": fetches retried (network faults)}; each
@@ -62,7 +63,7 @@ import torch
 
 from tokendata import rank_order, shard_stream_order
 from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, layout, rank_slice
-from tokendata.reading import Part, Plan, RankPieces, as_is, collate
+from tokendata.reading import Part, Plan, RankPieces, as_is, collate, start
 from tokendata.shard_files import ShardReader
 from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need
 from tokendata.sources import Opened, as_sources, good_shards, open_sources
@@ -94,7 +95,7 @@ class TokenStream:
 
     def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
                  mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None,
-                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8):
+                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=()):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -116,6 +117,7 @@ class TokenStream:
         self.mix_shards, self.bad_shards, self.global_batch_size = mix_shards, bad_shards, G
         self.fetch_threads, self.decide = fetch_threads, decide or (lambda fn: fn())
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
+        self.preempt_signals = tuple(preempt_signals)
         self.dtype, self.member = DTYPES[m["dtype"]]
         self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
         self.retries = 0   # fetches retried in this process (validation); train batches carry theirs
@@ -178,7 +180,7 @@ class TokenStream:
                                                      num_workers=self.workers,
                                                      prefetch_factor=2 if self.workers else None)
                 share, workers = self._share, self.workers
-            pieces, B, skip = iter(loader), self.micro_batch_size, self._into
+            pieces, B, skip = start(loader, self.preempt_signals), self.micro_batch_size, self._into
             while True:
                 got = share([next(pieces) for _ in range(max(1, workers))])
                 for k in range(skip, self.grad_accum):
@@ -208,7 +210,7 @@ class TokenStream:
             self.blend.picks(self._pos, self.global_batch_size)
 
     def _legacy_batches(self, me):
-        for batch in rank_order.loader(self, self._legacy, self._bad[0]):
+        for batch in start(rank_order.loader(self, self._legacy, self._bad[0]), self.preempt_signals):
             self._check_live(me)
             self._legacy += 1
             self._bad[0].update(self._urls[url][1] for url in batch["skipped_shards"])

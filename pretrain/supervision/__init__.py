@@ -6,6 +6,8 @@ agree, and the evidence a hang leaves.
                         of them (the first cause, not its echoes)
     relaunch.py         the supervisor around a launcher (launch/pretrain.sh --max-restarts N; `python -m
                         pretrain.supervision`): relaunches what a relaunch can fix, stops a crash loop
+    nodes.py            what the supervisors and ranks of a run tell each other in its directory: the launch's number
+                        for ranks the supervisor's environment does not reach, and the nodes' board of failures
     rank.py             what a rank does: its log, its record, the timeouts set, the watchdog wrapped around the trainer
     watchdog.py         the hang watchdog (train.hang_timeout) and what counts as progress
     flight_recorder.py  PyTorch's flight recorder, on, and dumped beside the stacks of a hung rank

@@ -120,26 +120,49 @@ def write(run_dir: str, ending: Ending) -> str:
     return target
 
 
-def read(run_dir: str, restart: int, since: float) -> list[Ending]:
-    """The records of the launch that is relaunch number `restart` and started at `since` (epoch seconds), one a rank:
-    an older launch's, or one of a launch by hand with the same number, is left out. A rank that wrote two keeps its
-    first: what it recorded after it is an echo (the lost peer its main thread saw while its watchdog dumped the hang,
-    a hang in its teardown after its error)."""
+def read(run_dir: str, restart: int, since: "dict[str, int] | float") -> list[Ending]:
+    """The records of the launch that is relaunch number `restart`, one a rank: those appended after `since`, a `mark`
+    taken before the launch (or, given epoch seconds, those written since then: `fresh`). An older launch's, or one
+    of a launch by hand with the same number, is left out. A rank that wrote two keeps its first: what it recorded
+    after it is an echo (the lost peer its main thread saw while its watchdog dumped the hang, a hang in its teardown
+    after its error)."""
     folder = os.path.join(run_dir, "logs")
     found: dict[int, Ending] = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if not name.endswith(".exits.jsonl"):
             continue
-        with open(os.path.join(folder, name)) as f:
-            for line in f:
-                try:
-                    ending = Ending(**json.loads(line))
-                except (ValueError, TypeError):   # a line cut short by a kill
-                    continue
-                if ending.restart == restart and ending.time >= since - 5 and ending.cls in BY_NAME and \
-                        ending.rank not in found:
-                    found[ending.rank] = ending
+        for line in lines_after(os.path.join(folder, name), since):
+            try:
+                ending = Ending(**json.loads(line))
+            except (ValueError, TypeError):   # a line cut short by a kill
+                continue
+            if ending.restart == restart and fresh(ending, since) and ending.cls in BY_NAME and \
+                    ending.rank not in found:
+                found[ending.rank] = ending
     return [found[rank] for rank in sorted(found)]
+
+
+def mark(run_dir: str) -> dict[str, int]:
+    """Where each rank's record file ends now, in bytes. `read` given it takes what was appended after: a launch's
+    records, known by their place and their launch's number, whatever the clock of the node that wrote them says."""
+    folder = os.path.join(run_dir, "logs")
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return {name: os.path.getsize(os.path.join(folder, name)) for name in names if name.endswith(".exits.jsonl")}
+
+
+def lines_after(path: str, since: "dict[str, int] | float") -> list[str]:
+    """The lines of a record file after its place in the mark `since` (a file shorter than that was replaced: all of
+    it), or all of them where `since` is a time."""
+    with open(path, "rb") as f:
+        data = f.read()
+    start = since.get(os.path.basename(path), 0) if isinstance(since, dict) else 0
+    return data[start if start <= len(data) else 0:].decode(errors="replace").splitlines()
+
+
+def fresh(ending: Ending, since: "dict[str, int] | float") -> bool:
+    """Whether a record is of the launch that began at `since`: after a mark, by its place (lines_after); at epoch
+    seconds, by its time, with 5 s to spare (wrong where a node's clock is off by more: a mark is not)."""
+    return isinstance(since, dict) or ending.time >= since - 5
 
 
 @dataclass

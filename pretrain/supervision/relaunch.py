@@ -14,12 +14,21 @@ what each rank wrote of how it ended (classes.py) to decide, rather than the lau
   second (classes.steady), and for a launch whose ranks left no record (kill -9, the OOM killer) the step of the
   newest complete checkpoint, which both resumed from; an outage that lasts is no loop;
 - each launch's verdict is appended to DIR/logs/launches.jsonl, which is how a requeued SLURM job (a new process:
-  `--classify`) knows the launch before it.
+  `--classify`) knows the launch before it;
+- a preemption signal reaches the ranks once, as a request to stop (run_once): the launchers never act on it.
 
-Every node of a multi-node job runs its own supervisor around its own launcher; they read the same records (the run
-directory is shared) and so decide alike. Without --run-dir the run's directory is found from the trainer's arguments
-in the command; a command without them (not a launch of pretrain.train) is judged by its exit status alone (0 done,
-2 config or data error, 3 hang, 4 training stopped, else relaunched), with no crash-loop check.
+A launch's records are those its ranks appended after the supervisor began (classes.mark), with its number: no clock
+is compared, so a node whose clock is off is still read. The number and cause of each launch are also written in the
+run directory (nodes.py), for ranks on nodes that the supervisor's environment does not reach (DeepSpeed over ssh).
+
+Every node of a multi-node job can run its own supervisor around its own launcher (--nodes N --node-rank I, as
+launch/pretrain.sh does with NNODES and NODE_RANK); they read the same records (the run directory is shared) and so
+decide alike. A failure on any node (a rank's failure record, or a node's launch that failed) stops every node's
+launcher within POLL_S + --stop-grace s (nodes.py's board), rather than after hang_timeout; each node then waits for
+the others' launches to end, and all judge the same records and relaunch together. Without --run-dir the run's
+directory is found from the trainer's arguments in the command; a command without them (not a launch of
+pretrain.train) is judged by its exit status alone (0 done, 2 config or data error, 3 hang, 4 training stopped, else
+relaunched), with no crash-loop check.
 """
 from __future__ import annotations
 
@@ -30,15 +39,30 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
-from pretrain.supervision import classes
+import psutil
+
+from pretrain.supervision import classes, nodes
 from pretrain.supervision.ranklog import log_path
 
 MAX_BACKOFF_S = 300
 TRANSIENT_FACTOR, TRANSIENT_MAX_S = 6, 900   # after an outage: 6 × the wait (60 s for --backoff 10), at most 15 min
 STABLE_S = 600                # a launch that ran this long before failing starts the backoff again from --backoff
-RESTARTS, RESTART_CAUSE = "SYNTHFORMER_RESTARTS", "SYNTHFORMER_RESTART_CAUSE"
+RESTARTS, RESTART_CAUSE = nodes.RESTARTS, nodes.RESTART_CAUSE
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+POLL_S = 2.0                  # with --nodes: how often the run's board (nodes.py) is read
+STOP_GRACE_S = 15.0           # with --nodes: from a failure on the board to stopping this node's launcher
+NODES_WAIT_S = 120.0          # with --nodes: how long a node waits for the others' launches to end, at most
+
+
+@dataclass(frozen=True)
+class Node:
+    """This supervisor as one of `count`, one a node: its node rank, and the seconds between a failure on the board
+    and stopping its own launcher (its own ranks' records are written first: a hang's stacks and dumps take a while)."""
+    count: int
+    rank: int
+    grace: float = STOP_GRACE_S
 
 
 def run_dir_of(command: list[str]) -> str | None:
@@ -65,9 +89,10 @@ def previous(run_dir: str | None, restart: int) -> dict | None:
     return next((row for row in reversed(rows) if row["restart"] == restart - 1), None)
 
 
-def judge(run_dir: str | None, restart: int, since: float, code: int, errors: list[str]) -> tuple[classes.Verdict,
-                                                                                                    str | None]:
-    """(the launch's verdict, why it must not be relaunched, or None), its row appended to the run's history."""
+def judge(run_dir: str | None, restart: int, since: dict | float, code: int,
+          errors: list[str]) -> tuple[classes.Verdict, str | None]:
+    """(the launch's verdict, why it must not be relaunched, or None), its row appended to the run's history. `since`:
+    where the launch's records begin (classes.read)."""
     if run_dir:
         verdict = classes.conclude(classes.read(run_dir, restart, since), code)
     else:
@@ -135,14 +160,33 @@ def failure_line(verdict: classes.Verdict, run_dir: str | None) -> str:
     return f"error: rank {verdict.rank} failed first ({verdict.cls.name}): {verdict.line}{where}"
 
 
-def run_once(command: list[str], env: dict, stopping: list) -> tuple[int, list[str]]:
-    """Run the launch command in its own process group, its stderr passed through line by line; (its exit status,
-    its `error: …` lines). A signal that stops a run (SIGTERM, SIGINT, SIGUSR1/2: a scheduler's preemption) is passed
-    on to the whole group and noted in `stopping`; once the command has ended, whatever it left behind (a rank, a data
-    worker) is killed with its group."""
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
+def run_once(command: list[str], env: dict, stopping: list, run_dir: str | None = None, restart: int = 0,
+             board: nodes.Board | None = None, node: Node | None = None) -> tuple[int, list[str], dict | None]:
+    """Run the launch command in its own session, its stderr passed through line by line; (its exit status, its
+    `error: …` lines, the failure on the board that made this node stop it or None).
+
+    A launch of the trainer (`run_dir` known) starts with the stop signals (SIGTERM, SIGINT, SIGUSR1/2: a scheduler's
+    preemption) blocked. Every process under it inherits that, so the launchers (DeepSpeed's two, torchrun's agent)
+    never act on one, whoever sends it (SLURM signals every process of a job step), and never end ranks that are
+    saving; each rank unblocks them and acts on its own (supervision/rank.py), and its DataLoader workers ignore its
+    preemption signals (tokendata/reading.py). A stop signal to the supervisor is passed on to every process of the
+    launch, as SLURM would, and written in the run directory for ranks not under it (DeepSpeed over ssh: nodes.py),
+    and noted in `stopping`: the ranks finish their step, save and exit 0, and so do the launchers. Another command
+    gets it in its process group, as from a shell. With `node` (one supervisor a node), a failure of launch `restart`
+    on the run's `board` stops this node's launcher (end_tree) after the node's grace. Once the command has ended,
+    whatever it left behind (a rank, a data worker) is killed with its group."""
+    trainer = run_dir is not None
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if trainer else None   # till `forward` is set
+    try:
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                                start_new_session=True)
+    except BaseException:
+        if trainer:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
     errors: list[str] = []
+    stopped_for: list[dict] = []
+    ended = threading.Event()
 
     def relay():
         for line in proc.stderr:
@@ -153,45 +197,116 @@ def run_once(command: list[str], env: dict, stopping: list) -> tuple[int, list[s
 
     def forward(signum, frame):
         stopping.append(signum)
-        os.killpg(proc.pid, signum)
+        if trainer:
+            nodes.request_stop(run_dir, restart, signal.Signals(signum).name)
+            signal_tree(proc.pid, signum)
+        else:
+            os.killpg(proc.pid, signum)
 
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
+    def watch_board():
+        while not ended.wait(POLL_S):
+            failure = board.failure(restart, node.rank)
+            if failure is None:
+                continue
+            print(f"node {node.rank}: {nodes.failure_words(failure)}; stopping this node's launcher in "
+                  f"{node.grace:g} s", file=sys.stderr, flush=True)
+            if not ended.wait(node.grace):
+                stopped_for.append(failure)
+                end_tree(proc.pid)
+            return
+
+    threads = [threading.Thread(target=relay, daemon=True)] + (
+        [threading.Thread(target=watch_board, daemon=True)] if node else [])
     before = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    if trainer:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    for thread in threads:
+        thread.start()
     try:
         code = proc.wait()
     finally:
+        ended.set()
         for s, handler in before.items():
             signal.signal(s, handler)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        reader.join(timeout=10)
-    return (128 - code if code < 0 else code), errors
+        for thread in threads:
+            thread.join(timeout=10)
+    return (128 - code if code < 0 else code), errors, (stopped_for[0] if stopped_for else None)
 
 
-def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str | None = None) -> int:
+def signal_tree(pid: int, signum: int) -> None:
+    """`signum` to every process of a launch: the launcher and all under it, in sessions of their own too (torchrun's
+    ranks), once each."""
+    try:
+        tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for p in tree:
+        try:
+            p.send_signal(signum)
+        except psutil.Error:
+            pass
+
+
+def end_tree(pid: int) -> None:
+    """SIGKILL to every process of a launch (its group, and those under it in sessions of their own)."""
+    signal_tree(pid, signal.SIGKILL)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for_nodes(board: nodes.Board, node: Node, restart: int, stopping: list) -> None:
+    """Until every node's launch `restart` has ended (so that all read the same records, and start the next one
+    together), NODES_WAIT_S at most: a node that said nothing by then (lost with its supervisor) is not waited for."""
+    deadline = time.monotonic() + NODES_WAIT_S
+    while len(board.ended(restart)) < node.count and time.monotonic() < deadline and not stopping:
+        time.sleep(POLL_S / 4)
+    missing = sorted(set(range(node.count)) - board.ended(restart))
+    if missing and not stopping:
+        print(f"node {node.rank}: node {', '.join(map(str, missing))} did not say that launch {restart} ended within "
+              f"{NODES_WAIT_S:g} s; going on without it", file=sys.stderr, flush=True)
+
+
+def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str | None = None,
+             node: Node | None = None) -> int:
     """Run `command`; after a failure a relaunch can fix, wait and run it again, at most `max_restarts` times. The
-    exit status: 0, or the last launch's class's (classes.py)."""
+    exit status: 0, or the last launch's class's (classes.py). `node`: one supervisor of several, one a node (it needs
+    `run_dir`)."""
     env, in_a_row, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run
-    found: dict = {"dir": run_dir}
-    finder = threading.Thread(target=lambda: found.update(dir=run_dir_of(command)), daemon=True)
+    found: dict = {"dir": run_dir, "mark": classes.mark(run_dir) if run_dir else None}   # before any launch
+    finder = threading.Thread(target=lambda: found.update(dir=(d := run_dir_of(command)),
+                                                          mark=classes.mark(d) if d else None), daemon=True)
     if run_dir is None:   # found while the first launch runs
         finder.start()
+    board = nodes.Board(run_dir) if node else None
     restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
     first = restarts
     for s in STOP_SIGNALS:   # also while it waits to relaunch
         signal.signal(s, lambda signum, frame: stopping.append(signum))
     while True:
         started, since = time.monotonic(), time.time()
-        code, errors = run_once(command, {**env, RESTARTS: str(restarts)}, stopping)
+        if run_dir:   # for ranks that this environment does not reach
+            nodes.announce(run_dir, restarts, env.get(RESTART_CAUSE))
+        code, errors, stopped_for = run_once(command, {**env, RESTARTS: str(restarts)}, stopping, run_dir, restarts,
+                                             board, node)
+        if run_dir:
+            nodes.withdraw(run_dir, restarts)
+        if node:
+            nodes.tell(run_dir, restarts, "ended", node=node.rank, status=code,
+                       stopped=bool(stopped_for or stopping))
         if stopping:
             return code
         if finder.is_alive():
             finder.join()
         run_dir = found["dir"]
-        verdict, stop = judge(run_dir, restarts, since, code, errors)
+        if node and code != 0:
+            wait_for_nodes(board, node, restarts, stopping)
+        verdict, stop = judge(run_dir, restarts, found["mark"] if found["mark"] is not None else since, code, errors)
         if verdict.cls in (classes.DONE, classes.PREEMPTED) and code == 0:
             return 0
         print(failure_line(verdict, run_dir), file=sys.stderr, flush=True)

@@ -9,13 +9,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from pretrain.checkpoints.durable import verify
 from pretrain.supervision.classes import CONFIG, STOPPED
-from tests.support.runs import (PY, ROOT, finish, free_local_port, launch, losses, metric_rows, reference_config, start,
-                                trainer_ranks, write_config)
+from tests.support.runs import (PY, ROOT, finish, free_local_port, launch, losses, metric_rows, output,
+                                reference_config, start, trainer_ranks, write_config)
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,32 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_exit_0(shards, tmp_p
     assert f"resumed at step {stopped}" in r.stdout
     launch(config(tmp_path, shards, "reference", max_steps=2000), 2, f"train.stop_after_steps={stopped + 2}")
     assert losses(tmp_path / "preempted") == losses(tmp_path / "reference")
+
+
+def test_a_preemption_signal_to_every_process_of_the_launch_saves_the_step_and_exits_0(shards, tmp_path):
+    """As SLURM delivers `--signal` and `scancel --signal` (proctrack/cgroup): to every process of the job step, the
+    supervisor, DeepSpeed's two launcher processes and the DataLoader workers as well as the ranks. The launchers must
+    not end the ranks, the workers must read on: the ranks stop after the step, save it, and every exit status is 0."""
+    run = tmp_path / "tree"
+    cfg = write_config(tmp_path / "tree.yaml", shards, run, data={"num_workers": 2}, train={"max_steps": 2000},
+                       checkpoint={"every": 1000})
+    proc = start(cfg, env={"NPROC": "2", "MASTER_PORT": str(free_local_port())})
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").exists() and '"train/loss"' in (run / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and proc.poll() is None, output(proc)[-2000:]
+        time.sleep(0.2)
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    ranks = trainer_ranks(proc.pid)
+    assert len(ranks) == 2 and all(len(p.children()) == 2 for p in ranks.values())   # 2 DataLoader workers each
+    for p in tree:                                               # every process of the tree, at once
+        p.send_signal(signal.SIGTERM)
+    r = finish(proc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stopped = max(losses(run))
+    assert f"stopped at step {stopped} (SIGTERM)" in r.stdout and "Killing subprocess" not in r.stdout + r.stderr
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{stopped:08d}"
+    ends = [json.loads((run / "logs" / f"rank{k}.exits.jsonl").read_text().splitlines()[-1]) for k in (0, 1)]
+    assert [(e["cls"], e["step"]) for e in ends] == [("preempted", stopped)] * 2
 
 
 def test_wall_clock_limit_stops_cleanly(shards, tmp_path):

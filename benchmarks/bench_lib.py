@@ -2,10 +2,11 @@
 results (statistics, tables, the served processes it alternates) is benchmarks/bench_report.py.
 
 Inside a measurement process (a fresh interpreter per point, so no two points share allocator state):
-    Memory        RSS (CPU) or allocator (CUDA) readings: after imports, after the engine is built, at rest after the
-                  warm-up, peak per repetition and per phase of a step (forward, backward, optimizer step)
+    Memory        RSS (CPU) or allocator (CUDA) readings (benchmarks/bench_memory.py): after imports, after the
+                  engine is built, at rest after the warm-up, peak per repetition and per phase of a step
     measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
-                  parent): per repetition the rate, the time per call and the peak memory
+                  parent): per repetition the rate, the time per call and the peak memory; and each call's own time
+                  (StepClock: CUDA events on a GPU, so that no step waits for the host to read a clock)
     run_point()   one point of a plan: "train" (our engine, pretrain.engine.build_engine), "peer" (Hugging Face GPT-2
                   under the same DeepSpeed config), "data" (tokendata.stream.TokenStream alone, data.verify
                   spec["verify"]) or "shards" (tools/make_shards.py on a text file, spec["workers"] processes)
@@ -21,8 +22,8 @@ import time
 from functools import partial
 
 from benchmarks import bench_data
+from benchmarks.bench_memory import Memory, tensor_mb  # noqa: F401  (Memory: its home for the tests and callers)
 from benchmarks.bench_sched import Foreground, runqueue_s
-from pretrain.observe.metrics import memory_mb, reset_peak_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_MARK = "BENCH_RESULT "   # the child's one result line on stdout (DeepSpeed logs to stdout as well)
@@ -30,89 +31,37 @@ READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up
 
 
 # ---- inside one measurement process --------------------------------------------------------------------------------
-def tensor_mb() -> float:
-    """MB held by the live tensors of this process that Python reaches and autograd did not make (parameters,
-    optimizer states, ZeRO's flat buffers and partitions, gradients; not the outputs a pipeline keeps), each storage
-    counted once: what an engine holds at rest, read off its tensors rather than off the allocator."""
-    import gc
+class StepClock:
+    """Each timed call's own duration: on CUDA an event recorded after each call on the stream (read once the
+    repetition is over: the host never waits inside it), elsewhere the host's clock."""
 
-    import torch
-
-    seen = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.grad_fn is None:
-                storage = obj.untyped_storage()
-                seen[(obj.device, storage.data_ptr())] = storage.nbytes()
-        except (RuntimeError, ReferenceError):   # a tensor without storage (sparse, a freed weakref proxy)
-            continue
-    return sum(seen.values()) / 2**20
-
-
-class Memory:
-    """Peak memory of this process, in MB. CUDA: the caching allocator's counters. CPU: resident set size, with the
-    kernel's high-water mark (VmHWM) reset before each repetition (/proc/self/clear_refs "5"), so each repetition has
-    its own peak; where that reset is refused, every repetition reports the peak so far (ru_maxrss).
-    Readings: after imports (`after_init`), once the engine is built (`after_engine`), and at rest between steps after
-    the warm-up (`at_rest`: parameters and optimizer states, Adam's being created by the first step). `phase(name)`
-    closes a phase of a step: its peak is kept (the highest over a repetition's steps) and the next phase's begins.
-    On CUDA each reading also keeps the allocator's and the driver's view (`cuda`): max_memory_allocated,
-    max_memory_reserved (the caching allocator's segments: what the process holds) and torch.cuda.mem_get_info
-    (free and total on the device, other processes included), in MB, for memory verdicts against the device."""
-
-    def __init__(self, device):
-        self.device = device
-        self.reserved = 0.0   # the highest max_memory_reserved over the phases since reset_peak
-        self.after_init = self.now()   # after imports and the process group's start
-        self.after_engine = self.at_rest = self.tensors_at_rest = None
-        self.cuda = {"after_engine": None, "at_rest": None, "reps": []}
-        self.phases = {}
-
-    def cuda_reading(self, allocated_mb: float | None = None) -> dict | None:
-        """{max_allocated_mb, max_reserved_mb, free_mb, total_mb} now (since reset_peak; `allocated_mb`: the peak
-        over the phases), or None off CUDA."""
-        if self.device.type != "cuda":
-            return None
+    def __init__(self, device=None):
         import torch
 
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
-        return {"max_allocated_mb": allocated_mb if allocated_mb is not None else memory_mb(self.device),
-                "max_reserved_mb": reserved, "free_mb": free / 2**20, "total_mb": total / 2**20}
+        self.cuda = device is not None and getattr(device, "type", device) == "cuda"
+        self.torch, self.marks = torch, []
 
-    def now(self) -> float:
-        return memory_mb(self.device, peak=False)
+    def mark(self) -> None:
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
 
-    def engine_built(self) -> None:
-        self.after_engine = self.now()
-        self.cuda["after_engine"] = self.cuda_reading()
-
-    def rest(self) -> None:
-        self.at_rest = self.now()
-        self.tensors_at_rest = tensor_mb()
-        self.cuda["at_rest"] = self.cuda_reading()
-
-    def reset_peak(self) -> None:
-        self.phases, self.reserved = {}, 0.0
-        reset_peak_memory(self.device)
-
-    def phase(self, name: str) -> None:
-        self.phases[name] = max(self.phases.get(name, 0.0), memory_mb(self.device))
-        if self.device.type == "cuda":
-            import torch
-
-            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device) / 2**20)
-        reset_peak_memory(self.device)
-
-    def peak(self) -> float:
-        """Since reset_peak(): the highest of the phases' peaks and of what came after the last phase."""
-        return max([memory_mb(self.device), *self.phases.values()])
+    def durations(self) -> list[float]:
+        """Seconds between consecutive marks (after the device has finished them); the marks are cleared."""
+        marks, self.marks = self.marks, []
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
-            serve: bool = False, foreground: bool = False) -> dict:
+            serve: bool = False, foreground: bool = False, clock: StepClock | None = None) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
-    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition.
+    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition; `step_each`: every
+    timed call's own seconds (`clock`'s, default the host's), for the spread of a point timed in one repetition.
     `serve`: after the warm-up, one repetition per "rep" line on stdin (its rate printed after REP_MARK) until
     "done" — the parent alternates the repetitions of two such processes."""
     for _ in range(warmup):
@@ -120,8 +69,8 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     sync()
     if mem:
         mem.rest()
-    rate, seconds, peak, queued = [], [], [], []
-
+    rate, seconds, peak, queued, each = [], [], [], [], []
+    clock = clock or StepClock()
     held = []
 
     def repetition():
@@ -131,10 +80,13 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
             sync()   # the ranks start the repetition together, whatever each slept after the last one
         with Foreground(foreground) as fg:
             t0, q0 = time.perf_counter(), runqueue_s()
+            clock.mark()
             for _ in range(steps):
                 call()
+                clock.mark()
             sync()
             dt = time.perf_counter() - t0
+        each.extend(clock.durations())
         held.append(fg.held)
         if fg.held:
             time.sleep(2 * dt)   # the machine's other processes catch up, and the ranks start the next one together
@@ -155,7 +107,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     else:
         for _ in range(reps):
             repetition()
-    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued, "foreground": held}
+    out = {"rate": rate, "step_s": seconds, "step_each": each, "runqueue_s": queued, "foreground": held}
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
@@ -318,8 +270,8 @@ def run_train(spec: dict) -> dict:
 
     step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
-                  foreground=spec.get("foreground", False),
-                  serve=spec.get("serve", False))
+                  foreground=spec.get("foreground", False), serve=spec.get("serve", False),
+                  clock=StepClock(lay.device))
     per_rep = len(step.losses) // max(1, spec["warmup"] + spec["reps"] * spec["steps"]) * spec["steps"]
     timed = [float(x) for x in step.losses[-per_rep * spec["reps"]:]]   # each repetition's mean loss
     out["loss"] = [sum(timed[i:i + per_rep]) / per_rep for i in range(0, len(timed), per_rep)]

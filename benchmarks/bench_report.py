@@ -148,7 +148,9 @@ def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
         res = results.get(point, {})
         reps = e.pop("reps", None)
         steps = per_step(res, e["field"])
-        if reps is None and e.get("skipped") is None and not res.get("error"):
+        if point and res.get("not_measured"):   # a point a GPU part left for its next run
+            e["skipped"] = res["not_measured"]
+        if reps is None and e.get("skipped") is None and not res.get("error") and res:
             reps = steps or (res.get(e["field"]) if e["field"] != "tflops" else
                              [r * res["train_flops_per_token"] / 1e12 for r in res["rate"]])
             if e["field"] == "uncontended_step_s":   # less the longest any rank waited for a CPU while runnable

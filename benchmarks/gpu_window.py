@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import gpu_records
 from benchmarks.gpu_part import local_judge, plan_lines
 from benchmarks.gpu_queue import PLANNING_GPU, counted_judge, part_plan, planning_args, standing, verdict_judge
 from benchmarks.gpu_records import (RECORDS, ROOT, default_out, machine, measurements, now_iso, tree_state,
@@ -91,7 +92,7 @@ def dry_run(a, parse_args, count=census_of, log=print) -> int:
         log("no stamp written: no git here to name the commit")
         return 0
     stamp = write_stamp(ROOT, verdicts=verdicts, planned_for=device)
-    log(f"wrote {os.path.relpath(os.path.join(ROOT, '.gpu-window.json'), ROOT)} (commit {stamp['commit']}, "
+    log(f"wrote {os.path.relpath(os.path.join(ROOT, gpu_records.STAMP), ROOT)} (commit {stamp['commit']}, "
         f"{len(stamp['files'])} files, {sum(map(len, verdicts.values()))} census verdicts): copy it with the tree")
     return 0
 

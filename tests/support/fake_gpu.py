@@ -14,8 +14,10 @@ DEVICE = "NVIDIA H100 80GB HBM3"
 RUN: list[dict] = []   # the specs measured, in order
 
 
-def fake_point(spec: dict, timeout: float, sleep_s: float = 0.0, hang_after: int = 0) -> dict:
+def fake_point(spec: dict, timeout: float, sleep_s: float = 0.0, hang_after: int = 0, on_point=None) -> dict:
     RUN.append({**spec, "timeout": timeout})
+    if on_point:
+        on_point()
     if hang_after and len(RUN) > hang_after:
         time.sleep(3600)
     time.sleep(sleep_s)
@@ -25,14 +27,15 @@ def fake_point(spec: dict, timeout: float, sleep_s: float = 0.0, hang_after: int
             "total_mb": [100.0], "rank": 0}
 
 
-def install(monkeypatch=None, sleep_s: float = 0.0, hang_after: int = 0) -> None:
-    """The fake device and points, by monkeypatch (a test) or for good (this script's process)."""
+def install(monkeypatch=None, sleep_s: float = 0.0, hang_after: int = 0, on_point=None) -> None:
+    """The fake device and points, by monkeypatch (a test) or for good (this script's process); `on_point()` is
+    called as each point starts (e.g. to advance a test's clock)."""
     import torch
 
     from benchmarks import bench_proc
 
     def point(spec, timeout):
-        return fake_point(spec, timeout, sleep_s, hang_after)
+        return fake_point(spec, timeout, sleep_s, hang_after, on_point)
     patches = [(torch.cuda, "is_available", lambda: True), (torch.cuda, "get_device_name", lambda i=0: DEVICE),
                (bench_proc, "run_point", point)]
     for owner, name, value in patches:

@@ -14,7 +14,8 @@ stands while (a) the kernel census of its configuration is unchanged, its `besid
 the compiler's settings, SDPA's signatures, the Triton sources launched, the ops' dtypes), and (b) the machine that
 would measure it now has the device, torch, CUDA, triton and DeepSpeed versions and the steering environment of the
 one that did (benchmarks/gpu_records.py; not compared where no machine is named, or a record kept none; parts
-DEVICE_FREE compare all but the device). A point measured by any part stands for every part that plans it. A ratio's
+DEVICE_FREE compare all but the device). A point measured by any bench part stands for every bench part that plans
+it (a WHOLE part's script records no figure of a point: its points stand for itself only). A ratio's
 two points (and all of a WHOLE part's) stand only together, from one run (one machine session): otherwise all of
 them are measured again, side by side. The next part to run is the first whose points do not all stand.
 
@@ -198,8 +199,8 @@ def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, 
     picks = {}
     for p in parts:
         compare = tuple(c for c in COMPARED if p not in DEVICE_FREE or c != "device")
-        for k in plans[p]["specs"]:
-            found = measured.get(k, [])
+        for k in plans[p]["specs"]:   # a script's part (WHOLE) has no figure of a point: its own only, no other's
+            found = [m for m in measured.get(k, []) if (m["part"] == p if p in WHOLE else m["part"] not in WHOLE)]
             pick = next((m for m in found if not differences(m["machine"], machine, compare)), None)
             picks[(p, k)] = (pick, "never measured" if not found else None if pick else
                              "measured elsewhere: " + "; ".join(differences(found[0]["machine"], machine, compare)))

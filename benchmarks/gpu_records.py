@@ -259,6 +259,7 @@ def measurements(root: str = RECORDS) -> dict[str, list[dict]]:
 
 
 def result_of(m: dict) -> dict | None:
-    """The result row a measurement's folder keeps for its key, if any."""
-    rows = [r for r in read_rows(m["folder"]) if "spec" in r and key(r["spec"]) == m["key"]]
+    """The result a measurement's folder (or a part folder in it, as records kept them before) keeps for its key."""
+    folders = [m["folder"]] + sorted(glob.glob(os.path.join(m["folder"], "*", "")))
+    rows = [r for f in folders for r in read_rows(f) if "spec" in r and key(r["spec"]) == m["key"]]
     return rows[-1]["result"] if rows else None

@@ -85,8 +85,8 @@ def test_the_queue_says_which_figures_stand_and_which_part_runs_next(tmp_path):
     states = standing(parse_args, parts=range(9), root=str(tmp_path), count=now, log=lambda *_: None)
     print(report(states))
     assert {k: s["state"] for k, s in states.items()} == {0: "never", 1: "stands", 2: "changed", 3: "partly",
-                                                           4: "stands", 5: "never", 6: "changed", 7: "partly",
-                                                           8: "partly"}   # 6 and 8 share points of 2 and 1
+                                                           4: "stands", 5: "never", 6: "never", 7: "partly",
+                                                           8: "partly"}   # 8 shares a point of 1; 6 is a script
     assert states[2]["changed"] == [key(planned[2][0])] and len(states[7]["missing"]) == len(planned[7]) == 3
     assert "census changed: forward ops" in states[2]["points"][key(planned[2][0])]["why"]
     assert len(states[3]["stands"]) == 4   # part 1's accumulation-1 points, beside part 3's accumulation 8

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 NOT_KERNELS = ("detach", "alias", "lift_fresh")   # and the profiler's record_function ops: labels, not kernels
 PHASES = ("forward", "backward", "optimizer step")
 TINY = dict(heads_per_rank=2, n=32, vocab_per_rank=64)   # the census's shape (check_shape: another one)
+PROJECT = ("model.", "pretrain.", "tokendata.", "benchmarks.", "evaluation.", "cli.", "tools.")   # its functions
 CENSUS_VERSION = 2   # 2: `beside` and the dtypes; compiled specs keyed apart
 ENV = {"SYNTHFORMER_KERNELS": "gpu", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
        "OMP_NUM_THREADS": "1"}
@@ -156,8 +157,11 @@ class Beside(TorchFunctionMode):
     def compile(self, model=None, **options):
         if model is None:   # @torch.compile(...) as a decorator
             return lambda fn: self.compile(fn, **options)
+        name = compiled_name(model)
+        if inspect.isfunction(model) and not name.startswith(PROJECT):   # a library's, at its import (DeepSpeed's)
+            return model
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
-        self.compiled[f"{compiled_name(model)}({shown})"] += 1
+        self.compiled[f"{name}({shown})"] += 1
         return model
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -15,6 +15,7 @@ measured again.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -123,7 +124,15 @@ def run_gpu_part(a, parse_args, log=print) -> int:
     if stopped:
         log(f"{stopped}; {len(left)} configurations left for the next run of part {a.gpu_part}")
     failed = write_report(a, p, results, started, machine_info(), out, left=left, stopped=stopped)
+    ended(out, a.gpu_part, stopped)
     return 1 if failed else 0
+
+
+def ended(out: str, part: int, stopped: str | None) -> None:
+    """OUT/part.json: whether the part stopped at its deadline with points left (the window then stops too)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "part.json"), "w") as f:
+        json.dump({"part": part, "stopped": stopped, "at": now_iso()}, f)
 
 
 def progress(spec: dict, result: dict, wall: float) -> str:
@@ -155,7 +164,7 @@ def run_script(a, out: str, state: dict, todo: list[str], row: dict, deadline: f
     need = ESTIMATE["part"][a.gpu_part]
     if left is not None and need > left:
         log(f"stopped before the deadline: part {a.gpu_part} needs ~{need:.0f} s, {left:.0f} s are left")
-        return 0
+        return 0   # nothing written: the part did not start
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, os.path.join(ROOT, SCRIPTS[0])] + part0_args(a, out) if a.gpu_part == 0 else \
         ["make", "gpu-check", f"GPY={sys.executable}"]
@@ -169,6 +178,7 @@ def run_script(a, out: str, state: dict, todo: list[str], row: dict, deadline: f
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             log(f"stopped at the deadline: part {a.gpu_part} ({SCRIPTS[a.gpu_part]}) not finished, not recorded")
+            ended(out, a.gpu_part, "stopped at the deadline")
             return 0
     wall = round(clock() - t1, 1)
     result = {"script": SCRIPTS[a.gpu_part], "returncode": status} | ({} if status == 0 else

@@ -218,13 +218,14 @@ def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, 
             points[k] = {"state": {True: "stands", False: "changed", None: "unknown"}[ok], "why": why,
                          "record": os.path.relpath(m["folder"], ROOT), "commit": m["commit"], "run": m["run"],
                          "measurement": m}
-        tie(points, plans[p]["groups"])
+        tie(points, plans[p]["groups"], (machine or {}).get("boot"))
         out[p] = summarize(points, plans[p]["specs"])
     return out
 
 
-def tie(points: dict, groups: list[list[str]]) -> None:
-    """A group's standing points are measured again unless all of it stands from one run."""
+def tie(points: dict, groups: list[list[str]], this_run: str | None = None) -> None:
+    """A group's standing points are measured again unless all of it stands from one run, or they were measured in
+    `this_run` (this machine's session, where the rest of the group is about to be measured)."""
     moved = True
     while moved:
         moved = False
@@ -233,7 +234,7 @@ def tie(points: dict, groups: list[list[str]]) -> None:
             if all(s["state"] == "stands" for s in states) and len({s["run"] for s in states}) <= 1:
                 continue
             for s in states:
-                if s["state"] == "stands":
+                if s["state"] == "stands" and not (this_run and s["run"] == this_run):
                     s.update(state="missing", why="measured again beside the points it is compared with (one run)")
                     moved = True
 

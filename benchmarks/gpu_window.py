@@ -119,39 +119,51 @@ def run_window(a, log=print) -> int:
     out = a.out or default_out(tree, here["device"])
     os.makedirs(out, exist_ok=True)
     states = standing(parse_args, a.parts, root=a.records, machine=here, judge=local_judge(tree), log=log)
-    lines, runs = plan_text(states, here["device"], a.deadline_s - (time.time() - t0))
+    lines, _ = plan_text(states, here["device"], a.deadline_s - (time.time() - t0))
     log("\n".join([f"window on {here['device']} at {tree['commit']} (code {tree['source']}), out {out}:"] + lines))
     window = {"started": now_iso(), "machine": here, "tree": tree, "plan": lines, "parts": {}}
     status = 0
-    for part in runs:
+    for part in a.parts:   # in order; a part that stops at the deadline stops the window
         left = a.deadline_s - (time.time() - t0)
+        body, _, _ = plan_lines(part, states[part], here["device"], left)
+        if not body:
+            continue
+        if body[0].lstrip().startswith("[next window]"):
+            log(f"--- stopping: part {part}'s next point does not fit into the {left:.0f} s left")
+            break
         command = [sys.executable, BENCH, "--gpu-part", str(part), "--out", os.path.join(out, f"part{part}"),
                    "--deadline-s", f"{left:.0f}", "--records", a.records, "--timeout", f"{a.timeout:g}"]
         log(f"--- part {part}: {left:.0f} s left")
         rc = tee(command, os.path.join(out, "window.log"), left + 60)
-        window["parts"][str(part)] = {"exit": rc, "seconds": round(time.time() - t0, 1)}
+        ended = os.path.join(out, f"part{part}", "part.json")
+        stopped = json.load(open(ended)).get("stopped") if os.path.exists(ended) else None
+        window["parts"][str(part)] = {"exit": rc, "seconds": round(time.time() - t0, 1), "stopped": stopped}
         with open(os.path.join(out, "window.json"), "w") as f:
             json.dump(window, f, indent=1)
         status = status or (rc not in (0, None))
-    log(f"window done after {time.time() - t0:.0f} s: parts {', '.join(map(str, runs)) or 'none'} run; "
+        if stopped or rc is None:
+            break
+    log(f"window done after {time.time() - t0:.0f} s: parts {', '.join(window['parts']) or 'none'} run; "
         f"outputs in {out} (commit them with a README naming the device)")
     return 1 if status else 0
 
 
 def tee(command: list[str], log_path: str, timeout: float) -> int | None:
-    """Run `command`, its output to stdout and appended to `log_path`; None where it outran `timeout`."""
+    """Run `command`, its output to stdout and appended to `log_path`; None where it outran `timeout` (killed)."""
+    import threading
+
     with open(log_path, "a") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"})
-        end = time.time() + timeout
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
-            if time.time() > end:
-                proc.kill()
-                break
         proc.wait()
-        return None if time.time() > end else proc.returncode
+        outran = not timer.is_alive()
+        timer.cancel()
+        return None if outran else proc.returncode
 
 
 def main(argv=None, count=census_of) -> int:

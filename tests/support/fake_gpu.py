@@ -36,8 +36,9 @@ def install(monkeypatch=None, sleep_s: float = 0.0, hang_after: int = 0, on_poin
 
     def point(spec, timeout):
         return fake_point(spec, timeout, sleep_s, hang_after, on_point)
+    memory = type("Properties", (), {"total_memory": 80 * 2**30})()
     patches = [(torch.cuda, "is_available", lambda: True), (torch.cuda, "get_device_name", lambda i=0: DEVICE),
-               (bench_proc, "run_point", point)]
+               (torch.cuda, "get_device_properties", lambda i=0: memory), (bench_proc, "run_point", point)]
     for owner, name, value in patches:
         monkeypatch.setattr(owner, name, value) if monkeypatch else setattr(owner, name, value)
 

@@ -236,3 +236,21 @@ def test_the_mfu_goals_are_at_accumulation_8_by_device():
                 assert key(p.points[one["point"]]) in part1
     with pytest.raises(KeyError):
         by_id["gpu-accum:dot:bf16-master:accum4"]
+
+
+def test_the_window_runs_the_next_parts_and_stops_with_a_part_that_meets_its_deadline(tmp_path, monkeypatch):
+    """`make gpu-window` on stand-in points of 100 s (estimated and taken, by a stand-in clock) with 250 s: part 1
+    runs two of its points and stops before its deadline; the window stops with it (part 2 waits for the next
+    window, in the queue's order) and says so in window.json."""
+    now = [1000.0]
+    monkeypatch.setattr(gpu_part, "clock", lambda: now[0])
+    monkeypatch.setattr(gpu_part, "estimate_s", lambda spec, walls=None: 100.0)
+    fake_gpu.install(monkeypatch, on_point=lambda: now.__setitem__(0, now[0] + 100))
+    fake_gpu.RUN.clear()
+    monkeypatch.setattr(gpu_window, "tee", lambda command, log, timeout: bench.main(command[2:] + ["--quick"]))
+    out = tmp_path / "2026-01-01-abc1234-h100"
+    assert gpu_window.main(["--records", str(tmp_path), "--out", str(out), "--parts", "1,2", "--no-install",
+                            "--deadline-s", "250"]) == 0
+    window = json.loads((out / "window.json").read_text())
+    assert list(window["parts"]) == ["1"] and window["parts"]["1"]["stopped"].startswith("stopped before")
+    assert len(fake_gpu.RUN) == 2 and not (out / "part2").exists() and "part 2" in " ".join(window["plan"])

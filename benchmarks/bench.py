@@ -66,10 +66,10 @@ gpu-check, 7 convergence, 8 fp8. A part measures only its points that do not sta
 with its census entry (census.json) as it finishes (benchmarks/gpu_part.py).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
 median, and for a ratio its range (extreme repetitions); a point timed in one repetition (a GPU part's: 20 steps)
-has the median, spread and interquartile range of its steps' own times. The throughput and peer points run alternately with one
-live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
-ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes, which otherwise
-decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md; each point's raw result, as it is
+has the median, spread and interquartile range of its steps' own times. The throughput and peer points run
+alternately with one live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the
+JSON), and their ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes,
+which otherwise decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md; each point's raw result, as it is
 measured, to OUT/points.jsonl (what a run cut short keeps).
 """
 from __future__ import annotations

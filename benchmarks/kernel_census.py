@@ -6,10 +6,11 @@ on a GPU); tests/distributed/test_kernel_count.py counts a block with it, tests/
 
 Invariant (the GPU measurement queue, benchmarks/gpu_queue.py): a GPU figure measured on a configuration stands while
 the census of that configuration is unchanged. The census of a configuration (a bench point's spec: kind `train`, our
-DeepSpeed engine, or `loop`, the plain loop; config; overrides) is one optimizer step's ops, after a first step has
-made AdamW's states, counted per phase (forward, backward, optimizer step) with SYNTHFORMER_KERNELS=gpu, so that CPU
-tensors take the GPU path (model/kernels.py on_gpu_path; Triton kernels under TRITON_INTERPRET=1, where each launch
-shows as the interpreter's copies of its arguments: the census is a fingerprint of the step, not a launch count).
+DeepSpeed engine, or `loop`, the plain loop; config; overrides; compiled or not) is one optimizer step's ops, after a
+first step has made AdamW's states, counted per phase (forward, backward, optimizer step) with SYNTHFORMER_KERNELS=gpu,
+so that CPU tensors take the GPU path (model/kernels.py on_gpu_path; Triton kernels under TRITON_INTERPRET=1, where
+each launch shows as the interpreter's copies of its arguments: the census is a fingerprint of the step, not a launch
+count).
 
 It is counted at tiny widths of the same structure (`tiny`): what decides which kernels run is kept (the mixer of each
 layer, the layers, the head width d_h, TP/PP/ZeRO, precision, autocast, master weights, gradient accumulation, the
@@ -243,7 +244,8 @@ def tiny(cfg, shape: dict = TINY) -> tuple[list[str], int]:
 
 
 def count(spec: dict, shape: dict = TINY) -> dict:
-    """The census of one configuration in this process (CPU, SYNTHFORMER_KERNELS=gpu): {phase: {op: count}}."""
+    """The census of one configuration in this process (CPU, SYNTHFORMER_KERNELS=gpu): {phase: {op: count}, "beside":
+    Beside's record}; a compiled configuration is built compiled, with torch.compile recording instead."""
     from pretrain.config import load_config
 
     overrides = list(spec["overrides"])

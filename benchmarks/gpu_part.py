@@ -75,7 +75,7 @@ def part_out(a, tree: dict) -> str:
 
 
 def run_gpu_part(a, parse_args, log=print) -> int:
-    """`bench.py --gpu-part k` (module docstring): 0, 1 where a point failed, 2 where nothing could run."""
+    """`bench.py --gpu-part k` (module docstring): 0, or 1 where a point (or the script) failed."""
     started, t0 = time.time(), clock()
     deadline = t0 + a.deadline_s if a.deadline_s else None
     here, tree = machine(a.gpu), tree_state()

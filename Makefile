@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 
-.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench gpu-queue wheelhouse rehearsal
+.PHONY: setup test test-quick demo clean bench gpu-check gpu-bench gpu-window gpu-shards gpu-queue wheelhouse rehearsal
 
 setup: $(VENV)/.installed
 
@@ -93,25 +93,27 @@ gpu-check:
 	$(GPY) -m pytest -q -o addopts=-ra tests/distributed/test_gpu.py tests/distributed/test_gpu_kernels.py
 	$(GPY) benchmarks/bench.py --only engine,gpu --out $(CHECK)/bench
 
-# ---- the GPU measurement queue (benchmarks/gpu_queue.py): one short part per command on a lent GPU (each ≤ 4 min on
-# an H100), its points appended as each is measured, and census.json beside them (the kernel census of what it
-# measured): 0 compiled = eager (benchmarks/compile_check.py), 1 the binding MFU points, 2 engine ÷ plain loop, 3 and
-# 4 half the variants each ÷ dot, 5 memory at n 4096 ÷ 1024, 6 `make gpu-check`, 7 the convergence check of master
-# weights (demo shards), 8 FP8 (torchao). `make gpu-queue`: which parts' figures stand, and which runs next.
-# Outputs under docs/gpu/<date>-<commit>/part<k>, naming the device (GPU_DIR to put them elsewhere).
-PART    ?= 1
-GPU_DIR ?= docs/gpu/$(shell date +%F)-$(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# ---- the GPU measurement queue (benchmarks/gpu_queue.py): 0 compiled = eager (benchmarks/compile_check.py), 1 the
+# binding MFU points, 2 engine ÷ plain loop, 3 accumulation 8 (the MFU goals), 4 the variants ÷ dot, 5 memory at n 4096
+# ÷ 1024, 6 `make gpu-check`, 7 the convergence check of master weights (demo shards), 8 FP8 (torchao). A part
+# measures only its points that do not stand, each appended with its census entry as it finishes (a part cut short
+# keeps them). `make gpu-window`: one command a window, the next parts that fit before DEADLINE_S (seconds); with
+# DRY_RUN=1, on a CPU before the window, the plan with each point's estimated seconds and the stamp the GPU machine
+# reads. `make gpu-queue`: which parts' figures stand. Outputs under docs/gpu/<date>-<commit>-<device>/ (GPU_DIR
+# elsewhere).
+PART       ?= 1
+DEADLINE_S ?= 480
+GPU_DIR    ?=
 gpu-bench: export PYTHONPATH := $(CURDIR)
-gpu-bench:   # part 6's recursive make on its own line: `make -n gpu-bench PART=k` runs nothing for the other parts
-	mkdir -p $(GPU_DIR)
-ifeq ($(PART),6)
-	$(MAKE) gpu-check 2>&1 | tee $(GPU_DIR)/part6.log
-	$(GPY) benchmarks/bench.py --gpu-part 6 --census-only --out $(GPU_DIR)/part6
-else
-	if [ "$(PART)" = 7 ] || [ "$(PART)" = 8 ]; then test -f $(DEMO)/shards/manifest.json || \
-	    { $(GPY) $(DEMO_TOKENIZER) && $(GPY) $(DEMO_SHARDS); }; fi
-	$(GPY) benchmarks/bench.py --gpu-part $(PART) --reps 2 --timeout 200 --out $(GPU_DIR)/part$(PART)
-endif
+gpu-bench:
+	$(GPY) benchmarks/bench.py --gpu-part $(PART) --timeout 300$(if $(GPU_DIR), --out $(GPU_DIR)/part$(PART))
+
+gpu-window: export PYTHONPATH := $(CURDIR)
+gpu-window:
+	$(GPY) benchmarks/gpu_window.py --deadline-s $(DEADLINE_S)$(if $(DRY_RUN), --dry-run)$(if $(GPU_DIR), --out $(GPU_DIR))
+
+gpu-shards:   # the demo shards on a GPU node (parts 7 and 8): no venv needed
+	test -f $(DEMO)/shards/manifest.json || { $(GPY) $(DEMO_TOKENIZER) && $(GPY) $(DEMO_SHARDS); }
 
 gpu-queue: export PYTHONPATH := $(CURDIR)
 gpu-queue:

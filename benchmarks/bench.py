@@ -44,13 +44,16 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
   documents   every variant's tokens/s under model.document_mask ÷ without (benchmarks/bench_points.py DOCUMENTS), on
               the same random tokens with an eos at each position with probability 1/95 (the demo corpus's mean
               document length), both points beside dot's. No goal: the cost of the mask (docs/DESIGN.md §1).
-  gpu-binding (CUDA only) the binding goals as configured: synth-1.3b's dot twin (MFU ≥ 55%) and the flagship
-              dense+dot (≥ 40%) under the engine with bf16 master weights and compiled blocks, each beside its
-              fp32-master eager run; the bf16-master loss over the bench steps within 1% of the fp32-master one.
+  gpu-binding (CUDA only) the binding settings at accumulation 1: synth-1.3b's dot twin and the flagship dense+dot
+              under the engine with bf16 master weights and compiled blocks, and with fp32 master weights under
+              train.autocast and compiled blocks, each beside its fp32-master eager run (MFU, no goal: the goals are
+              at accumulation 8, gpu-accum); the bf16-master loss over the bench steps within 1% of the fp32-master
+              one.
+  gpu-accum   (CUDA only) the same compiled points at gradient accumulation 8 (benchmarks/bench_runs.py): MFU goals
+              dot ≥ 55%, dense+dot ≥ 45% on an H100 (58%, 48% on an H200), accumulation 1 beside them.
   gpu         (CUDA only) MFU of configs/synth-1.3b.yaml and its dot twin, bf16, 1 GPU, under the engine and in the
               plain loop: measured tokens/s × train FLOPs/token (model/accounting.py) ÷ the device's dense bf16 peak
-              (pretrain/observe/device_peaks.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). Goals: the engine on dot ≥ 55%,
-              on dense+dot ≥ 40%.
+              (pretrain/observe/device_peaks.py PEAK_TFLOPS: H100/H200 989, A100 312 TFLOP/s). No goal (accumulation 1).
   gpu-variants (CUDA only) every variant's tokens/s ÷ dot's (d 2048, 16 heads, 8 layers, n 2048, batch 4, bf16)
               under the engine, eager and with compiled blocks, goals GPU_GOALS (benchmarks/bench_points.py).
   gpu-memory  (CUDA only) every variant's training memory at n 4096 ÷ 1024 (d 1024, 4 layers), goals ≤ 3 (≤ 5 for
@@ -58,15 +61,17 @@ on random tokens; each point runs in a fresh process, `benchmarks/bench.py _one 
   convergence the convergence check of master weights (synth-125m's widths on the demo shards, 600 steps, fp32
               master, train.autocast, bf16 master: validation loss ÷ fp32 master's); fp8: FP8 tokens/s ÷ bf16 and its
               validation loss over that run (benchmarks/bench_runs.py).
-The GPU parts form a queue of short commands for a lent GPU (--gpu-part k, make gpu-bench PART=k; --gpu-queue says
-which parts' figures stand and which runs next; benchmarks/gpu_queue.py): 0 benchmarks/compile_check.py, 1
-gpu-binding, 2 engine, 3 and 4 gpu-variants (half the variants each), 5 gpu-memory, 6 make gpu-check, 7 convergence,
-8 fp8. Each writes census.json, the kernel census of the configurations it measured (benchmarks/kernel_census.py).
+The GPU parts form a queue for a lent GPU (--gpu-part k, make gpu-bench PART=k; make gpu-window runs the next
+parts that fit a window; --gpu-queue says which parts' figures stand and which runs next; benchmarks/gpu_queue.py):
+0 benchmarks/compile_check.py, 1 gpu-binding, 2 engine, 3 gpu-accum, 4 gpu-variants, 5 gpu-memory, 6 make
+gpu-check, 7 convergence, 8 fp8. A part measures only its points that do not stand, each written to points.jsonl
+with its census entry (census.json) as it finishes (benchmarks/gpu_part.py).
 Each figure: the median over --reps repetitions of --steps timed steps (after --warmup), its spread (max − min) /
-median, and for a ratio its range (extreme repetitions). The throughput and peer points run alternately with one
-live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the JSON), and their
-ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes, which otherwise
-decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md; each point's raw result, as it is
+median, and for a ratio its range (extreme repetitions); a point timed in one repetition (a GPU part's: 20 steps)
+has the median, spread and interquartile range of its steps' own times. The throughput and peer points run
+alternately with one live process of our `dot` model (ABBA: each repetition next to one of dot's, `paired_reps` in the
+JSON), and their ratios are medians of those side-by-side ratios: a shared VM's speed drifts 10–30% over minutes,
+which otherwise decides ±10% goals by chance. Written to OUT/results.json and OUT/results.md; each point's raw result, as it is
 measured, to OUT/points.jsonl (what a run cut short keeps).
 """
 from __future__ import annotations
@@ -74,171 +79,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
-from benchmarks.bench_lib import RESULT_MARK
-from benchmarks.bench_points import FLOP_SLACK, PARTS, PRESETS, Plan, variant_configs
+from benchmarks.bench_points import PARTS, PRESETS, variant_configs
+from benchmarks.bench_proc import PointFailed, rank_env, retried_on_port_race, run_paired, run_point  # noqa: F401
+from benchmarks.bench_report import machine_info, write_report
 from benchmarks.bench_runs import full_plan
-from benchmarks.gpu_queue import gpu_queue, part0_or_census, report as queue_report, standing, write_part_census
-from benchmarks.bench_report import PointFailed, ServedPoint, machine_info, markdown, paired_ratio, summary
+from benchmarks.gpu_queue import gpu_queue, report as queue_report, standing
+from benchmarks.gpu_records import RECORDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-def rank_env(spec: dict) -> list[dict]:
-    """The launcher's environment of each rank of spec's world (a free local port for the process group)."""
-    from pretrain.distributed import free_local_port
-
-    port = free_local_port()
-    world = spec["world"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": str(world), "LOCAL_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **spec["env"]}
-    return [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
-
-
-def one(spec: dict) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "_one", json.dumps(spec)]
-
-
-PORT_TAKEN = "EADDRINUSE"   # the rendezvous port was taken between its pick and its listen (by another job's socket)
-
-
-def retried_on_port_race(start, attempts: int = 3):
-    """start() (which picks a fresh free port each time) again when the process group could not listen on its port:
-    a free port is only free when picked, and the host's other processes may bind it before the rank does."""
-    for attempt in range(1, attempts + 1):
-        try:
-            result = start()
-        except PointFailed as e:
-            if PORT_TAKEN in str(e) and attempt < attempts:
-                continue
-            raise
-        if PORT_TAKEN in str(result.get("error") if isinstance(result, dict) else "") and attempt < attempts:
-            continue
-        return result
-
-
-def run_point(spec: dict, timeout: float) -> dict:
-    """Start spec's world of `_one` processes (one rank each, the launcher's environment) and read rank 0's result;
-    again with another port if the first was taken."""
-    return retried_on_port_race(lambda: run_point_once(spec, timeout))
-
-
-def run_point_once(spec: dict, timeout: float) -> dict:
-    envs = rank_env(spec)
-    logs = [tempfile.TemporaryFile("w+") for _ in envs]   # files, not pipes: no rank blocks on a full pipe
-    procs = [subprocess.Popen(one(spec), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True) for env, log in zip(envs, logs)]
-    deadline, error = time.time() + timeout, None
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        error = f"timeout after {timeout:g} s"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-    results = [next((json.loads(line[len(RESULT_MARK):]) for line in reversed(text.splitlines())
-                     if line.startswith(RESULT_MARK)), None) for text in texts]
-    if results[0] is not None and error is None:
-        return {**results[0], "by_rank": results} if len(results) > 1 else results[0]
-    failed = next((t for p, t in zip(procs, texts) if p.returncode), texts[0])
-    return {"error": error or (failed.strip().splitlines() or ["failed without output"])[-1][-300:]}
-
-
-def run_paired(reference: dict, others: list[tuple[str, dict]], timeout: float, done) -> dict:
-    """Measure each of `others` in turn alternately with one live process of `reference`: repetition r of a point
-    runs next to one of the reference (ABBA order: the reference first on even r), so both see the same machine.
-    {key: result, "reference": result}; a paired point's result has `paired_rate`, the reference's rates next to
-    its repetitions. `done(key)` after each point (progress)."""
-    def serve(spec):
-        return retried_on_port_race(lambda: ServedPoint(one({**spec, "serve": True}), rank_env(spec)[0], ROOT, timeout))
-
-    try:
-        ref = serve(reference)
-    except PointFailed as e:
-        return {key: {"error": f"the reference (dot) point failed: {e}"} for key, _ in others + [("reference", 0)]}
-    results = {}
-    for key, spec in others:
-        other = None
-        try:
-            other, paired = serve(spec), []
-            for r in range(spec["reps"]):
-                pair = (ref, other) if r % 2 == 0 else (other, ref)
-                rates = [point.rep() for point in pair]
-                paired.append(rates[0] if r % 2 == 0 else rates[1])
-            results[key] = {**other.finish(), "paired_rate": paired}
-        except PointFailed as e:
-            results[key] = {"error": str(e)}
-            if other is not None:
-                other.kill()
-        done(key)
-    try:
-        for _ in range(0 if others else reference["reps"]):
-            ref.rep()
-        results["reference"] = ref.finish()
-    except PointFailed as e:
-        results["reference"] = {"error": str(e)}
-    return results
-
-
-def finish(p: Plan, results: dict, machine: dict) -> list[dict]:
-    """Values, spreads, ratios and goals of the entries, from the points' results."""
-    out, by_id = [], {}
-    for e in p.entries:
-        point = e.pop("point")
-        res = results.get(point, {})
-        reps = e.pop("reps", None)
-        if reps is None and e.get("skipped") is None and not res.get("error"):
-            reps = res.get(e["field"]) if e["field"] != "tflops" else \
-                [r * res["train_flops_per_token"] / 1e12 for r in res["rate"]]
-            if e["field"] == "uncontended_step_s":   # less the longest any rank waited for a CPU while runnable
-                reps = [s - max(r["runqueue_s"][i] for r in res.get("by_rank", [res]))
-                        for i, s in enumerate(res["step_s"])]
-        e.update(value=None, spread=None, ratio=None, ratio_range=None, status=None, machine=machine,
-                 error=res.get("error"), reps=reps, paired_reps=None, skipped=e.get("skipped"))
-        if reps:
-            e["value"], e["spread"] = summary(reps)
-        for k in ("params", "train_flops_per_token", "tokens_per_step", "device", "after_init_mb",
-                  "after_engine_mb", "at_rest_mb", "peak_mb", "phase_mb", "cuda_memory", "val_step", "seconds",
-                  "requests", "fetched", "streams", "shard_mb", "shards"):
-            if k in res:
-                e[k] = res[k]
-        if reps and e["field"] == "rate" and (point == p.reference or res.get("paired_rate")):
-            e["paired_reps"] = reps if point == p.reference else res["paired_rate"]   # dot's, next to each rep
-        if e["field"] == "total_mb" and res.get("step_mb"):
-            e["step_mb"] = summary(res["step_mb"])[0]   # above the engine at rest: no parameters, optimizer states
-        by_id[e["id"]] = e
-        out.append(e)
-    for e in out:
-        ref = by_id.get(e["ratio_to"])
-        if e["value"] is not None and ref and ref["value"]:
-            if e.get("paired_reps") and ref.get("paired_reps"):   # both alternated with dot: drift cancels
-                e["ratio"], e["ratio_range"] = paired_ratio(e["reps"], e["paired_reps"], ref["reps"],
-                                                            ref["paired_reps"])
-            else:
-                e["ratio"] = e["value"] / ref["value"]
-                e["ratio_range"] = [min(e["reps"]) / max(ref["reps"]), max(e["reps"]) / min(ref["reps"])]
-        if e["name"] == "throughput" and e.get("train_flops_per_token") and by_id["throughput:dot"]["value"]:
-            e["flop_ratio"] = by_id["throughput:dot"]["train_flops_per_token"] / e["train_flops_per_token"]
-            if e["variant"] != "dot":
-                e["goal_min"] = FLOP_SLACK * e["flop_ratio"]
-        lo, hi = e.pop("goal_min", None), e.pop("goal_max", None)
-        e["goal"] = f"{lo:.3g}–{hi:.3g}" if lo is not None and hi is not None else f"≥ {lo:.3g}" if lo is not None \
-            else f"≤ {hi:.3g}" if hi is not None else None
-        if e["goal"] and e["ratio"] is not None:
-            e["status"] = "ok" if (lo is None or e["ratio"] >= lo) and (hi is None or e["ratio"] <= hi) else "MISSED"
-    return out
-
+GPU_TIMING = dict(reps=1, steps=20, warmup=3)   # a GPU part's point: one process, 20 timed steps, their spread
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,13 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                              f"{', '.join(PARTS)}")
     ap.add_argument("--gpu-part", type=int, choices=range(0, 9), help="one part of the GPU measurement queue "
                     "(make gpu-bench PART=k): 0 the compile check (benchmarks/compile_check.py), 1 the binding MFU "
-                    "points, 2 engine ÷ loop, 3 and 4 the variants' halves, 5 memory, 6 gpu-check's bench points, 7 "
-                    "convergence, 8 FP8; sets --only and --variants, and writes OUT/census.json")
+                    "points, 2 engine ÷ loop, 3 accumulation 8, 4 the variants, 5 memory, 6 make gpu-check, 7 "
+                    "convergence, 8 FP8; sets --only and --variants; measures only the points that do not stand, "
+                    "each written with its census entry as it finishes (benchmarks/gpu_part.py); timing default "
+                    f"{GPU_TIMING['reps']} × {GPU_TIMING['steps']} steps after {GPU_TIMING['warmup']}")
     ap.add_argument("--gpu-queue", action="store_true", help="print, per GPU part, whether its figures stand at this "
                     "checkout (the kernel census of what it measured unchanged) and which part runs next")
-    ap.add_argument("--census-only", action="store_true",
-                    help="with --gpu-part: write OUT/census.json, measure nothing")
-    ap.add_argument("--no-census", action="store_true", help="with --gpu-part: write no census.json")
+    ap.add_argument("--all-points", action="store_true", help="with --gpu-part: measure every point of the part, "
+                                                               "standing or not")
+    ap.add_argument("--deadline-s", type=float, help="with --gpu-part: start no point whose estimated seconds do not "
+                    "fit before this many seconds from now, and stop one still running then")
+    ap.add_argument("--records", default=RECORDS, help="with --gpu-part or --gpu-queue: the folder of the GPU records "
+                                                       "(default docs/gpu)")
     ap.add_argument("--variants", default=None, help="comma-separated variant names for throughput and memory "
                                                      "(default: every config in configs/variants/)")
     ap.add_argument("--reps", type=int, help="repetitions per figure (default 3; --quick 2)")
@@ -279,13 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "choice, CPU count ÷ processes on the host; --quick: 1). On a machine "
                                                 "shared with other work, 2+ OpenMP threads can stall each other")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per measured point (default 3600)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench"), help="directory of results.json and results.md")
+    ap.add_argument("--out", help="directory of results.json and results.md (default bench; with --gpu-part "
+                                  "docs/gpu/<date>-<commit>-<device>/part<k>)")
     return ap
 
 
 def parse_args(argv) -> argparse.Namespace:
     """Options with the preset's values filled in; ValueError (one line) for a bad --only or --variants."""
     a = build_parser().parse_args(argv)
+    for k, v in (GPU_TIMING.items() if a.gpu_part is not None else ()):
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     for k, v in PRESETS["quick" if a.quick else "default"].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -334,10 +195,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.gpu_queue:
-        print(queue_report(standing(parse_args)))
+        print(queue_report(standing(parse_args, root=a.records)))
         return 0
-    if a.gpu_part is not None and (a.gpu_part == 0 or a.census_only):
-        return part0_or_census(a)
+    if a.gpu_part is not None:
+        from benchmarks.gpu_part import run_gpu_part
+
+        return run_gpu_part(a, parse_args)
     from tqdm import tqdm
 
     t0, machine = time.time(), machine_info()
@@ -350,36 +213,19 @@ def main(argv=None) -> int:
         results[p.reference] = measured.pop("reference")
         results.update(measured)
         bar.update()
-    os.makedirs(a.out, exist_ok=True)
-    open(os.path.join(a.out, "points.jsonl"), "w").close()
+    out = a.out or os.path.join(ROOT, "bench")
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, "points.jsonl"), "w").close()
     for key, spec in p.points.items():
         if key not in results:
             bar.set_postfix_str(f"{spec['kind']} {os.path.basename(spec['config'])} "
                                 f"{' '.join(spec['overrides'][1:5])}"[:80])
             results[key] = run_point(spec, a.timeout)
-            with open(os.path.join(a.out, "points.jsonl"), "a") as f:   # kept if the run is cut short
+            with open(os.path.join(out, "points.jsonl"), "a") as f:   # kept if the run is cut short
                 f.write(json.dumps({"spec": spec, "result": results[key]}) + "\n")
             bar.update()
     bar.close()
-    entries = finish(p, results, machine)
-    settings = {k: getattr(a, k) for k in ("quick", "only", "reps", "steps", "warmup", "d_model", "layers", "heads",
-                                           "seq_len", "lengths", "batch", "vocab", "precision", "mem_budget_gb",
-                                           "threads")}
-    report = {"machine": machine, "settings": settings, "elapsed_s": round(time.time() - t0, 1), "results": entries}
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    table = markdown(entries, machine, f"Synthformer benchmarks ({'--quick' if a.quick else 'default sizes'}, "
-                                       f"{report['elapsed_s']:.0f} s)")
-    with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write(table)
-    print(table)
-    status = [e["status"] for e in entries]
-    failed = [e["id"] for e in entries if e["error"]]
-    print(f"goals: {status.count('ok')} ok, {status.count('MISSED')} MISSED; {len(failed)} failed"
-          + (f" ({', '.join(failed)})" if failed else "") + f"; wrote {os.path.join(a.out, 'results.json')} and .md")
-    write_part_census(a)
-    return 1 if failed else 0
-
+    return 1 if write_report(a, p, results, t0, machine, out) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

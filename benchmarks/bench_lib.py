@@ -2,9 +2,11 @@
 results (statistics, tables, the served processes it alternates) is benchmarks/bench_report.py.
 
 Inside a measurement process (a fresh interpreter per point, so no two points share allocator state):
-    Memory        (benchmarks/bench_memory.py) RSS (CPU) or allocator (CUDA) readings
+    Memory        RSS (CPU) or allocator (CUDA) readings (benchmarks/bench_memory.py): after imports, after the
+                  engine is built, at rest after the warm-up, peak per repetition and per phase of a step
     measure()     warm-up calls, then `reps` repetitions of `steps` timed calls (or, served, one per request of the
-                  parent): per repetition the rate, the time per call and the peak memory
+                  parent): per repetition the rate, the time per call and the peak memory; and each call's own time
+                  (StepClock: CUDA events on a GPU, so that no step waits for the host to read a clock)
     run_point()   one point of a plan: "train" (our engine, pretrain.engine.build_engine), "peer" (Hugging Face GPT-2
                   under the same DeepSpeed config), "data" (tokendata.stream.TokenStream alone, data.verify
                   spec["verify"]) or "shards" (tools/make_shards.py on a text file, spec["workers"] processes)
@@ -20,7 +22,7 @@ import time
 from functools import partial
 
 from benchmarks import bench_data
-from benchmarks.bench_memory import Memory
+from benchmarks.bench_memory import Memory, tensor_mb  # noqa: F401  (Memory: its home for the tests and callers)
 from benchmarks.bench_sched import Foreground, runqueue_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +31,37 @@ READY_MARK, REP_MARK = "BENCH_READY", "BENCH_REP "   # a served child: warmed up
 
 
 # ---- inside one measurement process --------------------------------------------------------------------------------
+class StepClock:
+    """Each timed call's own duration: on CUDA an event recorded after each call on the stream (read once the
+    repetition is over: the host never waits inside it), elsewhere the host's clock."""
+
+    def __init__(self, device=None):
+        import torch
+
+        self.cuda = device is not None and getattr(device, "type", device) == "cuda"
+        self.torch, self.marks = torch, []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds between consecutive marks (after the device has finished them); the marks are cleared."""
+        marks, self.marks = self.marks, []
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
 def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: int, mem: Memory | None = None,
-            serve: bool = False, foreground: bool = False) -> dict:
+            serve: bool = False, foreground: bool = False, clock: StepClock | None = None) -> dict:
     """`warmup` untimed calls (one-time allocations, JIT, DataLoader start), then `reps` × `steps` timed calls.
-    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition.
+    Per repetition: units/s, seconds per call, and (with `mem`) the peak memory of the repetition; `step_each`: every
+    timed call's own seconds (`clock`'s, default the host's), for the spread of a point timed in one repetition.
     `serve`: after the warm-up, one repetition per "rep" line on stdin (its rate printed after REP_MARK) until
     "done" — the parent alternates the repetitions of two such processes."""
     for _ in range(warmup):
@@ -40,8 +69,8 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     sync()
     if mem:
         mem.rest()
-    rate, seconds, peak, queued = [], [], [], []
-
+    rate, seconds, peak, queued, each = [], [], [], [], []
+    clock = clock or StepClock()
     held = []
 
     def repetition():
@@ -51,10 +80,13 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
             sync()   # the ranks start the repetition together, whatever each slept after the last one
         with Foreground(foreground) as fg:
             t0, q0 = time.perf_counter(), runqueue_s()
+            clock.mark()
             for _ in range(steps):
                 call()
+                clock.mark()
             sync()
             dt = time.perf_counter() - t0
+        each.extend(clock.durations())
         held.append(fg.held)
         if fg.held:
             time.sleep(2 * dt)   # the machine's other processes catch up, and the ranks start the next one together
@@ -75,7 +107,7 @@ def measure(call, sync, units_per_call: float, warmup: int, reps: int, steps: in
     else:
         for _ in range(reps):
             repetition()
-    out = {"rate": rate, "step_s": seconds, "runqueue_s": queued, "foreground": held}
+    out = {"rate": rate, "step_s": seconds, "step_each": each, "runqueue_s": queued, "foreground": held}
     if mem:   # step memory: what a step adds to the engine at rest (gradients, activations, temporaries)
         out.update(step_mb=[p - mem.at_rest for p in peak], total_mb=[p - mem.after_init for p in peak],
                    peak_mb=max(peak), after_init_mb=mem.after_init, after_engine_mb=mem.after_engine,
@@ -238,8 +270,8 @@ def run_train(spec: dict) -> dict:
 
     step, sync, engine, cfg, lay, mem = training_step(spec)
     out = measure(step, sync, cfg.tokens_per_step, spec["warmup"], spec["reps"], spec["steps"], mem,
-                  foreground=spec.get("foreground", False),
-                  serve=spec.get("serve", False))
+                  foreground=spec.get("foreground", False), serve=spec.get("serve", False),
+                  clock=StepClock(lay.device))
     per_rep = len(step.losses) // max(1, spec["warmup"] + spec["reps"] * spec["steps"]) * spec["steps"]
     timed = [float(x) for x in step.losses[-per_rep * spec["reps"]:]]   # each repetition's mean loss
     out["loss"] = [sum(timed[i:i + per_rep]) / per_rep for i in range(0, len(timed), per_rep)]

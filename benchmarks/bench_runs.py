@@ -1,7 +1,12 @@
-"""Real training runs in benchmarks/bench.py: the convergence check that settles master weights fairly (part
+"""The parts of benchmarks/bench.py planned beyond benchmarks/bench_points.py: MFU at gradient accumulation 8 (part
+`gpu-accum`, GPU part 3), and real training runs: the convergence check that settles master weights fairly (part
 `convergence`, GPU part 7) and FP8 training (part `fp8`, GPU part 8). A run is a point of kind "run": the trainer
 (pretrain/train.py, as launch/pretrain.sh starts one rank) on the demo shards in its measuring process, its metrics
 read back (`run_training`); the GPU's FP8 throughput points are ordinary "train" points.
+
+gpu-accum    synth-1.3b's dot twin and the flagship, 1 GPU, compiled blocks, bf16 master weights and train.autocast,
+             at gradient accumulation ACCUM (8 micro-batches of 4 × 2048 a step): MFU against GOAL_MFU (H100: dot ≥
+             55%, the flagship ≥ 45%; H200: 58%, 48%), the accumulation-1 points beside them (part 1's), no goal.
 
 convergence  synth-125m's widths (d 768, 12 layers, 12 heads, its mixer dense+dot) on the demo shards (n 128,
              vocabulary 4096), global batch 64 (one micro-batch), 600 steps at a real schedule (warm-up 60, peak lr
@@ -23,7 +28,7 @@ import shutil
 import tempfile
 import time
 
-from benchmarks.bench_points import AUTOCAST, BIG, Plan, big_model, plan
+from benchmarks.bench_points import ACCUM, AUTOCAST, BIG, GOAL_MFU, Plan, big_model, peak_entry, plan
 
 CONVERGENCE = "configs/synth-125m.yaml"
 SHARDS = "build/demo/shards"
@@ -51,12 +56,38 @@ def convergence_run(quick: bool) -> list[str]:
 
 
 def full_plan(a) -> Plan:
-    """benchmarks/bench_points.py's plan of a's parts, and the runs' parts (convergence, fp8) where a.only names them."""
+    """benchmarks/bench_points.py's plan of a's parts, and the parts planned here (gpu-accum, convergence, fp8) where
+    a.only names them."""
     p = plan(a)
-    for part, plan_part in (("convergence", plan_convergence), ("fp8", plan_fp8)):
+    for part, plan_part in (("gpu-accum", plan_gpu_accum), ("convergence", plan_convergence), ("fp8", plan_fp8)):
         if part in a.only:
             plan_part(a, p)
     return p
+
+
+def goal_mfu(mixer: str, device: str | None) -> float | None:
+    """GOAL_MFU of `mixer` at accumulation ACCUM on `device` (an H100 or an H200, by name), else None."""
+    goals = GOAL_MFU.get(mixer, {})
+    return next((g for kind, g in goals.items() if device and kind in device), None)
+
+
+def plan_gpu_accum(a, p: Plan, device: str | None = None) -> None:
+    """GPU part 3: dot and the flagship at gradient accumulation ACCUM under the compiled settings of part 1 (bf16
+    master weights; fp32 master under train.autocast), against GOAL_MFU on this device; each one's accumulation-1
+    point (part 1's) beside it, without a goal."""
+    from pretrain.config import load_config
+
+    to_peak, name = peak_entry(a, p, "gpu-accum", device)
+    if name is None:
+        return
+    micro = 1 if a.quick else load_config(BIG).train.micro_batch_size
+    for m in dict.fromkeys(["dot", load_config(BIG).model.mixer]):
+        for how, extra in (("bf16-master", ["train.master_weights=bf16"]), ("autocast", AUTOCAST)):
+            for accum in (ACCUM, 1):   # accumulation 1: part 1's point, the same configuration
+                over = big_model(a, m) + extra + ([f"train.global_batch_size={accum * micro}"] if accum > 1 else [])
+                p.entry(f"gpu-accum:{m}:{how}:accum{accum}", "gpu-accum", f"synth-1.3b ({m}), {how}, compiled, "
+                        f"accumulation {accum}", p.point("train", BIG, over, compile=True), "tflops", "TFLOP/s",
+                        to_peak, goal_min=goal_mfu(m, name) if accum > 1 and to_peak else None)
 
 
 def plan_convergence(a, p) -> None:

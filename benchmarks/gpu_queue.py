@@ -1,54 +1,57 @@
-"""The GPU measurement queue: parts 0–8, each one short command on a lent GPU (`make gpu-bench PART=k`; ≤ 4 minutes on
-an H100, start-up included), and which parts' figures stand at this checkout.
+"""The GPU measurement queue: parts 0–8, each measured point by point on a lent GPU (`make gpu-window`, or one part:
+`make gpu-bench PART=k`), and which points and parts stand at this checkout.
 
     python benchmarks/bench.py --gpu-queue          each part: stands, changed, partly measured, or never; the next one
     python benchmarks/gpu_queue.py census DIR --commit C --configurations FILE.jsonl
                                                     census.json for a record made without one (lines {part, spec})
 
 The parts (QUEUE): 0 correctness (benchmarks/compile_check.py: compiled = eager, the record's point), 1 the binding
-MFU points, 2 engine ÷ plain loop, 3 and 4 half the variants each ÷ dot, 5 memory at n 4096 ÷ 1024, 6 `make
-gpu-check`, 7 the convergence check of master weights, 8 FP8.
+MFU points (accumulation 1), 2 engine ÷ plain loop, 3 accumulation 8 (the MFU goals), 4 the variants ÷ dot, 5 memory
+at n 4096 ÷ 1024, 6 `make gpu-check`, 7 the convergence check of master weights, 8 FP8.
 
-Invariant: a part's figures stand while the kernel census (benchmarks/kernel_census.py) of every configuration it
-measured is unchanged, whatever else changed. Every part writes census.json beside its outputs: {commit, device,
-torch (the census's), parts: {part: [key, ...]}, configurations: {key: {spec, census}}}; on a GPU machine without
-the counts, which would cost GPU time. The census depends on torch's version (its aten decompositions): a record
-counted under another torch than this one's, or not counted, is counted here at the record's commit, in a git
-worktree removed afterwards (cached in build/census/). The next part to run is the first
-(0, 1, …) whose figures do not stand: never measured, a configuration whose census changed, or one that the part now
-plans and no record measured.
+Invariant: a point (one configuration: kind, config, overrides, compiled or not; benchmarks/kernel_census.py key)
+stands while (a) the kernel census of its configuration is unchanged, its `beside` record included (what is compiled,
+the compiler's settings, SDPA's signatures, the Triton sources launched, the ops' dtypes), and (b) the machine that
+would measure it now has the device, torch, CUDA, triton and DeepSpeed versions and the steering environment of the
+one that did (benchmarks/gpu_records.py; not compared where no machine is named, or a record kept none; parts
+DEVICE_FREE compare all but the device). A point measured by any bench part stands for every bench part that plans
+it (a WHOLE part's script records no figure of a point: its points stand for itself only). A ratio's
+two points (and all of a WHOLE part's) stand only together, from one run (one machine session): otherwise all of
+them are measured again, side by side. The next part to run is the first whose points do not all stand.
+
+Where a record was counted under another torch than this one's, or not counted (on a GPU machine the census is never
+counted: it costs no GPU time here), its census is counted here at the record's commit, in a git worktree removed
+afterwards (cached in build/census/). A point measured on code of the same digest as this tree's needs no count.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
-from benchmarks.kernel_census import census_of, key
+from benchmarks.gpu_records import COMPARED, RECORDS, differences, measurements, tree_state
+from benchmarks.kernel_census import CENSUS_VERSION, census_of, key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDS = os.path.join(ROOT, "docs", "gpu")
 CACHE = os.path.join(ROOT, "build", "census")
 PLANNING_GPU = "NVIDIA H100 80GB HBM3"   # the device the queue is planned for where there is none
 TITLES = {0: "correctness: compiled = eager (benchmarks/compile_check.py)", 1: "the binding MFU points",
-          2: "engine ÷ plain loop", 3: "variants ÷ dot, first half", 4: "variants ÷ dot, second half",
-          5: "memory at n 4096 ÷ 1024", 6: "make gpu-check", 7: "convergence: master weights", 8: "FP8"}
+          2: "engine ÷ plain loop", 3: "accumulation 8", 4: "variants ÷ dot", 5: "memory at n 4096 ÷ 1024",
+          6: "make gpu-check", 7: "convergence: master weights", 8: "FP8"}
 GPU_CHECK = [{"kind": "train", "config": "configs/demo-cpu.yaml", "overrides": ["train.precision=bf16"]}]
+WHOLE = (0, 6)          # one script each: its configurations stand, or run, together
+DEVICE_FREE = (0, 7)    # correctness and convergence: the same on any Hopper; compared without the device
 
 
 def gpu_queue(variants: list[str]) -> dict[int, dict]:
     """{part: {"only": bench parts, "variants": names or None}}: what `bench.py --gpu-part k` measures. Parts 0 and 6
     run a script (compile_check.py; `make gpu-check`), whose configurations `configurations` lists."""
-    rest = [v for v in variants if v != "dot"]
-    half = (len(rest) + 1) // 2
     return {0: {"only": [], "variants": None}, 1: {"only": ["gpu-binding"], "variants": None},
-            2: {"only": ["engine"], "variants": None}, 3: {"only": ["gpu-variants"], "variants": rest[:half]},
-            4: {"only": ["gpu-variants"], "variants": rest[half:]}, 5: {"only": ["gpu-memory"], "variants": None},
+            2: {"only": ["engine"], "variants": None}, 3: {"only": ["gpu-accum"], "variants": None},
+            4: {"only": ["gpu-variants"], "variants": list(variants)}, 5: {"only": ["gpu-memory"], "variants": None},
             6: {"only": ["engine", "gpu"], "variants": None}, 7: {"only": ["convergence"], "variants": None},
             8: {"only": ["fp8"], "variants": None}}
 
@@ -65,99 +68,46 @@ def configurations(part: int, a) -> list[dict]:
     return (GPU_CHECK if part == 6 else []) + specs
 
 
-def planning_args(part: int, parse_args):
-    """bench.py's settings (`parse_args`: its parser) for part `part` as on a GPU (PLANNING_GPU), to list what it
-    measures on any machine."""
+def planning_args(part: int, parse_args, device: str | None = None):
+    """bench.py's settings (`parse_args`: its parser) for part `part` as on `device` (default: this machine's GPU,
+    else PLANNING_GPU), to list what it measures on any machine."""
     a = parse_args(["--gpu-part", str(part)])
-    a.gpu = a.gpu or PLANNING_GPU
+    a.gpu = device or a.gpu or PLANNING_GPU
     return a
 
 
-def commit_here(out: str = "") -> str:
-    """The commit measured: $GPU_COMMIT, else git's HEAD, else the <date>-<commit> of the output folder's name."""
-    if os.environ.get("GPU_COMMIT"):
-        return os.environ["GPU_COMMIT"]
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode == 0:
-        return r.stdout.strip()
-    found = re.search(r"\d{4}-\d\d-\d\d-([0-9a-f]{7,40})", os.path.abspath(out))
-    return found.group(1) if found else "unknown"
+def part_plan(part: int, a) -> dict:
+    """{"specs": {key: spec} in the order measured, "groups": [[key, ...]]: points that stand only together (a
+    ratio's two; all of a WHOLE part's)}."""
+    from benchmarks.bench_runs import full_plan
+
+    specs = {key(s): s for s in configurations(part, a)}
+    if part in WHOLE:
+        return {"specs": specs, "groups": [list(specs)]}
+    p = full_plan(a)
+    by_id = {e["id"]: e for e in p.entries}
+    groups = []
+    for e in p.entries:
+        other = by_id.get(e.get("ratio_to"))
+        if e.get("point") and other and other.get("point"):
+            pair = sorted({key(p.points[e["point"]]), key(p.points[other["point"]])})
+            if len(pair) == 2 and pair not in groups:
+                groups.append(pair)
+    return {"specs": specs, "groups": groups}
 
 
-def write_census(out: str, parts: dict[int, list[dict]], commit: str, device: str | None, tree: str = ROOT,
-                 count: bool = True) -> str:
-    """out/census.json: the census of each part's configurations, counted at `tree` (this checkout, or a worktree
-    of `commit`) under this torch. Without `count`, or where the count fails, the configurations are written
-    without it (the queue counts them at the commit later) and the reason is kept."""
-    import torch
-
-    specs = [s for group in parts.values() for s in group]
-    try:
-        counted, error = (census_of(specs, tree), None) if count else ({}, "not counted here: on a GPU machine the "
-                                                                           "census is left to `make gpu-queue`")
-    except RuntimeError as e:
-        counted, error = {}, str(e)
-    record = {"commit": commit, "device": device, "torch": torch.__version__, "error": error,
-              "parts": {str(k): sorted({key(s) for s in group}) for k, group in parts.items()},
-              "configurations": {key(s): {"spec": s, "census": counted.get(key(s))} for s in specs}}
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "census.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    return path
-
-
-def part0_or_census(a) -> int:
-    """GPU part 0 (benchmarks/compile_check.py PART0_ARGS into --out), or with --census-only no measurement; then
-    the part's census."""
-    from benchmarks.compile_check import PART0_ARGS, main as compile_check
-
-    status = 0 if a.census_only else compile_check(PART0_ARGS + (["--quick"] if a.quick else []) + ["--out", a.out])
-    write_part_census(a)
-    return status
-
-
-def write_part_census(a) -> None:
-    """OUT/census.json of the GPU part a.gpu_part (none without --gpu-part, or with --no-census). On a GPU machine
-    its configurations only: their census is counted afterwards by the queue, at the commit, under the CPU's torch
-    (the one its comparisons use), and costs no GPU time."""
-    if a.gpu_part is None or a.no_census:
-        return
-    if not a.gpu:
-        print(f"kernel census of part {a.gpu_part}'s configurations (one CPU process) ...", flush=True)
-    path = write_census(a.out, {a.gpu_part: configurations(a.gpu_part, a)}, commit_here(a.out), a.gpu,
-                        count=not a.gpu)
-    print(f"wrote {path}")
-
-
-# ---- which figures stand --------------------------------------------------------------------------------------------
-def records(root: str = RECORDS) -> list[tuple[str, dict]]:
-    """(folder, census.json) of every record, oldest first: by the folder's date (<date>-<commit>-<device>), then by
-    the record's commit in git's history (two records of one day: the later commit is the newer)."""
-    paths = glob.glob(os.path.join(root, "*", "census.json")) + glob.glob(os.path.join(root, "*", "*", "census.json"))
-    out = []
-    for path in paths:
-        with open(path) as f:
-            out.append((os.path.dirname(path), json.load(f)))
-    return sorted(out, key=lambda r: (os.path.relpath(r[0], root)[:10], history_depth(r[1].get("commit")),
-                                      os.path.relpath(r[0], root)))
-
-
-def history_depth(commit: str | None) -> int:
-    """How many commits lead to `commit` (git rev-list --count); -1 where git does not know it."""
-    r = subprocess.run(["git", "rev-list", "--count", str(commit)], cwd=ROOT, capture_output=True, text=True)
-    return int(r.stdout) if commit and r.returncode == 0 and r.stdout.strip().isdigit() else -1
-
-
+# ---- judging a measurement's census against today's ----------------------------------------------------------------
 def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:
     """{key: census} of the record's configurations under this torch: the record's own where it was counted under
-    it, else counted here at the record's commit (a temporary git worktree), cached in build/census/."""
+    it (this census version), else counted here at the record's commit (a temporary git worktree), cached in
+    build/census/."""
     import torch
 
-    confs = record["configurations"]
-    if record.get("torch") == torch.__version__ and all(c.get("census") for c in confs.values()):
+    confs = {key(c["spec"]): c for c in record["configurations"].values()}
+    if record.get("torch") == torch.__version__ and record.get("census_version") == CENSUS_VERSION and \
+            all(c.get("census") for c in confs.values()):
         return {k: c["census"] for k, c in confs.items()}
-    cache = os.path.join(CACHE, f"{record['commit']}-{torch.__version__}.json")
+    cache = os.path.join(CACHE, f"{record['commit']}-{torch.__version__}-v{CENSUS_VERSION}.json")
     known = json.load(open(cache)) if os.path.exists(cache) else {}
     missing = [c["spec"] for k, c in confs.items() if k not in known]
     if missing:
@@ -178,72 +128,171 @@ def census_at_commit(record: dict, tree: str = ROOT, count=census_of) -> dict:
     return known
 
 
-def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, count=census_of,
-             log=print) -> dict[int, dict]:
-    """Per part (`parse_args`: bench.py's parser, for what each part plans; `count`: census_of, the census of
-    configurations at a checkout): {"state": stands | changed | partly | never | uncounted, "record", "commit", "changed":
-    [keys], "missing": [keys]}, from the newest record of each part and the census of its configurations at `tree`."""
-    newest = {}
-    for folder, record in records(root):
-        for part in record["parts"]:
-            newest[int(part)] = (folder, record)
-    wanted = {}
-    for part in parts:
-        if part in newest:
-            folder, record = newest[part]
-            for k in record["parts"][str(part)]:
-                wanted[k] = record["configurations"][k]["spec"]
-    log(f"counting the kernel census of {len(wanted)} measured configurations at {tree} ...")
-    now = count(list(wanted.values()), tree) if wanted else {}
+def census_diff(then: dict | None, now: dict | None) -> list[str]:
+    """What differs between two censuses of one configuration: a phase's ops, or an entry of `beside`."""
+    if not then or not now:
+        return ["not counted" if not then else "cannot be counted today"]
+    out = [f"{phase} ops" for phase in sorted(set(then) | set(now)) if phase != "beside" and
+           then.get(phase) != now.get(phase)]
+    a, b = then.get("beside") or {}, now.get("beside") or {}
+    return out + [name for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+
+
+def counted_judge(tree: str = ROOT, count=census_of, log=print):
+    """judge(measurements) → {(folder, key): (stands: bool | None, why)}: the census at each record's commit against
+    today's (`count`: census_of, the census of configurations at a checkout); a measurement of this tree's own code
+    (its digest) stands without a count."""
+    here = tree_state(tree)["digest"]
+
+    def judge(ms: list[dict]) -> dict:
+        out, rest = {}, []
+        for m in ms:
+            if here and m["digest"] == here:
+                out[(m["folder"], m["key"])] = (True, "measured on this code")
+            else:
+                rest.append(m)
+        if not rest:
+            return out
+        specs = {m["key"]: m["spec"] for m in rest}
+        log(f"counting the kernel census of {len(specs)} measured configurations at {tree} ...")
+        now = count(list(specs.values()), tree)
+        for folder in dict.fromkeys(m["folder"] for m in rest):
+            group = [m for m in rest if m["folder"] == folder]
+            try:
+                then = census_at_commit(group[0]["record"], tree, count)
+            except RuntimeError as e:
+                out.update({(folder, m["key"]): (None, str(e)) for m in group})
+                continue
+            for m in group:
+                diff = census_diff(then.get(m["key"]), now.get(m["key"]))
+                out[(folder, m["key"])] = (not diff, "census changed: " + ", ".join(diff) if diff else
+                                           f"census unchanged since {m['commit']}")
+        return out
+    return judge
+
+
+def verdict_judge(verdicts: dict, here: str | None):
+    """judge() from verdicts judged before (the stamp's, written on a CPU by the window's dry run: {folder relative to
+    the repository: {key: [stands, why]}}); a measurement of this code's digest stands, any other unjudged does not."""
+    def judge(ms: list[dict]) -> dict:
+        out = {}
+        for m in ms:
+            given = verdicts.get(os.path.relpath(m["folder"], ROOT), {}).get(m["key"])
+            out[(m["folder"], m["key"])] = (True, "measured on this code") if here and m["digest"] == here else \
+                tuple(given) if given else (None, "not judged: no census of it at this code (run the window's dry "
+                                                  "run on a CPU before copying the tree)")
+        return out
+    return judge
+
+
+# ---- which points stand ---------------------------------------------------------------------------------------------
+def standing(parse_args, parts=range(9), root: str = RECORDS, tree: str = ROOT, count=census_of, machine=None,
+             judge=None, args=None, log=print) -> dict[int, dict]:
+    """Per part (`parse_args`: bench.py's parser, for what each part plans, or `args(part)`: the settings it runs
+    with; `machine`: the one that would measure, benchmarks/gpu_records.machine, or None to compare no machine;
+    `judge`: counted_judge(tree, count) unless given):
+    {"state": stands | changed | partly | never | uncounted, "points": {key: {"state": stands | changed | missing |
+    unknown, "why", "record", "commit", "run", "measurement"}}, "specs", "stands", "changed", "missing" (keys)}."""
+    measured = measurements(root)
+    device = (machine or {}).get("device")
+    plans = {p: part_plan(p, args(p) if args else planning_args(p, parse_args, device)) for p in parts}
+    picks = {}
+    for p in parts:
+        compare = tuple(c for c in COMPARED if p not in DEVICE_FREE or c != "device")
+        for k in plans[p]["specs"]:   # a script's part (WHOLE) has no figure of a point: its own only, no other's
+            found = [m for m in measured.get(k, []) if (m["part"] == p if p in WHOLE else m["part"] not in WHOLE)]
+            pick = next((m for m in found if not differences(m["machine"], machine, compare)), None)
+            picks[(p, k)] = (pick, "never measured" if not found else None if pick else
+                             "measured elsewhere: " + "; ".join(differences(found[0]["machine"], machine, compare)))
+    unique = {(m["folder"], m["key"]): m for m, _ in picks.values() if m}
+    verdicts = (judge or counted_judge(tree, count, log))(list(unique.values())) if unique else {}
     out = {}
-    for part in parts:
-        planned = {key(s) for s in configurations(part, planning_args(part, parse_args))}
-        if part not in newest:
-            out[part] = {"state": "never", "record": None, "commit": None, "changed": [], "missing": sorted(planned)}
-            continue
-        folder, record = newest[part]
-        keys = record["parts"][str(part)]
-        try:
-            then = census_at_commit(record, tree, count)
-        except RuntimeError as e:
-            out[part] = {"state": "uncounted", "record": os.path.relpath(folder, ROOT), "commit": record["commit"],
-                         "changed": [], "missing": [], "measured": len(keys), "why": str(e)}
-            continue
-        changed = [k for k in keys if then.get(k) != now.get(k)]
-        missing = sorted(planned - set(keys))
-        state = "changed" if changed else "partly" if missing else "stands"
-        out[part] = {"state": state, "record": os.path.relpath(folder, ROOT), "commit": record["commit"],
-                     "changed": changed, "missing": missing, "measured": len(keys)}
+    for p in parts:
+        points = {}
+        for k in plans[p]["specs"]:
+            m, why = picks[(p, k)]
+            if m is None:
+                points[k] = {"state": "missing", "why": why, "record": None, "commit": None, "run": None}
+                continue
+            ok, why = verdicts[(m["folder"], k)]
+            points[k] = {"state": {True: "stands", False: "changed", None: "unknown"}[ok], "why": why,
+                         "record": os.path.relpath(m["folder"], ROOT), "commit": m["commit"], "run": m["run"],
+                         "measurement": m}
+        tie(points, plans[p]["groups"], (machine or {}).get("boot"))
+        out[p] = summarize(points, plans[p]["specs"])
     return out
+
+
+def tie(points: dict, groups: list[list[str]], this_run: str | None = None) -> None:
+    """A group's standing points are measured again unless all of it stands from one run, or they were measured in
+    `this_run` (this machine's session, where the rest of the group is about to be measured)."""
+    moved = True
+    while moved:
+        moved = False
+        for group in groups:
+            states = [points[k] for k in group if k in points]
+            if all(s["state"] == "stands" for s in states) and len({s["run"] for s in states}) <= 1:
+                continue
+            for s in states:
+                if s["state"] == "stands" and not (this_run and s["run"] == this_run):
+                    s.update(state="missing", why="measured again beside the points it is compared with (one run)")
+                    moved = True
+
+
+def summarize(points: dict, specs: dict) -> dict:
+    by = {state: [k for k, s in points.items() if s["state"] == state] for state in ("stands", "changed", "missing",
+                                                                                       "unknown")}
+    never = all(s["why"] == "never measured" for s in points.values())
+    state = "stands" if len(by["stands"]) == len(points) else "changed" if by["changed"] else \
+        "uncounted" if by["unknown"] else "never" if never else "partly"
+    return {"state": state, "points": points, "specs": specs, "stands": by["stands"], "changed": by["changed"],
+            "missing": by["missing"] + by["unknown"]}
 
 
 def describe(spec_key: str) -> str:
     s = json.loads(spec_key)
-    return f"{s['kind']} {s['config']} {' '.join(s['overrides'])}"
+    return f"{s['kind']} {s['config']} {' '.join(s['overrides'])}" + (" (compiled)" if s.get("compile") else "")
 
 
 def report(states: dict[int, dict]) -> str:
     lines = []
     for part, s in states.items():
-        head = f"part {part} ({TITLES[part]}): "
+        head, n = f"part {part} ({TITLES[part]}): ", len(s["points"])
+        records = sorted({f"{p['commit']} ({p['record']})" for p in s["points"].values() if p["record"]})
+        where = f"measured at {', '.join(records)}" if records else ""
         if s["state"] == "never":
-            lines.append(head + f"never measured ({len(s['missing'])} configurations planned)")
-            continue
-        where = f"{s['measured']} configurations measured at {s['commit']} ({s['record']})"
-        if s["state"] == "uncounted":
-            lines.append(head + f"cannot tell: {where}; {s['why']}")
+            lines.append(head + f"never measured ({n} configurations planned)")
         elif s["state"] == "stands":
-            lines.append(head + f"stands: {where}, their kernel census unchanged")
-        elif s["state"] == "changed":
-            lines.append(head + f"changed: {where}; census changed for: " + "; ".join(map(describe, s["changed"])))
+            lines.append(head + f"stands: {n} configurations {where}, census and machine unchanged")
         else:
-            shown = "; ".join(map(describe, s["missing"][:3])) + ("; …" if len(s["missing"]) > 3 else "")
-            lines.append(head + f"partly measured: {where}, census unchanged; {len(s['missing'])} planned not "
-                         f"measured: {shown}")
+            shown = [f"{describe(k)} [{s['points'][k]['why']}]" for k in s["changed"] + s["missing"]]
+            lines.append(head + f"{s['state']}: {len(s['stands'])} of {n} stand ({where or 'none measured'}); "
+                         f"to measure: " + "; ".join(shown[:3]) + ("; …" if len(shown) > 3 else ""))
     nxt = next((p for p, s in states.items() if s["state"] != "stands"), None)
-    lines.append(f"next: part {nxt} (make gpu-bench PART={nxt})" if nxt is not None else
+    lines.append(f"next: part {nxt} (make gpu-bench PART={nxt}, or make gpu-window)" if nxt is not None else
                  "next: none, every part's figures stand")
     return "\n".join(lines)
+
+
+# ---- a census.json for a record made without one --------------------------------------------------------------------
+def write_census(out: str, parts: dict[int, list[dict]], commit: str, device: str | None, tree: str = ROOT) -> str:
+    """out/census.json: the census of each part's configurations, counted at `tree` (a worktree of `commit`) under
+    this torch; where the count fails, the configurations are written without it and the reason is kept."""
+    import torch
+
+    specs = [s for group in parts.values() for s in group]
+    try:
+        counted, error = census_of(specs, tree), None
+    except RuntimeError as e:
+        counted, error = {}, str(e)
+    record = {"commit": commit, "device": device, "torch": torch.__version__, "census_version": CENSUS_VERSION,
+              "error": error, "parts": {str(k): sorted({key(s) for s in group}) for k, group in parts.items()},
+              "configurations": {key(s): {"spec": s, "census": counted.get(key(s))} for s in specs}}
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "census.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
 
 
 def main(argv=None) -> int:

@@ -28,9 +28,9 @@ import yaml
 from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
-from pretrain.checkpoints import universal
+from pretrain.checkpoints import retention, universal
 from pretrain.checkpoints.durable import publish
-from pretrain.checkpoints.resume import compatibility_problem, complete_tags, is_universal, newest_complete
+from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
 from pretrain.distributed import is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
@@ -92,8 +92,9 @@ class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
     def __init__(self, engine, directory: str, keep: int, stateful: dict, config: dict, tokenizer: str, rank: int,
-                 world: int, faults: Faults = NO_FAULTS):
+                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
+        self.keep_every = keep_every   # every this many steps kept for good (retention.py)
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
         self.faults = faults
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
@@ -170,12 +171,7 @@ class Checkpointer:
                 after_rename=lambda: self.faults.saving("renamed", step))
 
     def _prune(self) -> None:
-        complete = complete_tags(self.dir)
-        for old in complete[:-self.keep]:
-            shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
-        for name in os.listdir(self.dir):                         # leftovers of crashed saves
-            if name.endswith(".partial"):
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        retention.prune(self.dir, self.keep, self.keep_every)
 
     def latest_tag(self) -> str | None:
         """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""

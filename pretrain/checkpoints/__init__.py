@@ -1,5 +1,7 @@
 """The checkpoint formats of a run, read and written in one place. Arrows point one way, down this list:
 
+    safe_load.py      loads that run no code: torch.load(weights_only=True) with the run's types allowed, and a check
+                      of the files DeepSpeed's own code loads with weights_only=False
     durable.py        durable writes: atomic small files, complete.json (fsync, sizes, verify), publishing a tag
     resume.py         which checkpoint a run resumes, and one-line reasons why it cannot (another model or layout)
     ds_checkpoint.py  a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO) read back as full tensors; `load_any`: a model

@@ -28,7 +28,7 @@ import yaml
 from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
-from pretrain.checkpoints import retention, universal
+from pretrain.checkpoints import retention, safe_load, universal
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
 from pretrain.distributed import is_peer_loss
@@ -103,6 +103,8 @@ class Checkpointer:
         writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes each of its files through it
         if writer is not None:
             writer.save = self._own_file(writer.save)
+        if hasattr(writer, "load"):   # DeepSpeed's loads with weights_only=False: each file is checked first
+            writer.load = self._checked(writer.load)
 
     def _own_file(self, save):
         """DeepSpeed's checkpoint engine's save(state_dict, path), each file listed in `own` as it starts."""
@@ -110,6 +112,14 @@ class Checkpointer:
             self.own.writing(path)
             return save(state_dict, path, *args, **kwargs)
         return listed
+
+    @staticmethod
+    def _checked(load):
+        """DeepSpeed's checkpoint engine's load(path, ...), refusing a file whose pickle would run code (safe_load)."""
+        def checked(path, *args, **kwargs):
+            safe_load.check(path)
+            return load(path, *args, **kwargs)
+        return checked
 
     def save(self, step: int) -> str:
         """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
@@ -197,7 +207,7 @@ class Checkpointer:
             load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from {directory} (tag {tag})")
-        state = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=False)
+        state = safe_load.load(os.path.join(path, f"trainer_rank{self.rank}.pt"))
         if state["world"] != self.world:   # checked before launch already (compatibility_problem); a hand-made one
             raise ConfigError(f"checkpoint {path} was written by {state['world']} ranks, this run has "
                               f"{self.world}; convert it with tools/convert.py to change the layout")
@@ -220,7 +230,7 @@ class Checkpointer:
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from the universal checkpoint {path}")
         universal.restore_frozen(path, self.engine.module)
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        state = safe_load.load(os.path.join(path, "trainer_state.pt"))
         self.restored = {"engine", "universal"}
         for name in ("guard", "data"):   # the data position of every rank merged: layout-free
             if state.get(name) and name in self.stateful:

@@ -46,3 +46,20 @@ def test_the_tools_refuse_a_pickle_that_would_run_code_in_one_line(tmp_path, cap
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and victim in err[0] and "would run code" in err[0] and "posix.system" in err[0], err
     assert not marker.exists() and not (tmp_path / "release").exists()
+
+
+def test_a_resume_checks_each_file_before_deepspeed_loads_it_with_weights_only_false(tmp_path):
+    from types import SimpleNamespace
+
+    from pretrain.checkpoints.checkpointer import Checkpointer
+    from pretrain.checkpoints.safe_load import UnsafeCheckpoint
+
+    marker, hostile = tmp_path / "ran", tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "extra": RunsCode(marker)}, hostile)
+    load = lambda path, map_location=None: torch.load(path, map_location=map_location, weights_only=False)  # noqa: E731
+    engine = SimpleNamespace(checkpoint_engine=SimpleNamespace(save=torch.save, load=load))   # as DeepSpeed 0.19's
+    Checkpointer(engine, str(tmp_path), 3, {}, {}, "", 0, 1)
+    assert "module" in engine.checkpoint_engine.load(os.path.join(CHECKPOINT, "mp_rank_00_model_states.pt"))
+    with pytest.raises(UnsafeCheckpoint, match="mp_rank_00_model_states.pt holds a pickle that would run code"):
+        engine.checkpoint_engine.load(str(hostile))
+    assert not marker.exists()

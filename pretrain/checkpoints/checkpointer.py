@@ -10,8 +10,8 @@ file's size in `complete.json`, renames the directory to `<tag>` and only then r
 A crash at any moment leaves the previous checkpoint complete and named by `latest`; a leftover `.partial`
 directory older than the newest committed checkpoint is removed by the next save (retention.py). Loading checks
 `complete.json` (every file present, same size) and falls back to the newest complete checkpoint when `latest` names
-a damaged one. While it saves, `own` lists the files this
-rank writes (DeepSpeed's, through its checkpoint engine, and the trainer's): all the hang watchdog reads of a save.
+a damaged one. While it saves, `own` lists the files this rank writes (DeepSpeed's, through its checkpoint engine,
+and the trainer's): all the hang watchdog reads of a save.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class Trainer:
         self.faults = Faults.from_environment(lay.rank, cfg.train.run_dir)   # the fault tests' hooks; none by default
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
                                          {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
-                                         lay.rank, lay.world, self.faults)
+                                         lay.rank, lay.world, self.faults, keep_every=cfg.checkpoint.keep_every)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None

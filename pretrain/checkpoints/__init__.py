@@ -1,9 +1,12 @@
 """The checkpoint formats of a run, read and written in one place. Arrows point one way, down this list:
 
+    safe_load.py      loads that run no code: torch.load(weights_only=True) with the run's types allowed, and a check
+                      of the files DeepSpeed's own code loads with weights_only=False
     durable.py        durable writes: atomic small files, complete.json (fsync, sizes, verify), publishing a tag
     resume.py         which checkpoint a run resumes, and one-line reasons why it cannot (another model or layout)
     ds_checkpoint.py  a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO) read back as full tensors; `load_any`: a model
                       from a release or a checkpoint (what evaluation and the tools start from)
+    retention.py      which checkpoints a save deletes: all but the last `keep`, except every `keep_every`-th step
     universal.py      universal checkpoints: another layout, AdamW's moments kept (DeepSpeed's converter)
     checkpointer.py   Checkpointer: the trainer's atomic save and exact restore of a DeepSpeed engine and its state
 

@@ -8,9 +8,10 @@ global rank, `config.yaml`, `tokenizer.model`, `complete.json`; `<checkpoint.dir
 A save is atomic: every rank writes into `<tag>.partial/`; after a barrier rank 0 fsyncs every file, records each
 file's size in `complete.json`, renames the directory to `<tag>` and only then replaces `latest` (write + rename).
 A crash at any moment leaves the previous checkpoint complete and named by `latest`; a leftover `.partial`
-directory is removed by the next save. Loading checks `complete.json` (every file present, same size) and falls
-back to the newest complete checkpoint when `latest` names a damaged one. While it saves, `own` lists the files this
-rank writes (DeepSpeed's, through its checkpoint engine, and the trainer's): all the hang watchdog reads of a save.
+directory older than the newest committed checkpoint is removed by the next save (retention.py). Loading checks
+`complete.json` (every file present, same size) and falls back to the newest complete checkpoint when `latest` names
+a damaged one. While it saves, `own` lists the files this rank writes (DeepSpeed's, through its checkpoint engine,
+and the trainer's): all the hang watchdog reads of a save.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ import yaml
 from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
-from pretrain.checkpoints import universal
+from pretrain.checkpoints import retention, safe_load, universal
 from pretrain.checkpoints.durable import publish
-from pretrain.checkpoints.resume import compatibility_problem, complete_tags, is_universal, newest_complete
+from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
 from pretrain.distributed import is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
@@ -92,8 +93,9 @@ class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
     def __init__(self, engine, directory: str, keep: int, stateful: dict, config: dict, tokenizer: str, rank: int,
-                 world: int, faults: Faults = NO_FAULTS):
+                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
+        self.keep_every = keep_every   # every this many steps kept for good (retention.py)
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
         self.faults = faults
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
@@ -102,6 +104,8 @@ class Checkpointer:
         writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes each of its files through it
         if writer is not None:
             writer.save = self._own_file(writer.save)
+        if hasattr(writer, "load"):   # DeepSpeed's loads with weights_only=False: each file is checked first
+            writer.load = self._checked(writer.load)
 
     def _own_file(self, save):
         """DeepSpeed's checkpoint engine's save(state_dict, path), each file listed in `own` as it starts."""
@@ -109,6 +113,14 @@ class Checkpointer:
             self.own.writing(path)
             return save(state_dict, path, *args, **kwargs)
         return listed
+
+    @staticmethod
+    def _checked(load):
+        """DeepSpeed's checkpoint engine's load(path, ...), refusing a file whose pickle would run code (safe_load)."""
+        def checked(path, *args, **kwargs):
+            safe_load.check(path)
+            return load(path, *args, **kwargs)
+        return checked
 
     def save(self, step: int) -> str:
         """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
@@ -170,12 +182,7 @@ class Checkpointer:
                 after_rename=lambda: self.faults.saving("renamed", step))
 
     def _prune(self) -> None:
-        complete = complete_tags(self.dir)
-        for old in complete[:-self.keep]:
-            shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
-        for name in os.listdir(self.dir):                         # leftovers of crashed saves
-            if name.endswith(".partial"):
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        retention.prune(self.dir, self.keep, self.keep_every)
 
     def latest_tag(self) -> str | None:
         """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""
@@ -201,7 +208,7 @@ class Checkpointer:
             load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from {directory} (tag {tag})")
-        state = torch.load(os.path.join(path, f"trainer_rank{self.rank}.pt"), weights_only=False)
+        state = safe_load.load(os.path.join(path, f"trainer_rank{self.rank}.pt"))
         if state["world"] != self.world:   # checked before launch already (compatibility_problem); a hand-made one
             raise ConfigError(f"checkpoint {path} was written by {state['world']} ranks, this run has "
                               f"{self.world}; convert it with tools/convert.py to change the layout")
@@ -224,7 +231,7 @@ class Checkpointer:
         if load_path is None:
             raise ConfigError(f"no checkpoint could be loaded from the universal checkpoint {path}")
         universal.restore_frozen(path, self.engine.module)
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        state = safe_load.load(os.path.join(path, "trainer_state.pt"))
         self.restored = {"engine", "universal"}
         for name in ("guard", "data"):   # the data position of every rank merged: layout-free
             if state.get(name) and name in self.stateful:

@@ -26,6 +26,7 @@ import yaml
 from model import ConfigError, SynthesizerLM
 from model.accounting import parameters
 from model.release import find_tokenizer, is_release, load_into, read_release
+from pretrain.checkpoints import safe_load
 from pretrain.config import TrainConfig
 from pretrain.pipeline import canonical_name, stage_prefixes
 
@@ -69,7 +70,7 @@ def _zero_consolidated(tag_dir: str, mp_rank: int) -> dict[str, torch.Tensor]:
         os.makedirs(os.path.join(tmp, "tag"))
         for f in mine:
             link = os.path.join(tmp, "tag", os.path.basename(f))
-            state = torch.load(f, map_location="cpu", weights_only=False) if "model_states" in f else {}
+            state = safe_load.load(f, map_location="cpu") if "model_states" in f else safe_load.check(f) or {}
             if "module" in state and state["module"] is None:   # PipelineEngine keeps weights in layer files
                 torch.save({**state, "module": {}}, link)         # small: names and shapes only
             else:
@@ -84,13 +85,13 @@ def _module_weights(tag_dir: str, cfg: TrainConfig) -> dict[tuple[str, int], tor
     if p.pp == 1:
         for m in range(p.tp):
             path = sorted(glob.glob(os.path.join(tag_dir, f"*mp_rank_{m:02d}_model_states.pt")))[0]  # ZeRO-3: dp 0's
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = safe_load.load(path, map_location="cpu")
             out.update({(name, m): value for name, value in state["module"].items()})
         return out
     for path in glob.glob(os.path.join(tag_dir, "layer_*-model_*-model_states.pt")):   # PipelineModule's files
         layer, t = map(int, re.match(r"layer_(\d+)-model_(\d+)-", os.path.basename(path)).groups())
         out.update({(f"{layer}.{key}", t): value
-                    for key, value in torch.load(path, map_location="cpu", weights_only=False).items()})
+                    for key, value in safe_load.load(path, map_location="cpu").items()})
     return out
 
 

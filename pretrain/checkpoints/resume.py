@@ -7,11 +7,11 @@ from __future__ import annotations
 import glob
 import os
 
-import torch
 import yaml
 
 from model import ConfigError
 from model.config import architecture_difference
+from pretrain.checkpoints import safe_load
 from pretrain.checkpoints.durable import verify
 from tokendata import shard_stream_order
 from tokendata.shards import DataError
@@ -32,7 +32,7 @@ def deepspeed_clipped(path: str | None) -> bool:
     files = sorted(glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
     if not files:
         return False
-    state = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    state = safe_load.load(files[0], map_location="cpu", mmap=True)
     return float(state.get("optimizer_state_dict", {}).get("clip_grad", 0.0) or 0.0) > 0
 
 
@@ -156,7 +156,7 @@ def data_problem(path: str, dp: int) -> str | None:
     any divisor of the global batch; a regular checkpoint is resumed in its own layout)."""
     if not is_universal(path):
         return None
-    data = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False).get("data") or {}
+    data = safe_load.load(os.path.join(path, "trainer_state.pt")).get("data") or {}
     if data.get("order") != shard_stream_order.ORDER:
         return None
     try:

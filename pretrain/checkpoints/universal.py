@@ -40,6 +40,7 @@ from model import ConfigError
 from model import parallel as tp
 from model.accounting import parameters
 from model.release import TOKENIZER_FILES
+from pretrain.checkpoints import safe_load
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.ds_checkpoint import canonical_names, read_config, read_weights, step_of
 from tokendata.stream import merged_state
@@ -100,7 +101,7 @@ def convert(tag_dir: str, out_dir: str, workers: int = 1) -> str:
     for name in ("config.yaml",) + TOKENIZER_FILES:
         if os.path.exists(os.path.join(tag_dir, name)):
             shutil.copy(os.path.join(tag_dir, name), partial)
-    ranks = [torch.load(path, weights_only=False)["stateful"]   # rank 0 first: trainer_rank0.pt … sorted by rank
+    ranks = [safe_load.load(path)["stateful"]   # rank 0 first: trainer_rank0.pt … sorted by rank
              for path in sorted(glob.glob(os.path.join(tag_dir, "trainer_rank*.pt")), key=_rank_of)]
     data = merged_state([r["data"] for r in ranks if "data" in r])   # the data position, the same in any layout
     torch.save({"step": step, "guard": ranks[0].get("guard") if ranks else None, "data": data},
@@ -116,7 +117,7 @@ def _stage(tag_dir: str, staging: str, params: dict, rename) -> None:
     from deepspeed.checkpoint import constants as c
 
     model_states = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    states = [torch.load(path, map_location="cpu", weights_only=False) for path in model_states]
+    states = [safe_load.load(path, map_location="cpu") for path in model_states]
     names = {n for state in states for group in state.get(c.PARAM_SHAPES, []) for n in group}
     unknown = sorted(n for n in names if rename(n) not in params)
     if unknown:
@@ -132,6 +133,7 @@ def _stage(tag_dir: str, staging: str, params: dict, rename) -> None:
     for path in glob.glob(os.path.join(tag_dir, "*.pt")):
         name = os.path.basename(path)
         if path not in model_states and not name.startswith("trainer_rank"):
+            safe_load.check(path)                          # the converter loads it with weights_only=False
             os.symlink(os.path.abspath(path), os.path.join(staging, name))
 
 
@@ -155,7 +157,7 @@ def _as_stage_1_2(zero: str, cfg) -> None:
     tensors with their TP split dim, a step per parameter), which every layout of the trainer but ZeRO-3 loads."""
     import deepspeed
 
-    sd = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)
+    sd = safe_load.load(os.path.join(zero, "optimizer_state.pt"))
     base = sd["optimizer_state_dict"]
     step = base["state"][0]["step"]
     for name, p in parameters(cfg.model).items():
@@ -164,7 +166,7 @@ def _as_stage_1_2(zero: str, cfg) -> None:
             continue   # frozen: no optimizer state (_write_frozen)
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             path = os.path.join(folder, f"{state}.pt")
-            tensor = torch.load(path, weights_only=False)
+            tensor = safe_load.load(path)
             if torch.is_tensor(tensor):
                 torch.save({"param": tensor.view(p.shape), "cat_dim": p.split_dim or 0}, path)
         if not os.path.exists(os.path.join(folder, "step.pt")):
@@ -196,6 +198,8 @@ def view_for(tag_dir: str, module: torch.nn.Module, into: str) -> str:
         if name != "zero":
             os.symlink(os.path.abspath(os.path.join(tag_dir, name)), os.path.join(view, name))
     zero = os.path.abspath(os.path.join(tag_dir, "zero"))
+    for path in glob.glob(os.path.join(zero, "**", "*.pt"), recursive=True):
+        safe_load.check(path)                              # DeepSpeed loads them with weights_only=False
     os.symlink(os.path.join(zero, "optimizer_state.pt"), os.path.join(view, "zero", "optimizer_state.pt"))
     for name, _ in module.named_parameters():
         source = os.path.join(zero, rename(name))
@@ -210,8 +214,8 @@ def restore_frozen(tag_dir: str, module: torch.nn.Module) -> None:
     """Copy this rank's slices of the frozen tensors (never in a ZeRO partition) from the universal checkpoint."""
     rename = getattr(module, "canonical_name", lambda name: name)
     frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
-    full = {rename(name): torch.load(os.path.join(tag_dir, "zero", rename(name), "fp32.pt"),
-                                     weights_only=False)["param"] for name in frozen}
+    full = {rename(name): safe_load.load(os.path.join(tag_dir, "zero", rename(name), "fp32.pt"))["param"]
+            for name in frozen}
     with torch.no_grad():
         for name, p in frozen.items():
             p.copy_(tp.local_slice(full[rename(name)], p))

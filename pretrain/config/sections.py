@@ -274,6 +274,8 @@ class CheckpointSection:
     """DeepSpeed checkpoints (model, optimizer, scheduler, data position, this config)."""
     every: int = described("save every this many optimizer steps (and at the end of the run)", 1000)
     keep: int = described("keep the last this many checkpoints, delete older ones", 3)
+    keep_every: int | None = described("also keep for good every checkpoint whose step is a multiple of this (e.g. "
+                                       "10000); null = none beyond the last `keep`", None)
     dir: str | None = described("checkpoint directory; default <train.run_dir>/checkpoints", None)
     resume: str = described("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
     relayout: bool = described("when the checkpoint to resume is of another layout (TP, PP, ZeRO-3, world size): "
@@ -285,6 +287,7 @@ class CheckpointSection:
         check_types(self, "checkpoint")
         need(self.every >= 1, "checkpoint.every", self.every, "≥ 1")
         need(self.keep >= 1, "checkpoint.keep", self.keep, "≥ 1")
+        need(self.keep_every is None or self.keep_every >= 1, "checkpoint.keep_every", self.keep_every, "≥ 1 or null")
         need(bool(self.resume), "checkpoint.resume", self.resume, "auto, none, or a path")
 
 

@@ -36,7 +36,8 @@ from tokendata.remote import DataError
 log = logging.getLogger(__name__)
 NEWLINE_MODES = ("eos", "text")
 NEWLINES = re.compile(r"\n+")   # training never saw an empty document, so a blank line is one boundary, not two
-TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks")   # the shipped tasks
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository (pretrain/observe/..)
+TASKS = os.path.join(ROOT, "tasks")   # the shipped tasks
 
 
 def cut_at_stop(text: str, until: list[str]) -> str:

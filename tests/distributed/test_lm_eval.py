@@ -253,3 +253,12 @@ def test_cli_wrapper_runs_the_shipped_tasks_offline_from_another_cwd(tiny, tmp_p
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "nowhere" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_scorer_finds_the_shipped_tasks():
+    """The live scorer's task folder is the repository's tasks/, wherever its module sits (it moved a floor down once
+    and looked in pretrain/tasks)."""
+    from pretrain.observe.downstream import TASKS
+
+    assert os.path.samefile(TASKS, os.path.join(ROOT, "tasks"))
+    assert {"austen_cloze.yaml", "austen_mc4.yaml"} <= set(os.listdir(TASKS))

@@ -22,7 +22,7 @@ import time
 from functools import partial
 
 from benchmarks import bench_data
-from benchmarks.bench_memory import Memory, tensor_mb  # noqa: F401  (Memory: its home for the tests and callers)
+from benchmarks.bench_memory import Memory
 from benchmarks.bench_sched import Foreground, runqueue_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

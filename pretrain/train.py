@@ -360,8 +360,8 @@ class Trainer:
 
     def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/observe/live_model.py)
         if self.cfg.logging.eval_tasks:
-            live_model.log_scores(self.step, live_model.whole_model(self.engine, self.cfg, self.layout), self.cfg, self.tokenizer,
-                            self.log)
+            live_model.log_scores(self.step, live_model.whole_model(self.engine, self.cfg, self.layout), self.cfg,
+                                  self.tokenizer, self.log)
 
     def close(self) -> None:
         if self.watchdog is not None:   # (already stopped before the rank's record: supervision/rank.py)

@@ -144,10 +144,10 @@ class ShardFiles:
 
 class ShardReader:
     """Reads the shards of one iterator. Under bad_shards="skip" a bad shard gives no samples, is warned about on
-    stderr once and not reopened; an outage (FetchFailed) is raised, never recorded. What a sample's reader learned rides on the next sample out (`tag`): the URLs of
-    shards found bad, and the retries that fetches took, so the batch that takes that sample reports them: the only
-    way out of a DataLoader worker that keeps the batch order. Shards in `known_bad` are bad from the start (found
-    while reading before a resume) and not reported again. `fetch` touches no state (a prefetch thread calls it);
+    stderr once and not reopened; an outage (FetchFailed) is raised, never recorded. What a sample's reader learned
+    rides on the next sample out (`tag`): the URLs of shards found bad, and the retries that fetches took, so the
+    batch that takes that sample reports them: the only way out of a DataLoader worker that keeps the batch order.
+    Shards in `known_bad` are bad from the start (found while reading before a resume) and not reported again. `fetch` touches no state (a prefetch thread calls it);
     `accept` does the bookkeeping in the reading thread."""
 
     def __init__(self, files, fmt, bad_shards, split, n_shards, known_bad=()):

@@ -101,11 +101,10 @@ class Checkpointer:
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
         self.loaded_from: str | None = None
         self.own = OwnFiles()
-        writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes each of its files through it
+        writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes and reads each of its files through it
         if writer is not None:
             writer.save = self._own_file(writer.save)
-        if hasattr(writer, "load"):   # DeepSpeed's loads with weights_only=False: each file is checked first
-            writer.load = self._checked(writer.load)
+            writer.load = self._checked(writer.load)   # it loads with weights_only=False: each file is checked first
 
     def _own_file(self, save):
         """DeepSpeed's checkpoint engine's save(state_dict, path), each file listed in `own` as it starts."""

@@ -45,7 +45,7 @@ class Engine:
 
     def __init__(self, clock):
         self.clock = clock
-        self.checkpoint_engine = SimpleNamespace(save=self.write)
+        self.checkpoint_engine = SimpleNamespace(save=self.write, load=torch.load)   # as DeepSpeed's: both
 
     def save_checkpoint(self, directory, tag, save_latest):
         folder = os.path.join(directory, tag)

@@ -34,7 +34,8 @@ def preempt_error_outage(out: str, shards: Shards, reference: str, hang_timeout:
     job = Nodes(out, "preempt", config, 2, 4, workers)
     wait_until(lambda: logged_step(run) >= 8, 600, job, "step 8")
     sent = job.signal_all(signal.SIGTERM)
-    say(f"SIGTERM sent to {sent} processes (supervisors, launchers, ranks, loader workers) after step {logged_step(run)}")
+    say(f"SIGTERM sent to {sent} processes (supervisors, launchers, ranks, loader workers) after step "
+        f"{logged_step(run)}")
     codes = job.wait(600)
     records = last_records(run, 8)
     stopped = sorted({r["step"] for r in records.values()})
@@ -51,12 +52,13 @@ def preempt_error_outage(out: str, shards: Shards, reference: str, hang_timeout:
 
     say(f"resume under --max-restarts 3: rank 3 raises before step {at + 1}; then the shard server goes down "
         f"(SYNTHFORMER_DATA_RETRIES=2) until launch 1 has failed")
+    ours, history_before = len(board(run)), len(verdicts(run))   # the lines of launch A are not launch B's
     again = Nodes(out, "resume", config, 2, 4, "--max-restarts", "3", workers, "data.bad_shards=skip",
                   env={"SYNTHFORMER_FAULTS": f"raise@{at + 1}@3", "SYNTHFORMER_DATA_RETRIES": "2"})
     seen: dict[str, float] = {}
     deadline = time.time() + 900
     while any(p.poll() is None for p in again.procs) and time.time() < deadline:
-        lines, now = board(run), time.monotonic()
+        lines, now = board(run)[ours:], time.monotonic()
         if "failed" not in seen and any(b.get("event") == "failed" and b.get("rank") == 3 for b in lines):
             seen["failed"] = now
         if "stopped" not in seen and any(b.get("event") == "ended" and b.get("node") == 1 and b["restart"] == 0
@@ -67,7 +69,8 @@ def preempt_error_outage(out: str, shards: Shards, reference: str, hang_timeout:
             shards.stop()
             seen["down"] = now
             say("launch 0 ended on both nodes: the shard server is down")
-        if "up" not in seen and "down" in seen and any(v["class"] == "transient" for v in verdicts(run)):
+        if "up" not in seen and "down" in seen and any(v["class"] == "transient"
+                                                       for v in verdicts(run)[history_before:]):
             shards.restart()
             seen["up"] = now
             say(f"launch 1 ended transient after {now - seen['down']:.0f} s of outage: the shard server is back")
@@ -76,10 +79,10 @@ def preempt_error_outage(out: str, shards: Shards, reference: str, hang_timeout:
         shards.restart()
     codes2 = again.wait(60)
     errs = again.stderr()
-    history = verdicts(run)
+    history = verdicts(run)[history_before:]
     for line in errs:
-        if line.startswith(("error: rank 3 failed first", "restart ", "error: the launch", "error: rank ", "node 1: ")) \
-                and "made no progress" not in line:
+        if line.startswith(("restart ", "error: the launch", "error: rank ", "node 1: ")) and \
+                "made no progress" not in line:
             print(f"    {line[:300]}")
     exact, words = same_as(run, reference, range(7, 13), 8)
     results = {}
@@ -91,7 +94,8 @@ def preempt_error_outage(out: str, shards: Shards, reference: str, hang_timeout:
     named = [line for line in errs if line.startswith("error: rank 3 failed first (unknown)")]
     row0 = [v for v in history if v["restart"] == 0]
     took = seen["stopped"] - seen["failed"] if {"failed", "stopped"} <= seen.keys() else None
-    by = [b.get("stopped") for b in board(run) if b.get("event") == "ended" and b.get("node") == 1 and b["restart"] == 0]
+    by = [b.get("stopped") for b in board(run)[ours:] if b.get("event") == "ended" and b.get("node") == 1 and
+          b["restart"] == 0]
     results["rank 3 raises (node 0) → the verdict names rank 3 (unknown); node 1's launcher stopped within 60 s"] = (
         len(named) == 2 and row0 and all(v["rank"] == 3 and v["class"] == "unknown" for v in row0) and
         took is not None and took <= STOP_WITHIN_S,

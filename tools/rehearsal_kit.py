@@ -303,9 +303,24 @@ def last_records(run: str, ranks: int) -> dict[int, dict]:
 
 def board(run: str) -> list[dict]:
     """The lines of the run's board (pretrain/supervision/nodes.py): failures and ended launches, of every node."""
-    return jsonl(os.path.join(run, "logs", "nodes.jsonl"))
+    return whole_lines(os.path.join(run, "logs", "nodes.jsonl"))
 
 
 def verdicts(run: str) -> list[dict]:
     """The run's history: every node's verdict on each launch (logs/launches.jsonl)."""
-    return jsonl(os.path.join(run, "logs", "launches.jsonl"))
+    return whole_lines(os.path.join(run, "logs", "launches.jsonl"))
+
+
+def whole_lines(path: str) -> list[dict]:
+    """The JSON lines of a file that others append to as it is read: a line not yet whole is left for later."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    out = []
+    for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -15,6 +15,8 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           (train.hang_timeout finds them all, pretrain/supervision/watchdog.py)
     stall@5@1             rank 1 stops before step 5, before any forward: a hang in any layout (a pipeline stage's
                           forward is DeepSpeed's, so `hang` does not reach it)
+    raise@5@3             rank 3 raises an error that is no data's nor config's (RuntimeError, class unknown) before
+                          step 5, before any forward: the other ranks wait for it in the step's first collective
 
 Each fault fires once per run: before it fires it leaves a marker, <run_dir>/faults/KIND@STEP@RANK, and a relaunch of
 the run (by hand, or launch/pretrain.sh --max-restarts) with the same SYNTHFORMER_FAULTS does not fire it again.
@@ -72,7 +74,10 @@ class Faults:
         return loss * float("nan") if self.fires("nan", step) else loss
 
     def before_step(self, step: int) -> None:
-        """Never returns where a `stall` fault is armed for this step."""
+        """Never returns where a `stall` fault is armed for this step; raises RuntimeError where a `raise` is."""
+        if self.fires("raise", step):
+            raise RuntimeError(f"injected fault raise@{step}@{self.rank} (SYNTHFORMER_FAULTS): an error of no data "
+                               f"and no config")
         if self.fires("stall", step):
             hang()
 

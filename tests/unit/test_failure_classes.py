@@ -161,6 +161,21 @@ def test_a_fetch_that_failed_is_transient_and_wrong_content_a_data_error():
     assert classify(from_worker, None) == (classes.TRANSIENT, "shard http://s/x.tar: HTTP 503")
 
 
+def test_the_raise_fault_is_an_unknown_error_of_its_rank_before_its_step_once_a_run(tmp_path):
+    import pytest
+
+    from pretrain.faults import Faults
+    from pretrain.supervision.rank import classify
+
+    Faults("raise@5@3", rank=2, run_dir=str(tmp_path)).before_step(5)   # another rank's: nothing
+    faults = Faults("raise@5@3", rank=3, run_dir=str(tmp_path))
+    faults.before_step(4)
+    with pytest.raises(RuntimeError, match="raise@5@3") as raised:
+        faults.before_step(5)
+    assert classify(raised.value, None)[0] is classes.UNKNOWN
+    Faults("raise@5@3", rank=3, run_dir=str(tmp_path)).before_step(5)   # a relaunch of the run: fired already
+
+
 def a_rank_whose_teardown_blocks(run_dir):
     """run_rank around a trainer that fails with a CUDA error, then blocks in its close (W&B's finish, NCCL's teardown)
     for four times its watchdog's hang_timeout."""

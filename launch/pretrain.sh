@@ -108,6 +108,15 @@ if [ -n "$DRY_RUN" ]; then
   exit 0
 fi
 # Check the config for this world size once, before any process starts (one-line errors, exit 2); it prints the
-# run's directory last.
-RUN_DIR="$("$PYTHON" -m pretrain.config "$@" --world-size $(( NNODES * NPROC )) --run-dir | tail -n 1)" || exit 2
+# run's directory last. Exit 6: the data's server is out (the class `transient`): with --max-restarts N the check is
+# tried again, at most N times, after the supervisor's wait for an outage (6 × RESTART_BACKOFF, doubled, ≤ 900 s).
+TRIES=0 WAIT=$(( 6 * ${RESTART_BACKOFF:-10} ))
+until RUN_DIR="$("$PYTHON" -m pretrain.config "$@" --world-size $(( NNODES * NPROC )) --run-dir | tail -n 1)"; do
+  CHECK=$?
+  if [ "$CHECK" -ne 6 ] || [ "$TRIES" -ge "$MAX_RESTARTS" ]; then exit "$CHECK"; fi
+  TRIES=$(( TRIES + 1 ))
+  echo "the data's server is out: checking again in ${WAIT} s (try $TRIES of at most $MAX_RESTARTS)" >&2
+  sleep "$WAIT"
+  WAIT=$(( WAIT * 2 > 900 ? 900 : WAIT * 2 ))
+done
 exec "${SUPERVISE[@]}" --run-dir "$RUN_DIR" -- "${LAUNCH[@]}" "$@"

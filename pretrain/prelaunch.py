@@ -28,6 +28,11 @@ from pretrain.observe.monitor import requirements
 from pretrain.plan import load_cluster, run_prediction, search
 from tokendata import remote
 from tokendata.shards import check_seq_len, check_vocab
+
+# The exit status of the check when the data's server is out: the failure class `transient` of the ranks
+# (pretrain/supervision/classes.py, a floor above this module; tests/unit/test_fetch_outage.py holds them equal), which
+# launch/pretrain.sh retries after a wait and launch/slurm.sbatch requeues. Any other failed check exits 2.
+TRANSIENT_EXIT = 6
 from tokendata.sources import as_sources, open_sources
 
 
@@ -136,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
         if args.deepspeed:
             print(("---\n" if args.print else "") + json.dumps(deepspeed_config(cfg, rt.dp), indent=2))
+    except remote.FetchFailed as e:   # an outage outlasted the retries: the launch can be tried again later
+        print(f"error: {e} (an outage, not a bad setting: try the launch again when the server is back)",
+              file=sys.stderr)
+        return TRANSIENT_EXIT
     except (ConfigError, ValueError) as e:   # ValueError: a DataError of the shards
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,9 @@ def cluster(tmp_path):
     rank.write_text(RANK.replace("RECORD", str(tmp_path / "ranks")))
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/python.calls\n"
-                      f"case \"$*\" in *--classify*) echo 'the fake verdict'; exit 1 ;; esac\necho {tmp_path}/run\n")
+                      f"case \"$*\" in *--classify*) echo 'the fake verdict'; exit 1 ;;\n"
+                      f"  *--world-size*) [ -z \"$CHECK_EXIT\" ] || exit \"$CHECK_EXIT\" ;; esac\n"
+                      f"echo {tmp_path}/run\n")
     for path in (rank, python):
         path.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
@@ -116,3 +118,23 @@ def test_every_form_of_slurm_gpus_per_node_gives_8_ranks_a_node(cluster, tmp_pat
                 [(str(i // 8), str(i), str(i % 8), "16") for i in range(16)], form
         else:
             assert [(r["node_rank"], r["nnodes"], r["nproc"]) for r in rows] == [("0", "2", "8"), ("1", "2", "8")], form
+
+
+def test_an_outage_at_the_check_requeues_the_job_and_the_verdict_reads_the_launch_s_mark(cluster, tmp_path):
+    """The check before the launch exits 6 (the data's server is out): the job is requeued, no step starts (before:
+    exit 2, never requeued). A failed step's verdict reads the records after the mark taken before srun (before: a
+    time compared with other nodes' clocks, --since)."""
+    r = sbatch(cluster, "--nodes=1", env={"CHECK_EXIT": "6"})
+    requeues = open(tmp_path / "slurm" / "scontrol.calls").read()
+    assert r.returncode == 6 and "requeue" in requeues and "requeueing" in r.stdout, (r.stdout, r.stderr)
+    assert not os.path.exists(tmp_path / "ranks")
+    r = sbatch(cluster, "--nodes=1", env={"CHECK_EXIT": "2"})
+    assert r.returncode == 2 and "requeue" not in open(tmp_path / "slurm" / "scontrol.calls").read().replace(
+        requeues, "", 1)
+    os.unlink(tmp_path / "python.calls")
+    (tmp_path / "submit" / "launch" / "pretrain.sh").write_text("#!/bin/sh\nexit 3\n")
+    r = sbatch(cluster, "--nodes=1")
+    calls = open(tmp_path / "python.calls").read().splitlines()
+    mark = [c.split()[c.split().index("--mark") + 1] for c in calls if "--mark" in c and "--classify" not in c]
+    verdict = [c for c in calls if "--classify" in c]
+    assert len(mark) == 1 and len(verdict) == 1 and f"--mark {mark[0]}" in verdict[0] and "--since" not in verdict[0]

@@ -2,11 +2,16 @@
 tokendata/remote.py raises FetchFailed, which the readers never record as bad (data.bad_shards=skip) and the trainer
 classes `transient` (relaunched later); only content that is wrong (hash, size, parse) is a data error. Real servers on
 127.0.0.1: one that answers 503 to every GET of a shard, and a port that refuses connections."""
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks.bench_data import Synthetic
+from pretrain import prelaunch
+from pretrain.supervision import classes
 from tests.support.http_shards import ShardServer
 from tokendata import remote
 from tokendata.shard_files import ShardFiles, ShardReader
@@ -96,3 +101,24 @@ def test_the_skip_path_marks_a_corrupt_shard_bad_but_not_an_outage(served):
                 next(it)
         assert outage(e.value) and "\n" not in str(e.value) and down in str(e.value), repr(e.value)
         assert files.url(down) not in stream.bad_found(), stream.bad_found()
+
+
+def test_the_check_before_a_launch_exits_transient_on_an_outage_and_the_script_tries_again(tmp_path):
+    """The check before a launch (`python -m pretrain.config … --world-size N`) on a shard server that is down exits 6,
+    the ranks' class `transient` (before: 2, a config error that no relaunch retries), in one line; launch/pretrain.sh
+    with --max-restarts 1 checks again once after its wait, then passes the 6 through; a bad setting stays 2."""
+    assert prelaunch.TRANSIENT_EXIT == classes.TRANSIENT.exit
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, SYNTHFORMER_DATA_RETRIES="1", RESTART_BACKOFF="0", NPROC="1",
+               PYTHON=sys.executable, PYTHONPATH=root)
+    common = ["configs/demo-cpu.yaml", f"train.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]
+    down = subprocess.run(["bash", "launch/pretrain.sh", "--max-restarts", "1", *common,
+                           f"data.shard_dir={refused_url()}/shards"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in down.stderr.splitlines() if line.startswith("error:")]
+    assert down.returncode == 6, down.stderr
+    assert len(errors) == 2 and "an outage" in errors[0], down.stderr   # the check, and the check again
+    assert down.stderr.count("checking again") == 1, down.stderr
+    bad = subprocess.run(["bash", "launch/pretrain.sh", "--max-restarts", "1", *common, "train.lr=-1"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "checking again" not in bad.stderr, bad.stderr

@@ -18,9 +18,12 @@ train.precision = bf16 (the section's own check), and torchao (`pip install 'syn
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from model.config import ConfigError
+from model.parallel import EngineLinear
 from pretrain.config import TrainConfig
 
 # FP8 GEMMs take widths that are multiples of 16 (torch._scaled_mm); a linear of other widths stays as it is
@@ -52,15 +55,34 @@ def check(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def convertible(module: torch.nn.Module, name: str = "") -> bool:
-    """A plain linear whose widths FP8 GEMMs take."""
-    return type(module) is torch.nn.Linear and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+    """A plain linear whose widths FP8 GEMMs take: an nn.Linear, or under a process group (every launch) the model's
+    EngineLinear, an nn.Linear with megatron's state-dict keys."""
+    return type(module) in PLAIN and module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+
+
+PLAIN = (torch.nn.Linear, EngineLinear)
+
+
+@functools.cache
+def engine_float8_linear() -> type:
+    """torchao's Float8Linear with EngineLinear's state-dict keys (its `_extra_state` entry), so that a checkpoint of
+    an FP8 run loads in a bf16 run and the other way round: the names stay those of the model."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return type("EngineFloat8Linear", (Float8Linear,), {"get_extra_state": EngineLinear.get_extra_state,
+                                                        "set_extra_state": EngineLinear.set_extra_state})
 
 
 def convert(model: torch.nn.Module, recipe: str) -> int:
-    """Swap model's plain linears (`convertible`) for torchao's Float8Linear of `recipe`, in place; returns how many."""
+    """Swap model's plain linears (`convertible`) for torchao's Float8Linear of `recipe`, in place (an EngineLinear for
+    the same with its state-dict keys); returns how many."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear_utils import swap_linear_layers
 
+    engine = {name for name, m in model.named_modules() if type(m) is EngineLinear and convertible(m)}
     count = sum(1 for m in model.modules() if convertible(m))
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=convertible)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=convertible)   # torchao's entry: its set-up too
+    swap_linear_layers(model, lambda m: engine_float8_linear().from_float(m, config=config),
+                       module_filter_fn=lambda m, name: name in engine)
     return count

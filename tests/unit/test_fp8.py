@@ -86,3 +86,29 @@ def test_fp8_swaps_the_plain_linears_and_keeps_every_name(recipe):
     for name, g in g_ref.items():
         if g.norm() > 1e-3 * top:   # not a gradient that is 0 in exact arithmetic (a key bias's: softmax ignores it)
             assert torch.nn.functional.cosine_similarity(g_fp8[name], g, dim=0) > 0.9, name
+
+
+def test_fp8_swaps_the_linears_of_a_model_built_under_a_process_group():
+    """Every launch builds its model under a process group, where the plain linears are EngineLinear (megatron's
+    state-dict keys): those are converted too (before: `type(m) is nn.Linear` left every one of them in bf16, FP8
+    converted nothing in a real run), and the state dict keeps its names, `_extra_state` entries included, so an FP8
+    run's checkpoint loads into a bf16 model strictly."""
+    if not _have_torchao():
+        pytest.skip("torchao is not installed (pip install 'synthformer[fp8]')")
+    import torch.distributed as dist
+
+    from model.parallel import EngineLinear
+
+    cfg = config("dense+dot", d_model=64, n_heads=4, init_std=0.02)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref, fp8 = build_model(cfg), build_model(cfg)
+    finally:
+        dist.destroy_process_group()
+    engine = {n for n, m in ref.named_modules() if type(m) is EngineLinear}
+    assert engine and float8.convert(fp8, "tensorwise") == len(engine)
+    assert not any(type(m) is EngineLinear for m in fp8.modules())
+    assert list(fp8.state_dict()) == list(ref.state_dict()) and any(k.endswith("_extra_state") for k in ref.state_dict())
+    ref.load_state_dict(fp8.state_dict(), strict=True)
+    fp8.load_state_dict(ref.state_dict(), strict=True)

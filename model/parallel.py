@@ -175,12 +175,19 @@ def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
 def joint_column(x: torch.Tensor, layers: list[nn.Module]) -> list[torch.Tensor]:
     """[layer(x) for layer in layers] for column-parallel linears that read the same x, as one GEMM over their
     (local) weights and biases concatenated: one launch for all, one ∂x GEMM in backward instead of one per layer
-    plus their sum, one bias-gradient reduction. The outputs are views of the joint one (B, n, Σ d_out/TP)."""
-    if len(layers) == 1:
-        return [layers[0](x)]
+    plus their sum, one bias-gradient reduction. The outputs are views of the joint one (B, n, Σ d_out/TP). Layers
+    that are linears with a forward of their own (swapped in from outside: FP8's Float8Linear, whose GEMMs are its
+    own) are called one by one."""
+    if len(layers) == 1 or any(own_forward(layer) for layer in layers):
+        return [layer(x) for layer in layers]
     biases = [layer.bias for layer in layers if layer.bias is not None]
     y = JointLinear.apply(copy_to_tp(x), torch.cat(biases) if biases else None, *(l.weight for l in layers))
     return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
+
+
+def own_forward(layer: nn.Module) -> bool:
+    """An nn.Linear whose forward is not nn.Linear's (the joint GEMM would skip it)."""
+    return isinstance(layer, nn.Linear) and type(layer).forward is not nn.Linear.forward
 
 
 class JointLinear(torch.autograd.Function):

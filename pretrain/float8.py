@@ -2,14 +2,15 @@
 outside the model by pretrain/engine.py build_engine, before the blocks are compiled:
 
     check(cfg, device)      a one-line ConfigError where this rank cannot train in FP8 (before the model is touched)
-    convert(model, recipe)  each plain linear (an nn.Linear the model calls as a module) swapped in place for torchao's
-                            Float8Linear: module and parameter names, and so checkpoints, unchanged
+    convert(model, recipe)  each plain linear (nn.Linear, or the model's EngineLinear under a process group) swapped in
+                            place for torchao's Float8Linear: module and parameter names, and so checkpoints, unchanged
 
 In a Float8Linear the three GEMMs of a linear (forward y = x Wᵀ, backward ∂x = ∂y W and ∂W = ∂yᵀ x) take FP8 operands
 (e4m3; torchao's recipes choose where e5m2 goes) with scales computed on the fly, and give bf16 results: twice a bf16
 tensor core's peak on an H100. Recipes, by torchao's names: 'tensorwise' (one scale per tensor: the fastest) and
-'rowwise' (one scale per row of each operand: more accurate, a little slower). What stays in bf16: the joint
-projections (model/parallel.py JointLinear reads the weights itself), the fused head + loss, attention, norms.
+'rowwise' (one scale per row of each operand: more accurate, a little slower). The joint projections (a mixer's
+q, k, values in one GEMM: model/parallel.py joint_column) run as one FP8 GEMM each once converted (joint_column calls a
+linear with a forward of its own as a module). What stays in bf16: the fused head + loss, attention, norms.
 
 Needs (each a one-line error otherwise): a CUDA GPU of compute capability ≥ 8.9 (FP8 tensor cores: Ada, Hopper),
 parallel.tp = parallel.pp = 1 (megatron-core's tensor-parallel linears are not nn.Linear; TrainConfig.check_runtime),

@@ -112,3 +112,31 @@ def test_fp8_swaps_the_linears_of_a_model_built_under_a_process_group():
     assert list(fp8.state_dict()) == list(ref.state_dict()) and any(k.endswith("_extra_state") for k in ref.state_dict())
     ref.load_state_dict(fp8.state_dict(), strict=True)
     fp8.load_state_dict(ref.state_dict(), strict=True)
+
+
+def test_every_converted_linear_runs_its_fp8_gemm_the_joint_projections_too():
+    """Each converted linear is called as a module in a forward (its FP8 GEMMs run), the joint projections of a mixer
+    (q, k, values: one joint GEMM in bf16) included: before, joint_column read their weights and ran them in bf16,
+    so the q, k and value linears of this dot model never ran in FP8. Unconverted, the joint GEMM stays (the
+    hooks on the plain linears see none of the three)."""
+    if not _have_torchao():
+        pytest.skip("torchao is not installed (pip install 'synthformer[fp8]')")
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = config("dot", d_model=64, n_heads=4, init_std=0.02)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    plain_called = set()
+    for name, m in model.named_modules():
+        if float8.convertible(m):
+            m.register_forward_hook(lambda mod, args, out, name=name: plain_called.add(name))
+    x = tokens(2, 16)
+    model(x[:, :-1], x[:, 1:])
+    converted = float8.convert(model, "tensorwise")
+    called = set()
+    for name, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            m.register_forward_hook(lambda mod, args, out, name=name: called.add(name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x[:, :-1], x[:, 1:]).backward()
+    assert len(called) == converted > len(plain_called), (converted, sorted(called), sorted(plain_called))

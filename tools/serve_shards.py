@@ -23,6 +23,16 @@ class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 512   # every rank's first fetches come at once: none may be turned away
 
+    def handle_error(self, request, client_address):
+        """A client that went away mid-transfer (a rank stopped or killed while reading a shard) is no error of the
+        server's: one plain line, not a traceback; anything else as socketserver reports it."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            print(f"serve_shards: {client_address[0]}:{client_address[1]} closed the connection mid-transfer "
+                  f"({type(error).__name__})", file=sys.stderr)
+            return
+        super().handle_error(request, client_address)
+
 
 class Handler(http.server.SimpleHTTPRequestHandler):
     verbose = False

@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -17,6 +19,7 @@ from tokendata import remote
 from tokendata.shard_files import ShardFiles, ShardReader
 from tokendata.shards import DataError, read_manifest
 from tokendata.stream import TokenStream
+from tools.serve_shards import serve
 
 SEQ, PER_SHARD = 8, 4
 
@@ -122,3 +125,23 @@ def test_the_check_before_a_launch_exits_transient_on_an_outage_and_the_script_t
     bad = subprocess.run(["bash", "launch/pretrain.sh", "--max-restarts", "1", *common, "train.lr=-1"], cwd=root,
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "checking again" not in bad.stderr, bad.stderr
+
+
+def test_a_client_gone_mid_transfer_is_one_line_of_the_shard_server_not_a_traceback(tmp_path, capfd):
+    """tools/serve_shards.py: a rank killed while it reads a shard (the rehearsal's preemption and outage cases) closes
+    its connection; the server says so in one line (before: socketserver's traceback of a BrokenPipeError)."""
+    (tmp_path / "big.bin").write_bytes(os.urandom(32 << 20))
+    server = serve(str(tmp_path))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for _ in range(3):
+            with socket.create_connection(server.server_address[:2]) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")   # RST
+                s.sendall(b"GET /big.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.recv(1024)
+        time.sleep(0.5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "closed the connection mid-transfer" in err, err

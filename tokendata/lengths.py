@@ -14,7 +14,8 @@ share one boundary id (tools/make_shards.py). A model sample holds L + 1 ids.
                      file samples, too few to join, are not read. Its id: "<first file sample id>+<k>".
     L = n            the file samples themselves, read as before (the same bytes, the same ids).
 
-Where neither divides the other, `fit` is a DataError naming both lengths and model.max_seq_len.
+Where neither divides the other, or no shard holds k samples to join, `fit` is a one-line DataError naming the
+lengths and model.max_seq_len.
 """
 from __future__ import annotations
 
@@ -82,4 +83,9 @@ def fit(manifest: dict, max_seq_len: int) -> Lengths:
          f"shards in {manifest['shard_dir']} hold samples of {n} tokens and {KEY}={L}: neither divides the other "
          f"(samples are cut or joined when read); set {KEY} to a divisor or a multiple of {n}, or rebuild the "
          f"shards with {MAKE} --seq-len {L}")
-    return Lengths(n, L)
+    lengths = Lengths(n, L)
+    most = max((s["samples"] for s in manifest["splits"]["train"]["shards"]), default=0)
+    need(lengths.samples(most), f"shards in {manifest['shard_dir']} hold at most {most} samples of {n} tokens, too few "
+                                f"to join {lengths.join} into one of {KEY}={L} (samples are joined within a shard): "
+                                f"rebuild them with {MAKE} --samples-per-shard ≥ {lengths.join}, or --seq-len {L}")
+    return lengths

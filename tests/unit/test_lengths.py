@@ -112,4 +112,8 @@ def test_a_length_neither_divides_is_one_line_naming_both():
     assert "\n" not in str(e.value)
     for needle in ("32 tokens", "model.max_seq_len=48", "/data/shards", "--seq-len 48"):
         assert needle in str(e.value)
-    assert fit({"seq_len": 32, "shard_dir": "x"}, 8).cut == 4 and fit({"seq_len": 32, "shard_dir": "x"}, 96).join == 3
+    m = {"seq_len": 32, "shard_dir": "x", "splits": {"train": {"shards": [{"samples": 2}, {"samples": 3}]}}}
+    assert fit(m, 8).cut == 4 and fit(m, 96).join == 3
+    with pytest.raises(DataError) as e:   # samples are joined within a shard: one of 3 at most, not 4
+        fit(m, 128)
+    assert "\n" not in str(e.value) and "--samples-per-shard ≥ 4" in str(e.value)

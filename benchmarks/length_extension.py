@@ -83,15 +83,16 @@ def val_loss(release, data, L) -> float:
     from model.release import load_model
     from tokendata.stream import TokenStream
 
+    torch.set_num_threads(1)   # a shared machine: threads that spin-wait for each other only slow it down
     model = load_model(release).eval()
-    stream = TokenStream(data, 1, L)
-    total = count = 0
+    samples = sum(n for _, n in TokenStream(data, 1, L).model_samples(TokenStream(data, 1, L).shards[0]["val"]))
+    B = max(b for b in range(1, 17) if samples % b == 0)   # batches of B cover the split once, none wrapping round
+    total = 0.0
     with torch.no_grad():
-        for batch in stream.val_batches():
+        for batch in TokenStream(data, B, L).val_batches():
             tokens = batch["tokens"]
-            total += float(model(tokens[:, :-1], tokens[:, 1:])) * (tokens.shape[1] - 1)
-            count += tokens.shape[1] - 1
-    return total / count
+            total += float(model(tokens[:, :-1], tokens[:, 1:])) * B
+    return total / samples
 
 
 def main(argv=None) -> int:

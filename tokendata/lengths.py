@@ -10,8 +10,12 @@ share one boundary id (tools/make_shards.py). A model sample holds L + 1 ids.
                      each file sample gives k model samples, the stream's windows of L + 1, none lost, none doubled.
                      Its id: "<file sample id>/<m mod k>of<k>".
     join, k = L / n  model sample m of a shard is its file samples mk … mk + k − 1 joined, each one's boundary id
-                     dropped but the last's: kn + 1 = L + 1 ids of consecutive text. A shard's last (count mod k)
-                     file samples, too few to join, are not read. Its id: "<first file sample id>+<k>".
+                     dropped but the last's: kn + 1 = L + 1 ids, consecutive text where the k windows were
+                     consecutive in the stream (make_shards sends each window to train or val by a coin flip, so a
+                     join of train samples spans a gap with probability ≈ (k − 1)·val_fraction, and joined val
+                     samples are windows far apart: evaluate long contexts on shards written at that length). A
+                     shard's last (count mod k) file samples, too few to join, are not read. Its id: "<first file
+                     sample id>+<k>".
     L = n            the file samples themselves, read as before (the same bytes, the same ids).
 
 Where neither divides the other, or no shard holds k samples to join, `fit` is a one-line DataError naming the

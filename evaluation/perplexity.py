@@ -129,7 +129,7 @@ def evaluate_shards(model, shard_dir: str, split: str = "val", batch_size: int =
     try:
         manifest = read_manifest(shard_dir)
         check_vocab(manifest, model.cfg.vocab_size)
-        check_seq_len(manifest, model.cfg.max_seq_len, training=False)
+        check_seq_len(manifest, model.cfg.max_seq_len)
         n = manifest["seq_len"]
         stream = TokenStream(shard_dir, batch_size, n)
         batches = stream.val_batches(split=split)

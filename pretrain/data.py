@@ -78,7 +78,7 @@ def validation(stream: TokenStream, val_loss, cfg: TrainConfig, lay: Layout, log
         val = [(b["tokens"][:, :-1].to(dev), b["tokens"][:, 1:].to(dev))
                for b in stream.val_batches(cfg.data.val_batches, source=i)]
         losses.append(val_loss(val).reshape(1))
-        total = stream.parts[i].manifest["splits"]["val"]["samples"]
+        total = sum(count for _, count in stream.model_samples(stream.shards[i]["val"]))   # of model.max_seq_len
         covered.append((min(total, len(val) * B * lay.dp), total))
     losses = read(torch.cat(losses))   # one wait for the device
     loss = sum(w * x for w, x in zip(stream.blend.w, losses))

@@ -27,7 +27,8 @@ from pretrain.plan.memory import parse_size, report
 from pretrain.observe.monitor import requirements
 from pretrain.plan import load_cluster, run_prediction, search
 from tokendata import remote
-from tokendata.shards import check_seq_len, check_vocab
+from tokendata.lengths import fit
+from tokendata.shards import check_vocab
 
 # The exit status of the check when the data's server is out: the failure class `transient` of the ranks
 # (pretrain/supervision/classes.py, a floor above this module; tests/unit/test_fetch_outage.py holds them equal), which
@@ -48,7 +49,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
     sources = open_sources(as_sources(cfg.data.source_list()))   # every source's manifest, once, checked together
     notes = [check_vocab(source.manifest, cfg.model.vocab_size) for source in sources]
     for source in sources:
-        check_seq_len(source.manifest, cfg.model.max_seq_len, training=True)
+        fit(source.manifest, cfg.model.max_seq_len)   # the model's length from the shards' (cut or joined)
         check_eos(source.manifest, cfg.model)
     runtime = runtime._replace(sources=tuple(sources), vocab_note=next((n for n in notes if n), None))
     resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)

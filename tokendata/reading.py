@@ -25,6 +25,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from tokendata.lengths import Lengths
 from tokendata.order import Blend, Position, SourceOrder, layout, rank_slice
 from tokendata.shard_files import ShardFiles, fix
 from tokendata.shard_pool import ShardPool
@@ -99,8 +100,9 @@ def as_is(batch):
 
 @dataclasses.dataclass
 class Part:
-    """One source as the readers need it: its order, files, samples per shard, sample-id prefix (None: unnamed) and
-    the shards found bad while reading before this position (not fetched again)."""
+    """One source as the readers need it: its order (of the model's samples), files, file samples per shard,
+    sample-id prefix (None: unnamed) and the shards found bad while reading before this position (not fetched
+    again)."""
     order: SourceOrder
     files: ShardFiles
     counts: dict
@@ -111,7 +113,8 @@ class Part:
 @dataclasses.dataclass
 class Plan:
     """What one rank's readers read, from a position on: its positions [lo, hi) of the global batches of
-    `global_batch` samples that `blend` and the C `streams` make from `position` on."""
+    `global_batch` samples that `blend` and the C `streams` make from `position` on; `fmt`: (member, bytes) of a
+    file sample; `lengths`: how file samples make the model's (tokendata/lengths.py)."""
     parts: list[Part]
     blend: Blend
     streams: int
@@ -125,6 +128,7 @@ class Plan:
     bad_shards: str
     fetch_threads: int
     spill_root: str | None
+    lengths: Lengths
 
 
 class Reader:
@@ -135,7 +139,7 @@ class Reader:
 
     def __init__(self, plan: Plan, threads: int):
         self.plan, self.pool = plan, ShardPool(threads, plan.spill_root)
-        self.nbytes = plan.fmt[1]
+        self.nbytes, self.itemsize = plan.fmt[1], np.dtype(plan.dtype).itemsize
         self.bad = [set(part.bad) for part in plan.parts]
         self.windows: dict = {}   # (stream, source) -> (epoch, window, [keys wanted])
         self.skipped, self.retries = [], 0
@@ -164,9 +168,13 @@ class Reader:
         name, index = part.order.draw(c, j, lambda shard: self._is_bad(s, shard))
         loaded = self.pool.get((s, name), self.opener(s, name))
         self.retries += self.pool.take_retries()   # of every fetch done by now, prefetched ones too
-        key, offset = loaded.locate(index)
-        sample = {"__key__": f"{part.prefix}/{key}" if part.prefix else key,
-                  self.plan.member: self.pool.read(loaded, offset, self.nbytes)}
+        keys, data = [], []
+        for f, first, end in self.plan.lengths.pieces(index):   # model sample `index`: ranges of file samples
+            key, offset = loaded.locate(f)
+            keys.append(key)
+            data.append(self.pool.read(loaded, offset + first * self.itemsize, (end - first) * self.itemsize))
+        key = self.plan.lengths.key(index, keys)
+        sample = {"__key__": f"{part.prefix}/{key}" if part.prefix else key, self.plan.member: b"".join(data)}
         if self.skipped or self.retries:
             sample.update(__skipped__=self.skipped, __retries__=self.retries)
             self.skipped, self.retries = [], 0

@@ -1,5 +1,5 @@
 """The shard format: what tools/make_shards.py writes and tokendata/stream.py reads, defined here once, and the checks
-of a shard set against a model (`check_vocab`, `check_seq_len`).
+of a shard set against a model (`check_vocab`, `check_seq_len`; training's length rule: tokendata/lengths.py).
 
     <shard_dir>/manifest.json     {"format": 2, "seq_len": n, "vocab_size": V, "eos_id", "tokenizer": "tokenizer.model"
                                    | "tokenizer.json", "tokenizer_kind": "sentencepiece" | "huggingface",
@@ -121,17 +121,13 @@ def check_vocab(manifest, model_vocab_size) -> str | None:
     return None
 
 
-def check_seq_len(manifest: dict, max_seq_len: int, training: bool) -> None:
-    """The one rule between shards of n tokens a sample and a model of L = max_seq_len positions, a DataError that
-    names both and the fix where it fails. Training packs every sequence to the model's length: n == L. Evaluation
-    scores each sample in one forward pass, which a model of L positions can do for any n ≤ L."""
+def check_seq_len(manifest: dict, max_seq_len: int) -> None:
+    """The rule between shards of n tokens a sample and a model of L = max_seq_len positions for evaluation, a
+    DataError that names both and the fix where it fails: each sample is scored in one forward pass, which a model of
+    L positions can do for any n ≤ L. (Training cuts or joins samples to L: tokendata/lengths.py.)"""
     n, where = manifest["seq_len"], manifest["shard_dir"]
-    if training:
-        need(n == max_seq_len, f"shards in {where} hold sequences of {n} tokens but model.max_seq_len={max_seq_len}: "
-                               f"set model.max_seq_len={n}, or rebuild the shards with {MAKE} --seq-len {max_seq_len}")
-    else:
-        need(n <= max_seq_len, f"shards in {where} have seq_len={n} > the model's max_seq_len={max_seq_len}: "
-                               f"evaluate on shards made with {MAKE} --seq-len ≤ {max_seq_len}")
+    need(n <= max_seq_len, f"shards in {where} have seq_len={n} > the model's max_seq_len={max_seq_len}: "
+                           f"evaluate on shards made with {MAKE} --seq-len ≤ {max_seq_len}")
 
 
 def write_file(location: str, name: str, data: bytes) -> None:

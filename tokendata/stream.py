@@ -29,7 +29,8 @@ Public API (the shard format, the manifest, DataError and the checks against a m
         upcoming_shards(worker=0, source=0)    the shards a DataLoader worker of this rank fetches first
 
 Order (tokendata/order.py): a function of the data settings (sources and weights, C, seed, mix_shards, seq_len) and
-the manifests alone. Global batch g is the same G samples, in the same order, whatever dp_world (any divisor of G),
+the manifests alone, defined on the model's samples of seq_len: shards of another length n (seq_len divides n or n
+divides it) are cut or joined as read (tokendata/lengths.py). Global batch g is the same G samples, in the same order, whatever dp_world (any divisor of G),
 num_workers, micro_batch_size or accumulation read it; rank r trains on positions [rG/D, (r+1)G/D) of each, which its
 workers read stream by stream. The position is the picks so far and each source's count, plus the shards found bad
 while reading; it is the same on every rank. A stream resumed in another layout goes on at the next global batch; one
@@ -65,7 +66,8 @@ from tokendata import rank_order, shard_stream_order
 from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, layout, rank_slice
 from tokendata.reading import Part, Plan, RankPieces, as_is, collate, start
 from tokendata.shard_files import ShardReader
-from tokendata.shards import DTYPES, MAKE, DataError, check_seq_len, need
+from tokendata.lengths import fit
+from tokendata.shards import DTYPES, MAKE, DataError, need
 from tokendata.sources import Opened, as_sources, good_shards, open_sources
 
 ORDER = "canonical streams dealt by sample"
@@ -111,7 +113,7 @@ class TokenStream:
         read = isinstance(sources, list) and sources and all(isinstance(s, Opened) for s in sources)  # by the launch check
         self.parts, self.verify = open_sources(sources if read else as_sources(sources), cache_dir, verify), verify
         self.manifest = m = self.parts[0].manifest
-        check_seq_len(m, seq_len, training=True)   # a sample holds exactly seq_len + 1 tokens
+        self.lengths = fit(m, seq_len)   # samples of n tokens cut or joined into the model's seq_len (lengths.py)
         self.shard_dir, self.micro_batch_size, self.seq_len = self.parts[0].source.path, micro_batch_size, seq_len
         self.dp_rank, self.dp_world, self.num_workers, self.seed = dp_rank, dp_world, num_workers, seed
         self.mix_shards, self.bad_shards, self.global_batch_size = mix_shards, bad_shards, G
@@ -119,7 +121,7 @@ class TokenStream:
         self.pin_memory = pin_memory   # page-locked batches: the copy to a GPU does not make the host wait
         self.preempt_signals = tuple(preempt_signals)
         self.dtype, self.member = DTYPES[m["dtype"]]
-        self.fmt = (self.member, (seq_len + 1) * np.dtype(self.dtype).itemsize)  # what each sample must hold
+        self.fmt = (self.member, (m["seq_len"] + 1) * np.dtype(self.dtype).itemsize)  # what each file sample holds
         self.retries = 0   # fetches retried in this process (validation); train batches carry theirs
         # every listed shard of each source's splits, sorted by name: nothing is requested before it is read
         self.shards = [{split: sorted((s["name"], s["samples"]) for s in info["shards"])
@@ -144,11 +146,15 @@ class TokenStream:
 
     def _order(self, C):
         self.canonical_streams = C
-        self.orders = [SourceOrder(self._split(i, "train"), self.key(p.source), C, self.mix_shards)
+        self.orders = [SourceOrder(self.model_samples(self._split(i, "train")), self.key(p.source), C, self.mix_shards)
                        for i, p in enumerate(self.parts)]
         self._urls = {p.files.url(name): (i, name)   # a train shard's URL -> (source, name)
                       for i, p in enumerate(self.parts) for name, _ in self.orders[i].shards}
         self.workers = min(self.num_workers, C)   # 0: read in this process
+
+    def model_samples(self, shards):
+        """[(name, file samples)] as the model's samples, none of shards too short to give one (tokendata/lengths.py)."""
+        return [(name, self.lengths.samples(count)) for name, count in shards if self.lengths.samples(count)]
 
     def key(self, source):
         """The seed string of a source's shuffles: the seed, and the name of a named source."""
@@ -221,11 +227,11 @@ class TokenStream:
             raise RuntimeError("stale TokenStream iterator: a newer iter() or load_state_dict() replaced it")
 
     def _plan(self) -> Plan:
-        parts = [Part(order, p.files, dict(order.shards), p.source.name, frozenset(bad))
-                 for order, p, bad in zip(self.orders, self.parts, self._bad)]
+        parts = [Part(order, p.files, dict(shards["train"]), p.source.name, frozenset(bad))
+                 for order, p, shards, bad in zip(self.orders, self.parts, self.shards, self._bad)]
         return Plan(parts, self.blend, self.canonical_streams, self.global_batch_size, self.dp_rank, self.dp_world,
                     self._pos.copy(), self.fmt, self.dtype, self.member, self.bad_shards, self.fetch_threads,
-                    self.parts[0].files.cache_dir)
+                    self.parts[0].files.cache_dir, self.lengths)
 
     def _share(self, pieces):
         """This rank's share of one global batch, in position order, from one piece of each worker."""
@@ -363,17 +369,21 @@ class TokenStream:
         """The same batches on every call. Rank r takes the block of K = ceil(ceil(total / dp_world) / B) batches that
         starts at sample r*K*B in manifest order (the last rank wraps round to the start), so every rank runs the same
         number of batches, the blocks are disjoint until the wrap, and max_batches takes a prefix of each block."""
-        shards = self._split(source, split)  # checked here, not at the first next(): errors surface where the call is
+        files = self._split(source, split)  # checked here, not at the first next(): errors surface where the call is
+        shards = self.model_samples(files)   # in the model's samples (tokendata/lengths.py)
+        need(shards, f"{split} shards of {self.parts[source].source.label} too short to join to model.max_seq_len")
         total = sum(c for _, c in shards)
         full = math.ceil(math.ceil(total / self.dp_world) / self.micro_batch_size)
         n_batches = full if max_batches is None else min(full, max_batches)
-        samples = self._samples_from(source, split, shards, self.dp_rank * full * self.micro_batch_size % total)
+        samples = self._samples_from(source, split, shards, dict(files), self.dp_rank * full * self.micro_batch_size
+                                     % total)
         return (self._as_tensors(self.collate(list(itertools.islice(samples, self.micro_batch_size))))
                 for _ in range(n_batches))
 
-    def _samples_from(self, source, split, shards, start):
-        """Samples in manifest order from global index `start`, wrapping round; shards before it are not opened. A
-        shard found bad here (bad_shards="skip") is passed over, so the rest of the split moves up."""
+    def _samples_from(self, source, split, shards, files, start):
+        """Model samples in manifest order from global index `start`, wrapping round (`shards`: [(name, model
+        samples)]; `files`: name -> file samples); shards before it are not opened. A shard found bad here
+        (bad_shards="skip") is passed over, so the rest of the split moves up."""
         reader, prefix = ShardReader(self.parts[source].files, self.fmt, self.bad_shards, split, len(shards)), \
             self.parts[source].source.name
         i = 0
@@ -382,7 +392,8 @@ class TokenStream:
             i += 1
         while True:
             name, count = shards[i]
-            samples = reader.read(name, count)[start:]
+            samples = self.lengths.regroup(reader.read(name, files[name]), self.member,
+                                           np.dtype(self.dtype).itemsize)[start:]
             self.retries, reader.retries = self.retries + reader.retries, 0   # read in this process: counted here
             for sample in map(reader.tag, samples):
                 yield dict(sample, __key__=f"{prefix}/{sample['__key__']}") if prefix else sample

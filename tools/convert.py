@@ -17,6 +17,10 @@
         itself with checkpoint.relayout=true.
     python tools/convert.py to-hf        RELEASE OUT      a release → a Hugging Face directory (trust_remote_code)
     python tools/convert.py from-hf      HF_DIR OUT       a Hugging Face export → a release
+    python tools/convert.py extend-length SOURCE OUT --to N
+        a release or a DeepSpeed checkpoint of max_seq_len ℓ → a release of max_seq_len N > ℓ, every position-indexed
+        weight resampled (model/extend.py; the rule per weight: docs/DESIGN.md §1). Continue training it with
+        `train.init_from=OUT model.max_seq_len=N`: fresh optimizer state, the LR schedule and data position carry on.
 
 Errors are one line (exit 2): a path that is not a checkpoint, a layout that does not divide the model, weights that do
 not match their config.
@@ -134,6 +138,52 @@ def from_hf(args) -> str:
     return f"wrote release {args.out}"
 
 
+def read_any(source: str):
+    """(model config, full tensors, training record, tokenizer, train_config.yaml path or None) of a release or of a
+    DeepSpeed checkpoint (a run directory, its checkpoints/ directory or a step_* directory)."""
+    if release.is_release(source):
+        cfg, tensors, meta = release.read_release(source)
+        return cfg, tensors, meta.get("training", {}), release.find_tokenizer(source), \
+            os.path.join(source, "train_config.yaml")
+    from pretrain.checkpoints import ds_checkpoint
+
+    tag_dir = ds_checkpoint.resolve(source)
+    print(f"reading {tag_dir}")
+    cfg, tensors = ds_checkpoint.read_weights(tag_dir)
+    step = ds_checkpoint.step_of(tag_dir)
+    training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir)}
+    return cfg.model, tensors, training, release.find_tokenizer(tag_dir), os.path.join(tag_dir, "config.yaml")
+
+
+def extend_length(args) -> str:
+    import tempfile
+
+    import yaml
+
+    from model.extend import extend_length as extend
+
+    cfg, tensors, training, tokenizer, train_config = read_any(args.source)
+    ell = cfg.max_seq_len
+    new, out = extend(cfg, tensors, args.to)
+    changed = [name for name in tensors if out[name].shape != tensors[name].shape]
+    sizes = {"max_seq_len": new.max_seq_len, **({"factorized_a": new.factorized_a, "factorized_b": new.factorized_b}
+                                                  if cfg.factorized_a != new.factorized_a else {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        if train_config and os.path.isfile(train_config):   # its model section at the new length: to-deepspeed reads it
+            with open(train_config) as f:
+                settings = yaml.safe_load(f) or {}
+            settings.setdefault("model", {}).update(sizes)
+            train_config = os.path.join(tmp, "train_config.yaml")
+            with open(train_config, "w") as f:
+                yaml.safe_dump(settings, f, sort_keys=False)
+        release.save_release(args.out, new, out, tokenizer=tokenizer, train_config=train_config,
+                             training=dict(training, extended={"from": ell, "to": new.max_seq_len}))
+    keys = " ".join(f"model.{k}={v}" for k, v in sizes.items())
+    return (f"wrote release {args.out}: max_seq_len {ell} → {new.max_seq_len}, {len(changed)} position-indexed tensors "
+            f"resampled; continue training with train.init_from={args.out} {keys} (fresh optimizer state; the LR "
+            f"schedule and data position carry on from step {training.get('step', 0)})")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # the metavar lists the commands a user runs: `_rank` (to-deepspeed's per-rank worker) stays out of --help
@@ -161,13 +211,18 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("from-hf", help="Hugging Face export → release directory")
     f.add_argument("hf_dir", help="Hugging Face directory written by to-hf")
     f.add_argument("out", help="release directory to write")
+    e = sub.add_parser("extend-length", help="release or DeepSpeed checkpoint → release of a larger max_seq_len, "
+                                             "position-indexed weights resampled")
+    e.add_argument("source", help="release directory, or a run directory, its checkpoints/ or a step_* directory")
+    e.add_argument("out", help="release directory to write")
+    e.add_argument("--to", type=int, required=True, metavar="N", help="the new max_seq_len (larger than the model's)")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    run = {"to-release": to_release, "to-universal": to_universal, "to-deepspeed": to_deepspeed, "to-hf": to_hf, "from-hf": from_hf,
-           "_rank": rank_main}[args.command]
+    run = {"to-release": to_release, "to-universal": to_universal, "to-deepspeed": to_deepspeed, "to-hf": to_hf,
+           "from-hf": from_hf, "extend-length": extend_length, "_rank": rank_main}[args.command]
     try:
         message = run(args)
         if message:

@@ -384,9 +384,9 @@ def test_malformed_manifests(built, tmp_path):
 
 
 def test_seq_len_vocab_and_shard_count_errors(built):
-    with pytest.raises(DataError) as e:
-        TokenStream(built["dir"], B, 64)
-    one_line(e, built["dir"], f"seq_len={SEQ}", "seq_len=64")
+    with pytest.raises(DataError) as e:   # samples are cut or joined to lengths that divide or that SEQ divides
+        TokenStream(built["dir"], B, SEQ + SEQ // 2)
+    one_line(e, built["dir"], f"{SEQ} tokens", f"model.max_seq_len={SEQ + SEQ // 2}", "neither divides")
     assert check_vocab(built["manifest"], VOCAB) is None
     note = check_vocab(built["manifest"], 640)   # padded (tensor parallelism splits 640 evenly): a note, no error
     assert "model.vocab_size=640" in note and f"ids {VOCAB}..639 are padding" in note

@@ -209,7 +209,7 @@ def test_launch_errors_are_one_line_before_any_rank_starts(shards, tmp_path):
                               "mixer": ["random+dot", "factorized_dense"]}, parallel={"zero_stage": 1})
     cases = [(["data.shard_dir=/nonexistent/shards"], 2, ["/nonexistent/shards", "does not exist"]),
              (["model.vocab_size=256"], 2, ["vocab_size=512", "model.vocab_size=256"]),
-             (["model.max_seq_len=64"], 2, ["32 tokens", "model.max_seq_len=64", "--seq-len 64"]),
+             (["model.max_seq_len=48"], 2, ["32 tokens", "model.max_seq_len=48", "--seq-len 48"]),
              (["parallel.tp=2"], 2, ["parallel.tp=1", "parallel.tp=2", "tools/convert.py"]),
              ([], 1, ["written by 2 ranks", "launch 2", "tools/convert.py"])]
     for overrides, nproc, needles in cases:

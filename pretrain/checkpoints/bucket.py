@@ -251,14 +251,22 @@ def resume_point(setting: str, location: str, staging: str, config: dict, world:
     return store.download(chosen, staging) if chosen and chosen != tag else regular
 
 
+def is_tag(path: str) -> bool:
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith(("step_", "universal_step_"))
+
+
+def directory_of(path: str) -> str:
+    """The checkpoint directory of a bucket path: the path itself, or the one above a tag."""
+    return path.rstrip("/").rsplit("/", 1)[0] if is_tag(path) else path.rstrip("/")
+
+
 def local_checkpoint(path: str, staging: str) -> str:
     """A checkpoint path for the tools: a local path as it is; in a bucket, a tag (…/step_00000100) or a checkpoint
     directory (its newest complete tag, or `latest_universal`'s), downloaded under `staging`."""
     if not is_bucket(path):
         return path
-    url, last = path.rstrip("/").rsplit("/", 1)
-    if last.startswith(("step_", "universal_step_")):
-        return resume_point(path, url, staging, {}, 0)
+    if is_tag(path):
+        return resume_point(path, directory_of(path), staging, {}, 0)
     store = Bucket(path)
     tag = store.newest_complete() or store.newest_universal()
     if tag is None:

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tools import convert, evaluate
+
 from tests.support.runs import launch, record, reference_config
 from tests.support.s3_server import S3Server
 
@@ -24,7 +26,12 @@ def losses(run):
     return {r["step"]: r["train/loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "train/loss" in r}
 
 
-def test_save_kill_resume_and_relayout_through_a_bucket(shards, reference_run, tmp_path):
+def evaluated(checkpoint, shards, capsys) -> dict:
+    assert evaluate.main([str(checkpoint), "--shards", shards, "--max-samples", "4", "--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_save_kill_resume_and_relayout_through_a_bucket(shards, reference_run, tmp_path, monkeypatch, capsys):
     import s3fs
 
     reference = record(reference_run)
@@ -54,6 +61,13 @@ def test_save_kill_resume_and_relayout_through_a_bucket(shards, reference_run, t
         fs.invalidate_cache()
         assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt/run")) == ["latest", "step_00000039",
                                                                            "step_00000040"]   # keep 2
+        for name, value in s3.env.items():   # the tools read the bucket in this process
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        ours, theirs = evaluated(url, shards, capsys), evaluated(reference_run / "checkpoints", shards, capsys)
+        assert (ours["step"], ours["loss"]) == (40, theirs["loss"])   # the same weights, read from the bucket
+        assert convert.main(["to-release", f"{url}/step_00000039", str(tmp_path / "release"), "--quiet"]) == 0
+        assert "step 39" in capsys.readouterr().out
 
         cfg = reference_config(tmp_path, shards, "moved", checkpoint={"dir": moved, "relayout": True},
                                train={"stop_after_steps": 3})

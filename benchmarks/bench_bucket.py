@@ -33,6 +33,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # moto joins a large multipart upload's parts slowly on a loaded machine: a client that gives up on the reply
+    # after botocore's 60 s sends the completion again, which moto has already consumed (fsspec reads FSSPEC_S3)
+    os.environ.setdefault("FSSPEC_S3", json.dumps({"config_kwargs": {"read_timeout": 900}}))
     import logging
 
     import torch

@@ -289,7 +289,7 @@ class Saves:
         rank = self.lay.rank
         problem = self._clear(tag) if rank == 0 else None   # a crashed earlier attempt at this step
         wrote = set().union(*distributed.all_gathered([os.path.basename(p) for p in own], self.lay))
-        mine = list(own)
+        mine = list(dict.fromkeys(own))   # (a file written twice is uploaded once)
         if rank == 0:   # files DeepSpeed writes outside its checkpoint engine (its recovery scripts)
             mine += [os.path.join(partial, n) for n in sorted(os.listdir(partial)) if n not in wrote]
         sizes = {}

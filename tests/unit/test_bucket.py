@@ -3,11 +3,12 @@ objects made by hand: the commit order (complete.json, then `latest`), what a re
 in the bucket (the last `keep`, every `keep_every`-th step, never what `latest` names nor a save being uploaded)."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from pretrain.checkpoints import retention
-from pretrain.checkpoints.bucket import Bucket, local_checkpoint
+from pretrain.checkpoints.bucket import Bucket, local_checkpoint, resume_from, rewinds
 from pretrain.config.sections import CheckpointSection
 from model import ConfigError
 from tests.support.s3_server import S3Server
@@ -107,3 +108,16 @@ def test_a_checkpoint_dir_over_http_or_a_pipe_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"checkpoint.dir=.*http://host/x.*an object store URL"):
         CheckpointSection(dir="http://host/x")
     assert CheckpointSection(dir="s3://bucket/prefix").dir == "s3://bucket/prefix"
+
+
+def test_resuming_an_older_tag_of_the_bucket_is_a_rewind_and_the_newest_is_not(store, tmp_path):
+    upload(store, tmp_path, 3)
+    newest = upload(store, tmp_path, 6)
+    staging = str(tmp_path / "staging")
+    older = SimpleNamespace(dir=store.url, resume=store.where("step_00000003"), staging_dir=staging)
+    path = resume_from(older, {}, 2)
+    assert path == os.path.join(staging, "step_00000003") and rewinds(path, older, {}, 2)
+    auto = SimpleNamespace(dir=store.url, resume="auto", staging_dir=staging)
+    assert resume_from(auto, {}, 2) == os.path.join(staging, newest) and not rewinds(path, auto, {}, 2)
+    named = SimpleNamespace(dir=store.url, resume=store.where(newest), staging_dir=staging)
+    assert not rewinds(resume_from(named, {}, 2), named, {}, 2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 
 from filelock import FileLock
 
@@ -153,7 +154,10 @@ class Bucket:
     def commit(self, tag: str, files: dict[str, int], step: int, pointer: str = "latest",
                after_record=lambda: None) -> None:
         """complete.json (the files every rank uploaded, at their sizes), then the pointer: in this order only."""
-        self.write_text(f"{tag}/complete.json", json.dumps({"step": step, "files": files}, indent=1))
+        # `commit`: this commit's own id, so that a copy downloaded of an earlier commit of the tag (a step saved
+        # again after a rewind, the same sizes) is told apart by complete.json's ETag
+        record = {"step": step, "files": files, "commit": uuid.uuid4().hex}
+        self.write_text(f"{tag}/complete.json", json.dumps(record, indent=1))
         after_record()
         self.write_text(pointer, tag)
 
@@ -172,7 +176,11 @@ class Bucket:
         local = os.path.join(staging, tag)
         os.makedirs(staging, exist_ok=True)
         with FileLock(local + ".lock"):
-            if os.path.isfile(os.path.join(local, "complete.json")) and verify_local(local) is None:
+            self.fs.invalidate_cache()
+            info = self._retried("reading", f"{tag}/complete.json", lambda: self.fs.info(self.key(tag, "complete.json")))
+            stamp = f"{info.get('ETag')} {info.get('LastModified')}"   # this commit of the tag, not an earlier one
+            mark = os.path.join(local, ".downloaded")
+            if os.path.isfile(mark) and open(mark).read() == stamp and verify_local(local) is None:
                 return local
             part = local + ".download"
             shutil.rmtree(part, ignore_errors=True)
@@ -180,6 +188,8 @@ class Bucket:
                 target = os.path.join(part, *name.split("/"))
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 self._retried("downloading", f"{tag}/{name}", lambda: self.fs.get_file(self.key(tag, name), target))
+            with open(os.path.join(part, ".downloaded"), "w") as f:
+                f.write(stamp)
             shutil.rmtree(local, ignore_errors=True)
             os.rename(part, local)
         return local
@@ -310,6 +320,10 @@ class Saves:
                 self.store.prune(keep, keep_every)
             except (remote.DataError, OSError) as e:
                 failed = f"rank 0: {(str(e).splitlines() or [type(e).__name__])[0]}"
+        if failed is None:   # copies downloaded for a resume are not read again: give the disk back
+            for name in os.listdir(self.staging):
+                if name.startswith(("step_", "universal_step_")) and name[-1].isdigit():   # not a .partial
+                    shutil.rmtree(os.path.join(self.staging, name), ignore_errors=True)
         if rank == 0 and failed:
             kept = f"the previous checkpoint {previous} stays latest" if previous else "there is no earlier checkpoint"
             print(f"error: checkpoint {self.store.where(tag)} was not committed ({failed}); {kept}; training goes "

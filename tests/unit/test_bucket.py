@@ -71,9 +71,15 @@ def test_a_download_is_the_tag_as_uploaded_and_the_tools_take_a_bucket_path(stor
     upload(store, tmp_path, 3)
     tag = upload(store, tmp_path, 6)
     local = store.download(tag, str(tmp_path / "staging"))
-    assert sorted(os.listdir(local)) == ["complete.json", "mp_rank_00_model_states.pt", "trainer_rank0.pt",
+    assert sorted(os.listdir(local)) == [".downloaded", "complete.json", "mp_rank_00_model_states.pt", "trainer_rank0.pt",
                                          "trainer_rank1.pt"]
     assert (tmp_path / "staging" / tag / "trainer_rank1.pt").read_bytes() == b"x" * 6
+    assert store.download(tag, str(tmp_path / "staging")) == local   # the same commit: the copy is used
+    store.fs.pipe_file(store.key(tag, "trainer_rank1.pt"), b"y" * 6)   # the tag saved again (after a rewind)
+    store.commit(tag, {n: 6 for n in ("mp_rank_00_model_states.pt", "trainer_rank0.pt", "trainer_rank1.pt")}, 6)
+    assert (tmp_path / "staging" / tag / "trainer_rank1.pt").read_bytes() == b"x" * 6
+    store.download(tag, str(tmp_path / "staging"))   # another commit of the same tag: downloaded again
+    assert (tmp_path / "staging" / tag / "trainer_rank1.pt").read_bytes() == b"y" * 6
     assert local_checkpoint(store.url, str(tmp_path / "tools")) == str(tmp_path / "tools" / tag)
     assert local_checkpoint(store.where("step_00000003"), str(tmp_path / "t2")) == str(tmp_path / "t2" /
                                                                                           "step_00000003")

@@ -2,19 +2,24 @@
 
     load(path, tokenizer=None)   (model at TP=1 in eval mode, its tokenizer (tokendata/tokenizer.py: sentencepiece
                                  or Hugging Face), {"source", "step"}) from a release, a DeepSpeed run / checkpoints /
-                                 step_* directory, or a Hugging Face export
+                                 step_* directory (also in a bucket: s3://bucket/prefix[/step_*]), or a Hugging
+                                 Face export
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 from cli import UsageError
 from model import ConfigError
 from model.release import find_tokenizer
 from pretrain.checkpoints import load_any
+from pretrain.checkpoints.bucket import is_bucket, local_checkpoint
 from tokendata import tokenizer as tokenizers
 from tokendata.remote import DataError
 
@@ -38,8 +43,23 @@ def load_hf(path: str):
     return hf.model, find_tokenizer(path), {"source": path, "step": step}
 
 
+def local(path: str) -> str:
+    """A checkpoint path as a local one: a checkpoint in a bucket (s3://bucket/prefix[/step_*]; credentials from the
+    backend's own settings, e.g. AWS_*) is downloaded into a temporary directory removed when the process exits."""
+    if not is_bucket(path):
+        return path
+    staging = tempfile.mkdtemp(prefix="synthformer-checkpoint-")
+    atexit.register(shutil.rmtree, staging, True)
+    try:
+        return local_checkpoint(path, staging)
+    except (ConfigError, DataError) as e:
+        raise UsageError(str(e)) from None
+
+
 def load(path: str, tokenizer: str | None = None, need_tokenizer: bool = True):
-    """(model in eval mode at TP=1, tokenizer or None, info {"source", "step"}); UsageError otherwise."""
+    """(model in eval mode at TP=1, tokenizer or None, info {"source", "step"}); UsageError otherwise. `path` may be
+    in a bucket (`local`)."""
+    path = local(path)
     if not os.path.exists(path):
         raise UsageError(f"checkpoint {path} does not exist: pass a release directory or a DeepSpeed run/checkpoint")
     try:

@@ -97,6 +97,14 @@ def dp_union(names: set[str], lay: Layout) -> set[str]:
     return set().union(*map(set, gathered))
 
 
+def all_gathered(obj, lay: Layout) -> list:
+    """A small picklable object of every rank, in rank order, on every rank (whether each rank's upload of a
+    checkpoint succeeded, and what it uploaded: pretrain/checkpoints/bucket.py)."""
+    gathered = [None] * lay.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def any_rank(flags: list[bool], lay: Layout) -> torch.Tensor:
     """Per flag, 1.0 where it is set on any rank of the world, else 0.0: a tensor on the device (not read)."""
     t = torch.tensor([float(f) for f in flags]).to(lay.device, non_blocking=True)

@@ -9,7 +9,11 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           begin    (the temporary directory exists, nothing written yet)
                           engine   (DeepSpeed's files written, the trainer's not yet)
                           written  (every rank's files written, not yet committed)
-                          renamed  (the directory has its final name, `latest` still names the previous one)
+                          uploaded (checkpoint.dir in a bucket: this rank's files uploaded, not yet committed)
+                          renamed  (the directory has its final name, or complete.json is in the bucket; `latest`
+                                   still names the previous one)
+    upload-fail@6@1       rank 1's upload of the checkpoint of step 6 to a bucket fails after its first file, as a
+                          denied or cut-off upload would (pretrain/checkpoints/bucket.py)
     hang@5@1              rank 1 stops in step 5 (after its forward) and never goes on, as a rank stuck in a
                           collective or on storage would: the other ranks wait for it in the next collective
                           (train.hang_timeout finds them all, pretrain/supervision/watchdog.py)
@@ -28,6 +32,7 @@ import signal
 import time
 
 SAVE_PHASES = ("begin", "engine", "written", "renamed")
+BUCKET_PHASES = ("uploaded",)   # only where checkpoint.dir is a bucket
 
 
 class Faults:
@@ -85,6 +90,12 @@ class Faults:
         """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""
         if self.fires(f"kill-save-{phase}", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+    def uploading(self, step: int) -> None:
+        """Raises PermissionError (a denied upload: not retried) where an `upload-fail` fault is armed for this step."""
+        if self.fires("upload-fail", step):
+            raise PermissionError(f"injected fault upload-fail@{step}@{self.rank} (SYNTHFORMER_FAULTS): upload denied")
 
 
 def hang() -> None:

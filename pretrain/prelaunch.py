@@ -19,8 +19,8 @@ import sys
 import yaml
 
 from model import ConfigError
-from pretrain.checkpoints import universal
-from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem, resume_point
+from pretrain.checkpoints import bucket, universal
+from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem
 from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.config.deepspeed_dict import deepspeed_config
 from pretrain.plan.memory import parse_size, report
@@ -52,7 +52,7 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
         fit(source.manifest, cfg.model.max_seq_len)   # the model's length from the shards' (cut or joined)
         check_eos(source.manifest, cfg.model)
     runtime = runtime._replace(sources=tuple(sources), vocab_note=next((n for n in notes if n), None))
-    resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), world_size)
+    resume = bucket.resume_from(cfg.checkpoint, cfg.to_dict(), world_size)   # in a bucket: downloaded to staging
     if resume is None:
         return runtime
     problem = architecture_problem(resume, cfg.to_dict())
@@ -60,8 +60,10 @@ def check_launch(cfg: TrainConfig, world_size: int, relayout: bool = False) -> R
             and cfg.checkpoint.resume == "auto" and os.environ.get("NODE_RANK", "0") == "0":
         print(f"checkpoint.relayout: converting {resume} to a universal checkpoint in {cfg.checkpoint.dir} "
               f"(weights and optimizer state, for any layout)", file=sys.stderr, flush=True)
-        resume = universal.convert(resume, cfg.checkpoint.dir)
-        print(f"wrote {resume}; the ranks resume from it", file=sys.stderr, flush=True)
+        in_bucket = bucket.is_bucket(cfg.checkpoint.dir)
+        resume = universal.convert(resume, cfg.checkpoint.staging_dir if in_bucket else cfg.checkpoint.dir)
+        print(f"wrote {bucket.publish_universal(resume, cfg.checkpoint.dir) if in_bucket else resume}; the ranks "
+              f"resume from it", file=sys.stderr, flush=True)
     problem = problem or layout_problem(resume, cfg.to_dict(), world_size) or data_problem(resume, runtime.dp)
     if problem:
         raise ConfigError(problem)

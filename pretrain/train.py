@@ -24,7 +24,8 @@ from pretrain import distributed
 from pretrain.observe import live_model, monitor
 from pretrain.plan import memory as memory_plan
 from pretrain.checkpoints.checkpointer import Checkpointer
-from pretrain.checkpoints.resume import deepspeed_clipped, is_universal, resume_point, rewinds
+from pretrain.checkpoints import bucket
+from pretrain.checkpoints.resume import deepspeed_clipped, is_universal
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.config.deepspeed_dict import clips_on_device
@@ -58,8 +59,7 @@ class Trainer:
                                                cfg.train.run_dir)
         self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
-        resume = resume_point(cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world,
-                              announce=lay.rank == 0)
+        resume = bucket.resume_from(cfg.checkpoint, cfg.to_dict(), lay.world, announce=lay.rank == 0)
         self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume),
                                    device_clip=clips_on_device(cfg, deepspeed_clipped(resume)))
         self.pipeline = cfg.parallel.pp > 1   # one module per rank, or this rank's stage of a PipelineEngine
@@ -68,9 +68,12 @@ class Trainer:
         self.host_reads = 0   # device values the trainer has waited for (one per step outside logging steps)
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
         self.faults = Faults.from_environment(lay.rank, cfg.train.run_dir)   # the fault tests' hooks; none by default
-        self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.dir, cfg.checkpoint.keep,
-                                         {"data": self.stream, "guard": self.guard}, cfg.to_dict(), self.tokenizer,
-                                         lay.rank, lay.world, self.faults, keep_every=cfg.checkpoint.keep_every)
+        saves = bucket.Saves(cfg.checkpoint.dir, cfg.checkpoint.staging_dir, lay) \
+            if bucket.is_bucket(cfg.checkpoint.dir) else None   # checkpoint.dir in a bucket: staged, then uploaded
+        self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.staging_dir if saves else cfg.checkpoint.dir,
+                                         cfg.checkpoint.keep, {"data": self.stream, "guard": self.guard},
+                                         cfg.to_dict(), self.tokenizer, lay.rank, lay.world, self.faults,
+                                         keep_every=cfg.checkpoint.keep_every, bucket=saves)
         self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None
@@ -90,7 +93,7 @@ class Trainer:
         elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
         self.data_log = DataLog(self.stream)   # tokens and epochs of each source, from the position resumed
-        rewind = lay.is_main and rewinds(resume, cfg.checkpoint.resume, cfg.checkpoint.dir, cfg.to_dict(), lay.world)
+        rewind = lay.is_main and bucket.rewinds(resume, cfg.checkpoint, cfg.to_dict(), lay.world)
         self.log.resume_at(self.step, rewind)  # each step once in metrics.jsonl: replayed rows move aside
         self.eta = monitor.Eta.for_config(cfg, self.step)   # elapsed time and time left in the step line
         self.ids_file = None
@@ -171,7 +174,7 @@ class Trainer:
                 self.eta.timed("samples", self.log_samples)
             if self.step % cfg.checkpoint.every == 0 or self.step == stop or preempted:
                 path = self.eta.timed("checkpoint", self.checkpointer.save, self.step)
-                self.log.info(f"saved checkpoint {path}")
+                self.log.info(path and f"saved checkpoint {path}")   # None: not uploaded (bucket.py said why)
             if preempted:
                 self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
                               f"command to continue")

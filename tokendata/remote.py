@@ -187,7 +187,7 @@ def _chunks(url: str, offset: int, got: dict):
             except (OSError, HTTPException) as e:   # IncompleteRead, a reset or a timeout in mid-file
                 raise Transient(f"{type(e).__name__} after {resp.length or 0} bytes were left unread") from None
     elif "://" in url:
-        fs, path = _fsspec(url)
+        fs, path = filesystem(url)
         try:   # one request (an object store's GET, ranged from `offset`): no size asked first
             data = fs.cat_file(path, start=offset)
             got["total"] = offset + len(data)
@@ -204,7 +204,9 @@ def _chunks(url: str, offset: int, got: dict):
                 yield chunk
 
 
-def _fsspec(url: str):
+def filesystem(url: str):
+    """(fsspec filesystem, path) of a URL (s3://, gs://, az://…): the backend takes its credentials, endpoint and CA
+    bundle from its own settings (for s3:// the AWS variables and files: AWS_ENDPOINT_URL, AWS_CA_BUNDLE…)."""
     try:
         import fsspec
     except ImportError:
@@ -297,7 +299,7 @@ def _size(url: str) -> int | None:
             length = resp.headers.get("Content-Length")
             return int(length) if length is not None and length.isdigit() else None
     if "://" in url:
-        fs, path = _fsspec(url)
+        fs, path = filesystem(url)
         try:
             return fs.size(path)
         except (FileNotFoundError, PermissionError):
@@ -379,6 +381,6 @@ def writer(url: str):
         refuse_plain_http(url)   # before a byte is written, not at close
         return _PutWriter(url)
     if "://" in url:
-        fs, path = _fsspec(url)
+        fs, path = filesystem(url)
         return fs.open(path, "wb")
     return open(url, "wb")

@@ -4,7 +4,8 @@
     python tools/convert.py to-release   CHECKPOINT OUT [--dtype fp32|bf16]
         a DeepSpeed checkpoint of any (TP, PP, DP, ZeRO stage) → a release directory (full tensors, canonical names,
         model.safetensors + config.json + tokenizer.model + train_config.yaml). CHECKPOINT: a run directory, its
-        checkpoints/ directory (the newest, from `latest`) or one step_* directory.
+        checkpoints/ directory (the newest, from `latest`) or one step_* directory; also in a bucket
+        (s3://bucket/prefix[/step_*], downloaded first; credentials from the backend's own settings, e.g. AWS_*).
     python tools/convert.py to-deepspeed RELEASE OUT [section.key=value ...] --tp T --pp P [--config YAML]
         a release → a DeepSpeed checkpoint in layout (T, P, DP=1) under OUT, resumable by a run with
         `checkpoint.dir=OUT` and the same layout (fresh optimizer state; the LR schedule and data position follow the
@@ -14,7 +15,7 @@
         weights and both AdamW moments per parameter) in the checkpoint directory OUT (default: CHECKPOINT's own). A
         run with checkpoint.dir=OUT resumes from it in any layout with ZeRO-1/2, optimizer state included:
         stop the run, convert, relaunch with the new parallel.* settings. launch/pretrain.sh does the conversion
-        itself with checkpoint.relayout=true.
+        itself with checkpoint.relayout=true. From a bucket, OUT defaults to the bucket's checkpoint directory.
     python tools/convert.py to-hf        RELEASE OUT      a release → a Hugging Face directory (trust_remote_code)
     python tools/convert.py from-hf      HF_DIR OUT       a Hugging Face export → a release
     python tools/convert.py extend-length SOURCE OUT --to N
@@ -31,19 +32,21 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 from tqdm import tqdm
 
 from model import ConfigError
 from model import release
+from tokendata.remote import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where to_deepspeed's ranks run
 
 
 def to_release(args) -> str:
-    from pretrain.checkpoints import ds_checkpoint
+    from pretrain.checkpoints import bucket, ds_checkpoint
 
-    tag_dir = ds_checkpoint.resolve(args.checkpoint)
+    tag_dir = ds_checkpoint.resolve(bucket.local_checkpoint(args.checkpoint, args.staging))
     print(f"reading {tag_dir}")
     cfg, tensors = ds_checkpoint.read_weights(tag_dir, progress=lambda r: tqdm(r, desc="model-parallel ranks",
                                                                                  disable=args.quiet))
@@ -58,12 +61,14 @@ def to_release(args) -> str:
 
 
 def to_universal(args) -> str:
-    from pretrain.checkpoints import ds_checkpoint, universal
+    from pretrain.checkpoints import bucket, ds_checkpoint, universal
 
-    tag_dir = ds_checkpoint.resolve(args.checkpoint)
-    out = args.out or os.path.dirname(os.path.normpath(tag_dir))
-    print(f"reading {tag_dir}")
-    path = universal.convert(tag_dir, out)
+    tag_dir = ds_checkpoint.resolve(bucket.local_checkpoint(args.checkpoint, args.staging))
+    in_bucket = bucket.is_bucket(args.checkpoint)   # a tag, or a checkpoint directory, in a bucket
+    out = args.out or (bucket.directory_of(args.checkpoint) if in_bucket else os.path.dirname(os.path.normpath(tag_dir)))
+    print(f"reading {args.checkpoint if in_bucket else tag_dir}")
+    path = universal.convert(tag_dir, args.staging if bucket.is_bucket(out) else out)
+    path = bucket.publish_universal(path, out) if bucket.is_bucket(out) else path
     cfg = ds_checkpoint.read_config(tag_dir)
     return f"wrote universal checkpoint {path} (from tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, " \
            f"ZeRO-{cfg.parallel.zero_stage}); resume it in any layout with checkpoint.dir={out}"
@@ -224,10 +229,11 @@ def main(argv=None) -> int:
     run = {"to-release": to_release, "to-universal": to_universal, "to-deepspeed": to_deepspeed, "to-hf": to_hf,
            "from-hf": from_hf, "extend-length": extend_length, "_rank": rank_main}[args.command]
     try:
-        message = run(args)
+        with tempfile.TemporaryDirectory(prefix="synthformer-convert-") as args.staging:   # a checkpoint in a bucket
+            message = run(args)                                                           # is downloaded here
         if message:
             print(message)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

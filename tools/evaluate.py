@@ -5,8 +5,8 @@
     python tools/evaluate.py runs/demo-release --text heldout.txt [more.txt.gz ...] --stride 64 --json
     python tools/evaluate.py runs/demo-release --shards https://host/shards --header-from-env Authorization=TOKEN
 
-CHECKPOINT: a release directory, any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir), or a
-Hugging Face export (tools/convert.py to-hf; loaded through transformers, to check the export).
+CHECKPOINT: a release directory, any DeepSpeed checkpoint path (run directory, its checkpoints/, a step_* dir; also
+in a bucket, s3://bucket/prefix[/step_*], downloaded first), or a Hugging Face export (tools/convert.py to-hf; loaded through transformers, to check the export).
 Reported: tokens scored, bytes they stand for, loss (mean NLL in nats per token), ppl = e^loss, bits_per_token =
 loss / ln 2, and bits_per_byte = total NLL / ln 2 / bytes — comparable between tokenizers.
 
@@ -31,7 +31,7 @@ import sys
 
 from cli import UsageError, one_line_errors
 from cli.remote_args import add_remote_arguments, configure_remote
-from evaluation.loading import load
+from evaluation.loading import load, local
 from evaluation.prompts import run_data
 from evaluation.perplexity import evaluate_shards, evaluate_text
 from tokendata.corpus import Corpus, add_record_arguments
@@ -66,6 +66,7 @@ def run(args) -> dict:
         raise UsageError(f"--batch-size {args.batch_size} and --max-samples {args.max_samples} must be ≥ 1")
     # inputs before the slow load: a typo fails fast
     texts = Corpus.from_args(args, args.text).per_input() if args.text else None
+    args.checkpoint = local(args.checkpoint)   # one in a bucket: downloaded (its config tells how the run read data)
     if args.shards:
         configure_remote(args, run_data(args.checkpoint))   # shards at a URL: as the run read them, or the flags
         read_manifest(args.shards)

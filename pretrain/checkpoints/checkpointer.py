@@ -30,6 +30,7 @@ from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
 from pretrain.checkpoints import retention, safe_load, universal
+from pretrain.checkpoints.bucket import Saves
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
 from pretrain.distributed import is_peer_loss
@@ -66,10 +67,12 @@ class OwnFiles:
 
     def begin(self) -> None:
         self.started, self.done, self.current = 0, 0, None   # files started, bytes of the finished ones, the last
+        self.paths: list[str] = []   # every file started (what this rank uploads where checkpoint.dir is a bucket)
 
     def writing(self, path: str) -> None:
         self.finished()
         self.started, self.current = self.started + 1, path
+        self.paths.append(path)
 
     def finished(self) -> None:
         if self.current is not None:
@@ -93,8 +96,9 @@ class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
     def __init__(self, engine, directory: str, keep: int, stateful: dict, config: dict, tokenizer: str, rank: int,
-                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None):
+                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None, bucket: Saves | None = None):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
+        self.bucket = bucket   # checkpoint.dir in a bucket: `directory` is the local staging directory (bucket.py)
         self.keep_every = keep_every   # every this many steps kept for good (retention.py)
         self.config, self.tokenizer, self.rank, self.world = config, tokenizer, rank, world
         self.faults = faults
@@ -121,10 +125,11 @@ class Checkpointer:
             return load(path, *args, **kwargs)
         return checked
 
-    def save(self, step: int) -> str:
-        """Write the checkpoint of `step` atomically. Collective. A failed write (a full disk, a quota, an I/O error)
-        raises CheckpointError on the rank that saw it; the other ranks then wait in a collective until the launcher,
-        seeing a rank exit with an error, ends them: the previous checkpoint stays complete and `latest`."""
+    def save(self, step: int) -> str | None:
+        """Write the checkpoint of `step` atomically; its path (its URL in a bucket). Collective. A failed write (a
+        full disk, a quota, an I/O error) raises CheckpointError on the rank that saw it; the other ranks then wait in
+        a collective until the launcher, seeing a rank exit with an error, ends them: the previous checkpoint stays
+        complete and `latest`. A failed upload to a bucket returns None on every rank (rank 0 said why in one line)."""
         tag = f"step_{step:08d}"
         final, partial = os.path.join(self.dir, tag), self.partial_path(step)
         previous = self.latest_tag()
@@ -136,7 +141,10 @@ class Checkpointer:
             self._write(partial, tag, step)
             dist.barrier()                                        # every rank's files are written
             self.faults.saving("written", step)
-            if self.rank == 0:
+            if self.bucket is not None:                           # upload, all agree, rank 0 commits in the bucket
+                committed = self.bucket.publish(partial, tag, step, self.own.paths, self.faults, previous, self.keep,
+                                                self.keep_every)
+            elif self.rank == 0:
                 self._commit(partial, final, tag, step)
                 self._prune()
         except (OSError, RuntimeError) as e:                      # torch.save reports ENOSPC as a RuntimeError
@@ -152,6 +160,9 @@ class Checkpointer:
                                   f"({type(e).__name__}: {cause}); {kept}: free space or set checkpoint.dir, then "
                                   f"relaunch to resume") from None
         dist.barrier()                                            # nobody runs on before the commit
+        if self.bucket is not None:                               # the staging copy is uploaded (or given up)
+            shutil.rmtree(partial, ignore_errors=True)
+            return self.bucket.store.where(tag) if committed else None
         return final
 
     def partial_path(self, step: int) -> str:
@@ -185,6 +196,8 @@ class Checkpointer:
 
     def latest_tag(self) -> str | None:
         """The newest complete checkpoint: the one `latest` names if it verifies, else the newest that does."""
+        if self.bucket is not None:
+            return self.bucket.store.newest_complete(announce=self.rank == 0)
         return newest_complete(self.dir, announce=self.rank == 0)
 
     def check_compatible(self, path: str) -> None:

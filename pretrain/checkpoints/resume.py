@@ -56,11 +56,17 @@ def resume_point(resume: str, directory: str, config: dict, world: int, announce
             raise ConfigError(f"checkpoint.resume={resume} is not a complete checkpoint: {problem}")
         return os.path.abspath(resume)
     tag, uni = newest_complete(directory, announce), newest_universal(directory)
+    chosen = auto_choice(tag, uni, lambda: layout_problem(os.path.join(directory, tag), config, world))
+    return os.path.join(directory, chosen) if chosen else None
+
+
+def auto_choice(tag: str | None, uni: str | None, other_layout) -> str | None:
+    """Of the newest complete regular tag and universal tag (either None), the one 'auto' resumes: the universal one
+    when newer, or as new while `other_layout()` (the regular one is of another layout) is true."""
     step = lambda t: int(t.rsplit("_", 1)[-1])   # noqa: E731  step_00000100, universal_step_00000100
-    if uni and (tag is None or step(uni) > step(tag) or
-                (step(uni) == step(tag) and layout_problem(os.path.join(directory, tag), config, world))):
-        return os.path.join(directory, uni)
-    return os.path.join(directory, tag) if tag else None
+    if uni and (tag is None or step(uni) > step(tag) or (step(uni) == step(tag) and other_layout())):
+        return uni
+    return tag
 
 
 def rewinds(resume: str | None, setting: str, directory: str, config: dict, world: int) -> bool:

@@ -38,16 +38,24 @@ def named(directory: str) -> set[str]:
 
 def doomed(directory: str, keep: int, keep_every: int | None = None) -> list[str]:
     """The names in `directory` that retention deletes, oldest first."""
-    complete = complete_tags(directory)                     # committed and verified, oldest first
-    protected = named(directory) | set(complete[-keep:])
+    partial = [n for n in sorted(os.listdir(directory)) if n.endswith(PARTIAL)] if os.path.isdir(directory) else []
+    return choose(complete_tags(directory), partial, named(directory), keep, keep_every)
+
+
+def choose(complete: list[str], unfinished: list[str], pointed: set[str], keep: int,
+           keep_every: int | None = None) -> list[str]:
+    """Of the committed tags `complete` (verified, oldest first) and the `unfinished` ones (not committed: being
+    written, or left by a crashed save), those retention deletes, oldest first; `pointed`: what the pointers name.
+    Shared by a local directory and a bucket (pretrain/checkpoints/bucket.py)."""
+    protected = pointed | set(complete[-keep:])
     steps = [s for s in map(step_of_tag, protected) if s is not None]
     last = max(steps) if steps else None                    # nothing newer than what `latest` names is deleted
     out = [t for t in complete[:-keep] if t not in protected and step_of_tag(t) < last
            and not (keep_every and step_of_tag(t) % keep_every == 0)]
     newest = step_of_tag(complete[-1]) if complete else None
     if newest is not None:
-        for name in sorted(os.listdir(directory)):          # leftovers of crashed saves, never a newer save's
-            step = step_of_tag(name) if name.endswith(PARTIAL) else None
+        for name in sorted(unfinished):                     # leftovers of crashed saves, never a newer save's
+            step = step_of_tag(name)
             if step is not None and step <= newest and name not in protected:
                 out.append(name)
     return out

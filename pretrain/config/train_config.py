@@ -52,6 +52,9 @@ class TrainConfig:
         # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.
         if self.checkpoint.dir is None:
             self.checkpoint.dir = os.path.join(self.train.run_dir, "checkpoints")
+        in_bucket = any("://" in (p or "") for p in (self.checkpoint.dir, self.checkpoint.resume))
+        if self.checkpoint.staging_dir is None and in_bucket:   # local and shared directories stage nothing
+            self.checkpoint.staging_dir = os.path.join(self.train.run_dir, "checkpoint_staging")
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
 

@@ -3,6 +3,7 @@ check on a section's own fields in its `__post_init__`, each error naming the do
 model/config.py's ModelConfig; the whole config is pretrain/config/train_config.py's TrainConfig."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from model.config import ConfigError
@@ -137,13 +138,32 @@ class ParallelSection:
         return world_size // (self.tp * self.pp)
 
 
+DECAYS = ("cosine", "linear", "constant", "wsd")          # train.decay (pretrain/engine.py lr_lambda)
+DECAY_SHAPES = {   # train.decay_shape of a 'wsd' decay, g(p): the part of (lr − min_lr) left at progress p ∈ [0, 1]
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "1-sqrt": lambda p: 1.0 - math.sqrt(p),
+}
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     """Optimizer (AdamW), schedule (warmup + decay, see `lr_lambda`), batch sizes, length and numerics of the run."""
     lr: float = described("peak learning rate, reached at the end of warmup", 3e-4)
     min_lr: float = described("learning rate at train.max_steps and after (GPT-3: lr/10)", 3e-5)
     warmup_steps: int = described("linear warmup from 0 to lr over this many optimizer steps", 100)
-    decay: str = described("after warmup: 'cosine' (to min_lr at max_steps), 'linear', or 'constant' (stay at lr)", "cosine")
+    decay: str = described("after warmup: 'cosine' (to min_lr at max_steps), 'linear', 'constant' (stay at lr), or "
+                           "'wsd' (warmup-stable-decay: stay at lr, then fall to min_lr over the last "
+                           "train.decay_steps in train.decay_shape; tools/branch.py starts such a decay from any "
+                           "checkpoint of the stable phase)", "cosine")
+    decay_steps: int | None = described("with decay 'wsd': the decay phase, the last this many optimizer steps of the "
+                                        "run (ending at max_steps, or where max_tokens ends it); null = "
+                                        "train.decay_fraction of them", None)
+    decay_fraction: float = described("with decay 'wsd' and decay_steps null: the decay phase as a fraction of the "
+                                      "run's steps, rounded (MiniCPM and Hägele et al. 2024 decay over 10-20%)", 0.2)
+    decay_shape: str = described("with decay 'wsd': how the decay phase falls from lr to min_lr, p its progress 0 → 1: "
+                                 "'linear' (1 − p), 'cosine' (½(1 + cos πp)) or '1-sqrt' (1 − √p: Hägele et al. 2024 "
+                                 "found it the best of these)", "1-sqrt")
     weight_decay: float = described("AdamW decoupled weight decay", 0.1)
     betas: tuple[float, float] = described("AdamW (beta1, beta2)", (0.9, 0.95))
     eps: float = described("AdamW epsilon", 1e-8)
@@ -215,7 +235,15 @@ class TrainSection:
         need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
         need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
               f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
-        need(self.decay in ("cosine", "linear", "constant"), "train.decay", self.decay, "cosine, linear, constant")
+        need(self.decay in DECAYS, "train.decay", self.decay, ", ".join(DECAYS))
+        need(self.decay_steps is None or 1 <= self.decay_steps <= self.max_steps - self.warmup_steps,
+             "train.decay_steps", self.decay_steps, f"null or 1 … train.max_steps − train.warmup_steps = "
+                                                     f"{self.max_steps - self.warmup_steps}")
+        if self.decay_steps is not None and self.decay != "wsd":
+            raise ConfigError(f"train.decay_steps={self.decay_steps} is the decay phase of train.decay='wsd' (it is "
+                              f"{self.decay!r}): set train.decay=wsd, or train.decay_steps=null")
+        need(0 < self.decay_fraction <= 1, "train.decay_fraction", self.decay_fraction, "0 < fraction ≤ 1")
+        need(self.decay_shape in DECAY_SHAPES, "train.decay_shape", self.decay_shape, ", ".join(DECAY_SHAPES))
         need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
         need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
         need(self.eps > 0, "train.eps", self.eps, "> 0")
@@ -254,6 +282,12 @@ class TrainSection:
               "≥ 0 (0 = never stop)")
         need(self.spike_z is None or self.spike_z > 0, "train.spike_z", self.spike_z, "null or > 0")
         need(self.spike_window >= 2, "train.spike_window", self.spike_window, "≥ 2")
+
+    def decay_length(self, total_steps: int) -> int:
+        """D, the steps of a 'wsd' decay phase in a run of `total_steps` (TrainConfig.total_steps): decay_steps, or
+        decay_fraction of them rounded; never into the warmup (at most total − warmup_steps)."""
+        D = self.decay_steps if self.decay_steps is not None else round(self.decay_fraction * total_steps)
+        return max(0, min(D, total_steps - min(self.warmup_steps, total_steps)))
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""

@@ -36,6 +36,7 @@ from pretrain.checkpoints.durable import publish, verify
 from pretrain.checkpoints.resume import complete_tags
 from pretrain.config import TrainConfig, load_config
 from pretrain.config.files import merge
+from pretrain.config.schedule import decay_length
 from pretrain.engine import lr_lambda
 from pretrain.observe.metrics import BRANCH_RECORD
 from tokendata.shards import DataError
@@ -78,7 +79,7 @@ def branch_config(parent: TrainConfig, step: int, out: str, decay_steps: int | N
         raise ConfigError(f"step {step} is not in the parent's stable phase (train.decay={t.decay!r}, warmup "
                           f"{t.warmup_steps} steps, the LR there is not train.lr): branch from a checkpoint after "
                           f"the warmup and before the decay of a train.decay=wsd or constant run")
-    D = t.decay_length(parent.total_steps()) if decay_steps is None else decay_steps
+    D = decay_length(t, parent.total_steps()) if decay_steps is None else decay_steps
     if D < 1:
         raise ConfigError(f"--decay-steps={D}: the decay needs ≥ 1 step")
     tree = merge(parent.to_dict(), {
@@ -96,7 +97,7 @@ def branch_config(parent: TrainConfig, step: int, out: str, decay_steps: int | N
     with open(path, "w") as f:
         yaml.safe_dump(tree, f, sort_keys=False)
     cfg = load_config(path, overrides)   # validated, each --set checked against the keys
-    start = cfg.total_steps() - cfg.train.decay_length(cfg.total_steps())
+    start = cfg.total_steps() - decay_length(cfg.train, cfg.total_steps())
     if cfg.train.decay != "wsd" or start != step:
         raise ConfigError(f"the changes make the branch's decay start at step {start}, not at {step}: leave "
                           f"train.decay, max_steps, max_tokens and decay_steps to --decay-steps")

@@ -3,11 +3,11 @@ check on a section's own fields in its `__post_init__`, each error naming the do
 model/config.py's ModelConfig; the whole config is pretrain/config/train_config.py's TrainConfig."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_types, described, need
+from pretrain.config.schedule import check_decay
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
 from tokendata.sources import Source, as_sources
@@ -138,14 +138,6 @@ class ParallelSection:
         return world_size // (self.tp * self.pp)
 
 
-DECAYS = ("cosine", "linear", "constant", "wsd")          # train.decay (pretrain/engine.py lr_lambda)
-DECAY_SHAPES = {   # train.decay_shape of a 'wsd' decay, g(p): the part of (lr − min_lr) left at progress p ∈ [0, 1]
-    "linear": lambda p: 1.0 - p,
-    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
-    "1-sqrt": lambda p: 1.0 - math.sqrt(p),
-}
-
-
 @dataclass(kw_only=True)
 class TrainSection:
     """Optimizer (AdamW), schedule (warmup + decay, see `lr_lambda`), batch sizes, length and numerics of the run."""
@@ -235,15 +227,7 @@ class TrainSection:
         need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
         need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
               f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
-        need(self.decay in DECAYS, "train.decay", self.decay, ", ".join(DECAYS))
-        need(self.decay_steps is None or 1 <= self.decay_steps <= self.max_steps - self.warmup_steps,
-             "train.decay_steps", self.decay_steps, f"null or 1 … train.max_steps − train.warmup_steps = "
-                                                     f"{self.max_steps - self.warmup_steps}")
-        if self.decay_steps is not None and self.decay != "wsd":
-            raise ConfigError(f"train.decay_steps={self.decay_steps} is the decay phase of train.decay='wsd' (it is "
-                              f"{self.decay!r}): set train.decay=wsd, or train.decay_steps=null")
-        need(0 < self.decay_fraction <= 1, "train.decay_fraction", self.decay_fraction, "0 < fraction ≤ 1")
-        need(self.decay_shape in DECAY_SHAPES, "train.decay_shape", self.decay_shape, ", ".join(DECAY_SHAPES))
+        check_decay(self)   # train.decay and its wsd keys (pretrain/config/schedule.py)
         need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
         need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
         need(self.eps > 0, "train.eps", self.eps, "> 0")
@@ -282,12 +266,6 @@ class TrainSection:
               "≥ 0 (0 = never stop)")
         need(self.spike_z is None or self.spike_z > 0, "train.spike_z", self.spike_z, "null or > 0")
         need(self.spike_window >= 2, "train.spike_window", self.spike_window, "≥ 2")
-
-    def decay_length(self, total_steps: int) -> int:
-        """D, the steps of a 'wsd' decay phase in a run of `total_steps` (TrainConfig.total_steps): decay_steps, or
-        decay_fraction of them rounded; never into the warmup (at most total − warmup_steps)."""
-        D = self.decay_steps if self.decay_steps is not None else round(self.decay_fraction * total_steps)
-        return max(0, min(D, total_steps - min(self.warmup_steps, total_steps)))
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per rank per optimizer step: global = micro × accumulation × dp."""

@@ -35,5 +35,7 @@ def test_wsd_recipe_with_a_decay_branch_and_an_annealing_branch(shards, blend, t
         assert json.loads((run / "branch.json").read_text())["step"] == K
     # the same-data branch's first step is the parent's step K + 1 (same weights, same batch), the blend's is not
     assert losses(runs[1])[K + 1] == losses(runs[0])[K + 1] != losses(runs[2])[K + 1]
-    last = metric_rows(runs[2])[-1]
-    assert last["data/anneal/tokens"] > 0 and last["data/base/tokens"] > 0
+    # the blend's order from its global batch K: its sources' tokens count K + D global batches of 8 × 32 tokens
+    read = [r for r in metric_rows(runs[2]) if "data/anneal/tokens" in r][-1]
+    assert read["data/anneal/tokens"] > 0 and read["data/base/tokens"] > 0
+    assert read["data/anneal/tokens"] + read["data/base/tokens"] == (K + D) * 8 * 32

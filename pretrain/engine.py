@@ -28,6 +28,7 @@ from model.lm import Block, SynthesizerLM
 from model.parallel import is_sharded, tp_rank
 from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
+from pretrain.config.schedule import DECAY_SHAPES, decay_length
 from pretrain.config.deepspeed_dict import clips_on_device, deepspeed_config, guards_steps_itself
 from pretrain.pipeline import build_pipeline
 from pretrain.step_guard import GuardedAdamW
@@ -59,25 +60,31 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layou
 
 
 def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
-    """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps and
-    T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first):
+    """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps,
+    T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first)
+    and f = min_lr/lr:
         s < W:      s / W                                   linear warmup from 0
-        W ≤ s < T:  f + (1 - f)·½(1 + cos(π (s - W)/(T - W)))  cosine from 1 to f = min_lr/lr ('linear': straight)
-        s ≥ T:      f                                       constant min_lr ('constant' decay: 1 throughout)"""
+        W ≤ s < T:  f + (1 - f)·½(1 + cos(π (s - W)/(T - W)))  cosine from 1 to f ('linear': straight)
+        s ≥ T:      f                                       constant min_lr ('constant' decay: 1 throughout)
+    'wsd' (warmup-stable-decay), with D = decay_length(train, T) decay steps starting at S = T - D:
+        W ≤ s < S:  1                                       the stable phase
+        S ≤ s < T:  f + (1 - f)·g(p), p = (s - S)/D         g(p) = 1 - p, ½(1 + cos πp) or 1 - √p (train.decay_shape)
+        s ≥ T:      f
+    A decay branch (tools/branch.py) from the checkpoint of step k sets T = k + D: its decay starts at S = k, where
+    the parent's stable phase had the multiplier 1 too."""
     T = train.max_steps if total_steps is None else total_steps
     W, floor, decay = min(train.warmup_steps, T), train.min_lr / train.lr, train.decay
+    S = T - decay_length(train, T) if decay == "wsd" else W   # where the decay starts
+    shape = DECAY_SHAPES["cosine" if decay == "cosine" else "linear" if decay == "linear" else train.decay_shape]
 
     def factor(step: int) -> float:
         if step < W:
             return step / W
-        if decay == "constant":
+        if decay == "constant" or step < S:
             return 1.0
         if step >= T:
             return floor
-        progress = (step - W) / (T - W)
-        if decay == "linear":
-            return 1.0 - (1.0 - floor) * progress
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * shape((step - S) / (T - S))
 
     return factor
 

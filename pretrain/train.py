@@ -95,6 +95,7 @@ class Trainer:
         self.data_log = DataLog(self.stream)   # tokens and epochs of each source, from the position resumed
         rewind = lay.is_main and bucket.rewinds(resume, cfg.checkpoint, cfg.to_dict(), lay.world)
         self.log.resume_at(self.step, rewind)  # each step once in metrics.jsonl: replayed rows move aside
+        self.log.branch(self.step)   # a decay branch (tools/branch.py) names its parent run and step
         self.eta = monitor.Eta.for_config(cfg, self.step)   # elapsed time and time left in the step line
         self.ids_file = None
         if cfg.logging.sample_ids:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_types, described, need
+from pretrain.config.schedule import check_decay
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
 from tokendata.sources import Source, as_sources
@@ -143,7 +144,18 @@ class TrainSection:
     lr: float = described("peak learning rate, reached at the end of warmup", 3e-4)
     min_lr: float = described("learning rate at train.max_steps and after (GPT-3: lr/10)", 3e-5)
     warmup_steps: int = described("linear warmup from 0 to lr over this many optimizer steps", 100)
-    decay: str = described("after warmup: 'cosine' (to min_lr at max_steps), 'linear', or 'constant' (stay at lr)", "cosine")
+    decay: str = described("after warmup: 'cosine' (to min_lr at max_steps), 'linear', 'constant' (stay at lr), or "
+                           "'wsd' (warmup-stable-decay: stay at lr, then fall to min_lr over the last "
+                           "train.decay_steps in train.decay_shape; tools/branch.py starts such a decay from any "
+                           "checkpoint of the stable phase)", "cosine")
+    decay_steps: int | None = described("with decay 'wsd': the decay phase, the last this many optimizer steps of the "
+                                        "run (ending at max_steps, or where max_tokens ends it); null = "
+                                        "train.decay_fraction of them", None)
+    decay_fraction: float = described("with decay 'wsd' and decay_steps null: the decay phase as a fraction of the "
+                                      "run's steps, rounded (MiniCPM and Hägele et al. 2024 decay over 10-20%)", 0.2)
+    decay_shape: str = described("with decay 'wsd': how the decay phase falls from lr to min_lr, p its progress 0 → 1: "
+                                 "'linear' (1 − p), 'cosine' (½(1 + cos πp)) or '1-sqrt' (1 − √p: Hägele et al. 2024 "
+                                 "found it the best of these)", "1-sqrt")
     weight_decay: float = described("AdamW decoupled weight decay", 0.1)
     betas: tuple[float, float] = described("AdamW (beta1, beta2)", (0.9, 0.95))
     eps: float = described("AdamW epsilon", 1e-8)
@@ -215,7 +227,7 @@ class TrainSection:
         need(self.max_steps >= 1, "train.max_steps", self.max_steps, "≥ 1")
         need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
               f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
-        need(self.decay in ("cosine", "linear", "constant"), "train.decay", self.decay, "cosine, linear, constant")
+        check_decay(self)   # train.decay and its wsd keys (pretrain/config/schedule.py)
         need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
         need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
         need(self.eps > 0, "train.eps", self.eps, "> 0")

@@ -99,6 +99,9 @@ def layer_maps(cfg, maps: list[torch.Tensor]) -> list[tuple]:
             for i, (name, A) in enumerate(zip(names, maps))]
 
 
+BRANCH_RECORD = "branch.json"   # in a decay branch's run directory (tools/branch.py): its parent, step and changes
+
+
 def jsonl_rows(path: str) -> list[dict]:
     """The rows of a JSON-lines file (none where there is no file)."""
     if not os.path.exists(path):
@@ -154,6 +157,21 @@ class Logger:
                 anew = rewind and logged is not None and step < logged   # sent again: W&B's rewind, or a new run
                 self.wandb = WandbRun.open(self.wandb_settings, self.run_dir, self.config or {},
                                            step if anew else logged, step if anew else None)
+
+    def branch(self, step: int) -> None:
+        """A decay branch (its run directory holds branch.json, tools/branch.py) names its parent run and step: a
+        console line at every start, and at the branch's first step the TensorBoard text `branch/parent` and a
+        metrics.jsonl row (`branch/parent_step`, `branch/parent`)."""
+        path = os.path.join(self.run_dir, BRANCH_RECORD)
+        if not self.enabled or not os.path.exists(path):
+            return
+        with open(path) as f:
+            record = json.load(f)
+        line = (f"a decay branch of {record['parent']} at step {record['step']}: decay over {record['decay_steps']} "
+                f"steps ({record['decay_shape']}) to step {record['max_steps']}; data: {record['data']}")
+        self.info(line)
+        if step == record["step"] and not any("branch/parent" in row for row in jsonl_rows(self.jsonl_path)):
+            self.event(step, {"branch/parent_step": record["step"]}, {"branch/parent": line})
 
     def info(self, msg: str | None) -> None:
         if self.enabled and msg is not None:

@@ -57,6 +57,7 @@ PLACEHOLDERS = [  # (pattern, replacement), in order
     (r"\$i\b", "0"), (r"<i>", "0"), (r"<first node>|<node 0>", "127.0.0.1"), (r"(?<![\w/.-])N(?![\w/.-])", "2"),
     (r"(?<![\w/.-])R(?![\w/.-])", "0"), (r"(?<=PART=)k\b", "1"), (r"\bRUN\b", "runs/demo"), (r"\bDIR\b", "runs/demo"),
     (r"\$PWD\b", str(ROOT)),
+    (r"\bruns/[\w.-]+/config\.yaml\b", "configs/demo-cpu.yaml"),   # a run's config an earlier command wrote (branch.py)
 ]
 MISSING_MODEL = "tests/data/pre_redesign/release"   # a real release, for model paths that a tool checks before parsing
 

@@ -91,6 +91,17 @@ def all_reduce(t: torch.Tensor, lay: Layout, op=dist.ReduceOp.SUM, group=None) -
     return t
 
 
+def exchange(t: torch.Tensor, peer: int, lay: Layout) -> torch.Tensor:
+    """`t` sent to global rank `peer` while its tensor of the same shape comes back: both ways of a link at once
+    (the check before launch, pretrain/fleet/preflight.py). Waits for both."""
+    if t.device != lay.device:
+        raise RuntimeError(f"exchange of a tensor on {t.device}, but this rank's device is {lay.device}")
+    got = torch.empty_like(t)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got, peer)]):
+        request.wait()
+    return got
+
+
 def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     """The mean of a scalar over the data-parallel ranks, as a 1-element fp32 tensor on the device (not read)."""
     return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)

@@ -4,7 +4,7 @@ At the last step of each window (`fleet.every` steps) every rank puts its own ro
 phase (pretrain/observe/step_times.py `window()`, and the time inside the trainer's collectives from
 pretrain/distributed.py) into a zero tensor of shape [world, phases] on its device; one all-reduce (sum) gives
 rank 0 the whole table, which it reads after the step's own read (the step's work is done by then: the read waits only
-for this small collective). The other ranks do not read it. Cost: one collective of world × 5 floats per window.
+for this small collective). The other ranks do not read it. Cost: one collective of world × 5 floats per window, and rank 0's wait for it (the record's gather_s).
 
 Rank 0 then logs fleet/slowest_rank and fleet/slowest_rank_ratio (TensorBoard, metrics.jsonl), a line for each rank
 named, and appends the window to <run_dir>/fleet/windows.jsonl: each rank's host, GPU index and phases, and who was
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -38,6 +39,7 @@ class FleetWatch:
         its counted device-to-host read)."""
         if not self.every or step % self.every:
             return
+        began = time.perf_counter()
         steps, row = times.window()
         row["collective"] = distributed.COLLECTIVES.take() / max(steps, 1)
         t = torch.zeros(self.lay.world, len(PHASES))   # on CUDA a rank's row may miss its newest step: means per step
@@ -46,9 +48,9 @@ class FleetWatch:
         if not self.lay.is_main:
             return
         rows = [dict(zip(PHASES, values)) for values in read(table)]
-        self.judge(step, rows, log)
+        self.judge(step, rows, log, time.perf_counter() - began)
 
-    def judge(self, step: int, rows: list[dict], log) -> None:
+    def judge(self, step: int, rows: list[dict], log, gather_s: float = 0.0) -> None:
         named = self.detector.observe(step, rows) if self.warm else []
         self.warm = True
         self.named += named
@@ -60,6 +62,7 @@ class FleetWatch:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "steps": self.every, "slowest_rank": rank,
                                 "slowest_rank_ratio": round(ratio, 4), "named": [s.record() for s in named],
+                                "gather_s": round(gather_s, 6),
                                 "ranks": [{"rank": r, "host": p.host, "gpu": p.gpu,
                                            **{k: round(v, 6) for k, v in row.items()}}
                                           for r, (p, row) in enumerate(zip(self.where, rows))]}) + "\n")

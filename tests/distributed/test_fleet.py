@@ -3,7 +3,7 @@ index and phases, its peers are not, and the window records say the same."""
 import json
 import os
 
-from tests.support.runs import launch, tensorboard_scalars, write_config
+from tests.support.runs import ROOT, launch, ranks, tensorboard_scalars, write_config
 
 
 def test_a_rank_slowed_3x_in_its_forward_is_named_and_its_peers_are_not(shards, tmp_path):
@@ -24,3 +24,22 @@ def test_a_rank_slowed_3x_in_its_forward_is_named_and_its_peers_are_not(shards, 
     named = windows[3]["named"][0]
     assert named["phase"] == "compute" and named["gpu"] == 2 and named["ratio"] > 1.5
     assert list(tensorboard_scalars(str(tmp_path / "run"), "fleet/slowest_rank").values())[1:] == [2] * 4
+
+
+def preflight(cfg, env):
+    return ranks([cfg, "--repeats", "3", "--mb", "1"], 4, {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}, 120,
+                 warm="pretrain.fleet")
+
+
+def test_the_check_before_launch_names_a_slow_gemm_and_passes_an_even_machine(shards, tmp_path):
+    """python -m pretrain.fleet on 4 gloo ranks: with rank 1's GEMM slowed 3× (slow@1@1) it names rank 1 alone and
+    exits 1; without, it passes with the figures of 4 ranks and 6 links (every rank pair, on one host)."""
+    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run")
+    slow = preflight(cfg, {"SYNTHFORMER_FAULTS": "slow@1@1"})
+    print(slow.stdout.strip())
+    assert slow.returncode == 1 and slow.stdout.count("\n") == 1, slow.stdout + slow.stderr[-2000:]
+    assert slow.stdout.startswith("preflight: slow: rank 1 (host ") and "GPU 1) GEMM TFLOP/s" in slow.stdout
+    assert "rank 0 " not in slow.stdout and "rank 2 " not in slow.stdout and "rank 3 " not in slow.stdout
+    even = preflight(cfg, {})
+    print(even.stdout.strip())
+    assert even.returncode == 0 and even.stdout.startswith("preflight: 4 ranks even") and "6 links even" in even.stdout

@@ -2,11 +2,12 @@
 ranks and links well below the median named with their figures.
 
     GEMM      C = A·B of n × n matrices (n = 4096 in bf16 on a GPU, 384 in fp32 on a CPU), the best of `repeats`
-              timed runs on every rank at once (thermal throttling shows under load), as TFLOP/s = 2n³ / time. A
+              timed runs on every rank at once (thermal throttling shows under load; on CPU the ranks of a host share
+              its cores and take turns), as TFLOP/s = 2n³ / time. A
               rank below fleet.gpu_floor (0.9) × the median is named.
     links     a node pair exchanges a tensor of `mb` MiB both ways at once (pretrain/distributed.py `exchange`), best of
               `repeats`, as GB/s each way. Every pair of nodes (their first ranks), in rounds of disjoint pairs (the
-              circle method: n − 1 rounds for n nodes); on one host, every pair of ranks. A link below
+              circle method: n − 1 rounds for n nodes); on one host, every pair of ranks, one pair at a time. A link below
               fleet.link_floor (0.8) × the median is named.
 
 Timing waits for the device by reading the result (a host read; the check runs before any step). The figures are
@@ -70,16 +71,30 @@ def rounds(n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
+def schedule(members: list[int], where: list[Place]) -> list[list[tuple[int, int]]]:
+    """The rounds of pairs (indices into members): disjoint node pairs at once across nodes (each has its own NICs);
+    on one host one pair at a time (its pairs share the host's memory and cores, and would time each other)."""
+    if len({where[m].host for m in members}) > 1:
+        return rounds(len(members))
+    return [[pair] for pairs in rounds(len(members)) for pair in pairs]
+
+
 def link_gbps(lay: Layout, members: list[int], mb: float, repeats: int) -> torch.Tensor:
     """[len(members)]² GB/s each way, filled where this rank took part (the others gather it)."""
     table = torch.zeros(len(members), len(members))
     t = torch.ones(int(mb * 2 ** 20) // 4, device=lay.device)
-    for pairs in rounds(len(members)):
+    for pairs in schedule(members, places(lay.peers)):
+        together(lay)   # a round's pairs start together: a rank still busy (a slow GEMM, the last round) skews none
         for a, b in pairs:
             if lay.rank in (members[a], members[b]):
                 peer = members[b] if lay.rank == members[a] else members[a]
                 table[a, b] = t.numel() * 4 / best_of(repeats, lambda: distributed.exchange(t, peer, lay)) / 1e9
     return table
+
+
+def together(lay: Layout) -> None:
+    """Every rank here before any goes on (a one-element all-reduce, waited for)."""
+    float(distributed.all_reduce(torch.zeros(1, device=lay.device), lay)[0])
 
 
 def named(rates: list[float], floor: float, what) -> list[str]:
@@ -111,7 +126,12 @@ def check(lay: Layout, gpu_floor: float, link_floor: float, mb: float = 4.0, rep
     where = places(lay.peers)
     members = units(where)
     gemm = torch.zeros(lay.world)
-    gemm[lay.rank] = gemm_tflops(lay, repeats, faults or Faults.from_environment(lay.rank))
+    faults = faults or Faults.from_environment(lay.rank)
+    # GPUs are timed all at once (throttling shows under load); a CPU host's ranks share its cores, so they take turns
+    for turn in range(lay.world) if lay.device.type == "cpu" else [lay.rank]:
+        together(lay)
+        if turn == lay.rank:
+            gemm[lay.rank] = gemm_tflops(lay, repeats, faults)
     links = link_gbps(lay, members, mb, repeats)
     both = distributed.all_reduce(torch.cat([gemm, links.reshape(-1)]).to(lay.device), lay).tolist()
     gemm_all, table = both[:lay.world], both[lay.world:]

@@ -18,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="the training config (YAML) whose launch is checked, e.g. configs/demo-cpu.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value (fleet.gpu_floor=0.85 …)")
     p.add_argument("--mb", type=float, default=4.0, help="MiB exchanged each way over a link per timing (default 4)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs of each GEMM and exchange; the best counts "
-                                                          "(default 5)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs of each GEMM and exchange; the best counts "
+                                                          "(default 10)")
     args = p.parse_args([a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")])
     try:
         cfg = load_config(args.config, args.overrides)

@@ -119,7 +119,7 @@ def verdict(gemm: list[float], links: dict[tuple[int, int], float], where: list[
             f"median); {len(links)} links even (GB/s {span(list(links.values()))}, none below {link_floor:.0%})"), False
 
 
-def check(lay: Layout, gpu_floor: float, link_floor: float, mb: float = 4.0, repeats: int = 5,
+def check(lay: Layout, gpu_floor: float, link_floor: float, mb: float = 4.0, repeats: int = 10,
           faults: Faults | None = None) -> tuple[str, bool]:
     """Run the check on every rank of the layout: (the verdict's line, whether a rank or link was named), the same
     on every rank."""

@@ -21,11 +21,22 @@ import torch
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.distributed import Layout
+from pretrain.fleet import preflight
 from pretrain.fleet.detector import PHASES, Detector, places, slowest
+
+
+class FleetError(RuntimeError):
+    """The check before launch (fleet.preflight) named a rank or a link: the launch stops before its first step."""
 
 
 class FleetWatch:
     def __init__(self, cfg: TrainConfig, lay: Layout, predicted_step_s: float | None):
+        if cfg.fleet.preflight:   # before the first step; every rank gets the same verdict
+            line, slow = preflight.check(lay, cfg.fleet.gpu_floor, cfg.fleet.link_floor)
+            if slow:
+                raise FleetError(f"{line}; replace them, or set fleet.preflight=false to train on them")
+            if lay.is_main:
+                print(line, flush=True)
         self.lay, self.every = lay, cfg.fleet.window_steps(predicted_step_s)
         self.where = places(lay.peers)
         self.detector = Detector(cfg.fleet.slow_factor, cfg.fleet.windows, self.where)

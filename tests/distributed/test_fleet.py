@@ -46,3 +46,13 @@ def test_the_check_before_launch_names_a_slow_gemm_and_passes_an_even_machine(sh
     [line] = [line for line in even.stdout.splitlines() if line.startswith("preflight")]
     print(line)
     assert even.returncode == 0 and line.startswith("preflight: 4 ranks even") and "6 links even" in line
+
+
+def test_fleet_preflight_stops_the_trainer_before_its_first_step_on_a_slow_gemm(shards, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", train={"micro_batch_size": 2},
+                       fleet={"preflight": True, "link_floor": 0.25})
+    r = launch(cfg, 4, check=False, env={"SYNTHFORMER_FAULTS": "slow@1@3", "OMP_NUM_THREADS": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "preflight: slow: " in out and "rank 3 (host vm, GPU 3) GEMM" in out, out[-3000:]
+    assert "fleet.preflight=false" in out
+    assert "step 1/" not in r.stdout

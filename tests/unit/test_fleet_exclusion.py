@@ -54,3 +54,17 @@ def test_an_excluded_node_stays_out_of_later_launches_until_its_line_is_deleted(
     with open(path, "w") as f:   # a person lets n2 back
         f.write("".join(line for line in lines if not line.startswith("n2")))
     assert hosts_for_launch(run, HOSTS) == ["n1", "n2", "n3"]
+
+
+def test_fleet_exclude_true_is_refused_in_one_line_until_the_supervisor_acts_on_it():
+    import pytest
+
+    from model.config import ConfigError
+    from pretrain.config import FleetSection
+
+    with pytest.raises(ConfigError, match=r"^fleet.exclude=true is not available yet: .* set fleet.exclude=false"):
+        FleetSection(exclude=True)
+    with pytest.raises(ConfigError, match=r"^fleet.slow_factor=1.0 is out of range"):
+        FleetSection(slow_factor=1.0)
+    assert FleetSection().window_steps(0.5) == 40 and FleetSection().window_steps(None) == 100
+    assert FleetSection(every=7).window_steps(0.5) == 7

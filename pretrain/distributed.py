@@ -42,6 +42,42 @@ class Layout:
 
 
 # ---- the trainer's collectives -------------------------------------------------------------------------------------
+class CollectiveTime:
+    """Seconds this rank spent inside the trainer's collectives, for fleet health (pretrain/fleet/): a rank that
+    waits here is waiting for a slower peer. On CPU the wall clock around the call (gloo returns when it is done);
+    on CUDA a pair of events on the current stream around it, read with `query()` once both have completed, which
+    never waits: no device synchronization is added."""
+
+    def __init__(self):
+        self.open: list = []   # (start, end) marks not yet read
+        self.seconds = 0.0
+
+    @staticmethod
+    def mark(device: torch.device):
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start, end) -> None:
+        if isinstance(start, float):
+            self.seconds += end - start
+        else:
+            self.open.append((start, end))
+
+    def take(self) -> float:
+        """The seconds read since the last call (pairs whose events have not completed wait for the next)."""
+        while self.open and self.open[0][1].query():
+            start, end = self.open.pop(0)
+            self.seconds += start.elapsed_time(end) / 1e3
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+
+COLLECTIVES = CollectiveTime()   # this process's: every collective of the trainer passes all_reduce below
+
+
 def all_reduce(t: torch.Tensor, lay: Layout, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """dist.all_reduce in place of a tensor that must live on the layout's device; every collective of the trainer
     goes through here. NCCL takes only CUDA tensors and gloo takes CPU ones, so a tensor built on the wrong device
@@ -49,8 +85,21 @@ def all_reduce(t: torch.Tensor, lay: Layout, op=dist.ReduceOp.SUM, group=None) -
     if t.device != lay.device:
         raise RuntimeError(f"collective on a tensor on {t.device}, but this rank's device is {lay.device}: "
                            f"build it with device=layout.device")
+    start = COLLECTIVES.mark(t.device)
     dist.all_reduce(t, op=op, group=group)
+    COLLECTIVES.add(start, COLLECTIVES.mark(t.device))
     return t
+
+
+def exchange(t: torch.Tensor, peer: int, lay: Layout) -> torch.Tensor:
+    """`t` sent to global rank `peer` while its tensor of the same shape comes back: both ways of a link at once
+    (the check before launch, pretrain/fleet/preflight.py). Waits for both."""
+    if t.device != lay.device:
+        raise RuntimeError(f"exchange of a tensor on {t.device}, but this rank's device is {lay.device}")
+    got = torch.empty_like(t)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, got, peer)]):
+        request.wait()
+    return got
 
 
 def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -19,6 +19,10 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           (train.hang_timeout finds them all, pretrain/supervision/watchdog.py)
     stall@5@1             rank 1 stops before step 5, before any forward: a hang in any layout (a pipeline stage's
                           forward is DeepSpeed's, so `hang` does not reach it)
+    slow@5@2              from step 5 on, rank 2's every forward pass runs SLOW_FACTOR (3) times (the extra runs
+                          without gradients, dropped), and so does its GEMM in the check before launch (pretrain/fleet):
+                          a GPU computing at a third of its peers' rate. No marker: a slow device stays slow across
+                          relaunches
     raise@5@3             rank 3 raises an error that is no data's nor config's (RuntimeError, class unknown) before
                           step 5, before any forward: the other ranks wait for it in the step's first collective
 
@@ -31,8 +35,11 @@ import os
 import signal
 import time
 
+import torch
+
 SAVE_PHASES = ("begin", "engine", "written", "renamed")
 BUCKET_PHASES = ("uploaded",)   # only where checkpoint.dir is a bucket
+SLOW_FACTOR = 3   # a `slow` rank's forward passes take this many times as long
 
 
 class Faults:
@@ -85,6 +92,14 @@ class Faults:
                                f"and no config")
         if self.fires("stall", step):
             hang()
+
+    def slow(self, work, step: int) -> None:
+        """Where `slow@S` is armed with S ≤ step: `work()` (a forward pass, a GEMM) again SLOW_FACTOR − 1 times,
+        without gradients."""
+        if any(kind == "slow" and at <= step for kind, at in self.armed):
+            with torch.no_grad():
+                for _ in range(SLOW_FACTOR - 1):
+                    work()
 
     def saving(self, phase: str, step: int) -> None:
         """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""

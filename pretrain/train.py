@@ -32,6 +32,7 @@ from pretrain.config.deepspeed_dict import clips_on_device
 from pretrain.engine import build_engine
 from pretrain.observe.device_peaks import device_name, peak_tflops
 from pretrain.faults import Faults
+from pretrain.fleet.watch import FleetWatch
 from pretrain.step_guard import GuardedAdamW, LossGuard
 from pretrain.observe.metrics import Logger, keep_rows_up_to, layer_maps, memory_mb
 from pretrain.observe import ProfileWindows, StepTimes
@@ -80,6 +81,8 @@ class Trainer:
         self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/run_prediction.py)
         self.log.info(checked.vocab_note)   # a note, or None (padded ids)
         self.times = StepTimes(lay.device, lay.grad_accum, self.pipeline)   # perf/*_s (pretrain/observe/)
+        predicted = distributed.from_rank0(lambda: self.step_check.prediction and self.step_check.prediction.step_s, lay)
+        self.fleet = FleetWatch(cfg, lay, predicted)   # every rank's phases, stragglers named (pretrain/fleet/)
         self.profile = ProfileWindows(cfg.logging.profile, lay.rank, lay.device, cfg.train.run_dir, self.times)
         if self.stream.skipped_shards:
             self.log.info(f"skipping {len(self.stream.skipped_shards)} bad shards (data.bad_shards=skip): " +
@@ -159,6 +162,7 @@ class Trainer:
             with self.profile.step(self.step + 1):   # logging.profile's windows; nothing when off
                 loss, skipped, preempted = self.train_step(batches)
             self.step += 1
+            self.fleet.after(self.step, self.times, self.log, self.read)   # at each fleet window's last step
             note = self.guard.record(self.step, loss, skipped is not None, skipped or "")   # raises after K in a row
             if note:
                 self.log.scalars(self.step, {"train/skipped_steps": self.guard.total})
@@ -228,6 +232,8 @@ class Trainer:
             inputs, targets = next(micro_batches)
             self.times.lap("data_wait")
             loss = self.faults.loss(self.engine(inputs, targets), self.step + 1)
+            self.faults.slow(lambda: self.engine(inputs, targets), self.step + 1)   # a test's slow GPU; none by default
+            self.times.split("compute")   # the forward alone: this rank's own work (pretrain/fleet/)
             this_spike = self.guard.spike_z is not None and self.guard.is_spike(self.read(
                 distributed.dp_mean(loss, self.layout))[0])   # opt-in: a host read per micro-batch
             spike |= this_spike

@@ -5,6 +5,7 @@
     train_config.py   TrainConfig (the sections together, the checks across them and against a launch) and
                       load_config, the one loader
     files.py          YAML files with `base:` chains, and `section.key=value` overrides
+    fleet_section.py  the fleet section (its own file: sections.py is at its length)
     reference.py      every key with its type, default and description (`--keys`, docs/config.md)
 
 One loader, in one fixed order (later wins):
@@ -18,9 +19,10 @@ This package imports nothing of the trainer: the model's config, the data layer'
 
 runs the check before a launch (its code is pretrain/prelaunch.py's `main`; this package only hands over to it).
 """
+from pretrain.config.fleet_section import FleetSection
 from pretrain.config.sections import (CheckpointSection, DataSection, LoggingSection, ParallelSection, ProfileSection,
                                       TrainSection, WandbSection)
 from pretrain.config.train_config import Runtime, TrainConfig, check_release, cuda_available, load_config
 
-__all__ = ["CheckpointSection", "DataSection", "LoggingSection", "ParallelSection", "ProfileSection", "Runtime",
+__all__ = ["CheckpointSection", "DataSection", "FleetSection", "LoggingSection", "ParallelSection", "ProfileSection", "Runtime",
            "TrainConfig", "TrainSection", "WandbSection", "check_release", "cuda_available", "load_config"]

@@ -19,6 +19,7 @@ from model.fields import build, check_keys, described, nearest_key, nested
 from model.release import FORMAT, is_release
 from pretrain.config import files
 from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
+from pretrain.config.fleet_section import FleetSection
 from pretrain.config.sections import CheckpointSection, DataSection, LoggingSection, ParallelSection, TrainSection
 from tokendata.order import check_streams, default_streams
 from tokendata.shards import DataError
@@ -45,8 +46,11 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection, metadata={"help": "console and TensorBoard"})
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection,
                                         metadata={"help": "DeepSpeed settings passed through to the engine"})
+    fleet: FleetSection = field(default_factory=FleetSection,
+                                metadata={"help": "every rank's timings, stragglers named, the check before launch"})
 
-    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging", "deepspeed")
+    SECTIONS: ClassVar[tuple[str, ...]] = ("model", "data", "parallel", "train", "checkpoint", "logging", "deepspeed",
+                                         "fleet")
 
     def __post_init__(self):
         # Defaults that depend on another section are filled once here, so to_dict() saves concrete paths.

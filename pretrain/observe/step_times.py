@@ -12,6 +12,11 @@ seconds per optimizer step (metrics.jsonl, TensorBoard, W&B):
                            1F1B schedule interleaves forwards, backwards, the stages' sends and receives, the bubble,
                            the gradient all-reduce and the optimizer step, so only the fetches are split out of it
 
+Every rank also keeps its own sums for fleet health (pretrain/fleet/), read by `window()` once per fleet window:
+data_wait, compute (the forward passes alone, marked by `split("compute")` inside the forward+backward lap: a
+data-parallel forward holds no collective, so a slow peer cannot show in it), backward (the rest of that lap,
+DeepSpeed's gradient reduction with its waits included) and optimizer; a pipeline step's train_batch is its compute.
+
 The marks cut a step into consecutive laps: `start()`, then `lap(phase)` gives the time since the previous mark to
 `phase`, then `end()`. On CPU a mark is the wall clock (every op and gloo collective has finished when the host
 goes on). On CUDA a mark is a CUDA event on the current stream: the laps are device time, so a fetch counts only
@@ -29,6 +34,9 @@ import torch
 NAMES = {"data_wait": "perf/data_wait_s", "fwd_bwd": "perf/fwd_bwd_s", "optimizer": "perf/optimizer_s"}
 # the lap after each lap (profiler ranges only): a plain step's micro-batches cycle through the first three; the last
 # engine.step() and the pipeline's train_batch are followed by the step's outcome (a collective and the host's read)
+# the fleet phase of each lap (pretrain/fleet/detector.py PHASES): a pipeline's train_batch is all its compute
+# and the step's outcome (the trainer's collective and its read) is the collective phase's, timed at pretrain/distributed.py
+FLEET = {"data_wait": "data_wait", "fwd_bwd": "backward", "optimizer": "optimizer", "train_batch": "compute"}
 NEXT = {"data_wait": "fwd_bwd", "fwd_bwd": "optimizer", "optimizer": "data_wait", "train_batch": "step_outcome"}
 
 
@@ -42,6 +50,8 @@ class StepTimes:
         self.ranges: list = []           # the open record_function range while a profiler window records
         self.annotate = False            # set by the profiler window (pretrain/observe/profiler.py)
         self.updates = 0                 # engine.step() calls in this step
+        self.splits: list = []           # this step's (phase, mark before, mark after) inside a lap (fleet only)
+        self.fleet, self.fleet_steps = Counter(), 0   # per-rank sums for pretrain/fleet/, since the last window()
 
     def now(self):
         if not self.cuda:
@@ -51,7 +61,7 @@ class StepTimes:
         return event
 
     def start(self) -> None:
-        self.marks, self.updates = [("start", self.now())], 0
+        self.marks, self.updates, self.splits = [("start", self.now())], 0, []
         self.open_range(self.first)
 
     def lap(self, phase: str, then: str | None = None) -> None:
@@ -62,21 +72,31 @@ class StepTimes:
         last = phase == "optimizer" and self.updates == self.micro_batches
         self.open_range(then or ("step_outcome" if last else NEXT[phase]))
 
+    def split(self, phase: str) -> None:
+        """The time since the last lap's mark was `phase` for fleet health (the lap itself goes on)."""
+        self.splits.append((phase, self.marks[-1][1], self.now()))
+
     def end(self) -> None:
         self.open_range(None)
         self.marks.append(("step_outcome", self.now()))
-        self.pending.append(self.marks)
-        self.marks = []
+        self.pending.append((self.marks, self.splits))
+        self.marks, self.splits = [], []
         self.read(keep=1 if self.cuda else 0)
 
     def read(self, keep: int = 0) -> None:
         """Add the laps of the finished steps, all but the newest `keep`, whose last event has completed."""
-        while len(self.pending) > keep and self.complete(self.pending[0][-1][1]):
-            marks = self.pending.pop(0)
+        while len(self.pending) > keep and self.complete(self.pending[0][0][-1][1]):
+            marks, splits = self.pending.pop(0)
             for (_, before), (phase, after) in zip(marks, marks[1:]):
                 self.sums[phase] += self.seconds(before, after)
+                if phase in FLEET:
+                    self.fleet[FLEET[phase]] += self.seconds(before, after)
+            for phase, before, after in splits:   # carved out of the forward+backward lap
+                self.fleet[phase] += self.seconds(before, after)
+                self.fleet["backward"] -= self.seconds(before, after)
             self.sums["step"] += self.seconds(marks[0][1], marks[-1][1])
             self.steps += 1
+            self.fleet_steps += 1
 
     def complete(self, mark) -> bool:
         return not self.cuda or mark.query()
@@ -99,6 +119,13 @@ class StepTimes:
             out.update({name: sums[phase] / n for phase, name in NAMES.items()})
         self.sums, self.steps = Counter(), 0
         return out
+
+    def window(self) -> tuple[int, dict[str, float]]:
+        """(steps read, this rank's seconds per step of each fleet phase) since the last call, for pretrain/fleet/."""
+        self.read()
+        n, sums = self.fleet_steps, self.fleet
+        self.fleet, self.fleet_steps = Counter(), 0
+        return n, {phase: sums[phase] / n for phase in sums} if n else {}
 
     def fetches(self, batches, phase: str):
         """`batches` for an engine that pulls them itself (the PipelineEngine): each fetch is a data_wait lap and the

@@ -114,7 +114,7 @@ def write_config(path, shards, run_dir, **sections):
            "checkpoint": {"every": 100},
            "logging": {"every": 1, "val_every": 0, "image_every": 0}}
     for section, values in sections.items():
-        cfg[section].update(values)
+        cfg.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
 

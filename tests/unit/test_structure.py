@@ -41,14 +41,15 @@ REACH = {("evaluation", "pretrain"): ("pretrain.checkpoints", "pretrain.observe"
 #   0  what needs nothing of the run: timeouts, test fault hooks, pipeline stages of the model
 #   1  the config (typed sections, the DeepSpeed dict)
 #   2  what reads a config only: process groups, FP8, the planner, reporting
-#   3  what runs on process groups: the data, the step guard, checkpoints
+#   3  what runs on process groups: the data, the step guard, checkpoints, fleet health (its detector is pure
+#      arithmetic; its gathering and its check before launch use the process groups)
 #   4  what builds or watches a run: the engine, the supervision, the checks before a launch
 #   5  the trainer
 PRETRAIN_FLOORS = {
     "pretrain.timeouts": 0, "pretrain.faults": 0, "pretrain.pipeline": 0,
     "pretrain.config": 1,
     "pretrain.distributed": 2, "pretrain.float8": 2, "pretrain.plan": 2, "pretrain.observe": 2,
-    "pretrain.data": 3, "pretrain.step_guard": 3, "pretrain.checkpoints": 3,
+    "pretrain.data": 3, "pretrain.step_guard": 3, "pretrain.checkpoints": 3, "pretrain.fleet": 3,
     "pretrain.engine": 4, "pretrain.supervision": 4, "pretrain.prelaunch": 4,
     "pretrain.train": 5,
 }

@@ -111,6 +111,10 @@ class ParallelSection:
                          "2 (+ gradients), 3 (+ parameters)", 1)
     partition: str = described("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
                         "'uniform' (balance layer counts)", "parameters")
+    sequence_parallel: bool = described("with tp > 1: the layer norms, dropouts, residual adds and the loss's input hold "
+                                        "n/tp positions a rank (Megatron's sequence parallelism; every all-reduce of "
+                                        "tp becomes a reduce-scatter and an all-gather); model.max_seq_len must divide "
+                                        "by tp. No effect at tp 1", True)
     activation_checkpointing: int = described("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
     cpu_keep_freed_memory: bool = described("CPU runs: malloc keeps freed memory in the process (faster steps, no page "

@@ -112,9 +112,11 @@ class ParallelSection:
     partition: str = described("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
                         "'uniform' (balance layer counts)", "parameters")
     sequence_parallel: bool = described("with tp > 1: the layer norms, dropouts, residual adds and the loss's input hold "
-                                        "n/tp positions a rank (Megatron's sequence parallelism; every all-reduce of "
-                                        "tp becomes a reduce-scatter and an all-gather); model.max_seq_len must divide "
-                                        "by tp. No effect at tp 1", True)
+                                        "n/tp positions a rank (Megatron's sequence parallelism: each all-reduce of tp "
+                                        "becomes a reduce-scatter and an all-gather, and those activations divide by "
+                                        "tp); model.max_seq_len must divide by tp. Off by default: a tp 2 step on gloo "
+                                        "takes longer with it (docs/DESIGN.md §2); turn it on where activation "
+                                        "memory is the limit. No effect at tp 1", False)
     activation_checkpointing: int = described("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
     cpu_keep_freed_memory: bool = described("CPU runs: malloc keeps freed memory in the process (faster steps, no page "

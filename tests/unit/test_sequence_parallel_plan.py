@@ -1,6 +1,10 @@
 """parallel.sequence_parallel in the memory plan, the config check and the DeepSpeed config, without a launch."""
 from pathlib import Path
 
+import pytest
+
+from model import ConfigError
+
 from pretrain.config import load_config
 from pretrain.config.deepspeed_dict import deepspeed_config
 from pretrain.plan.memory import layout_of, plan
@@ -42,10 +46,10 @@ def test_pipeline_buffers_hold_n_over_tp_positions_and_deepspeed_keeps_them_whol
 
 
 def test_max_seq_len_must_split_over_tp():
-    cfg = load_config(DEMO, ["parallel.tp=2", "model.max_seq_len=63", "model.n_heads=2"])
-    try:
-        cfg.check_runtime(2)
-    except Exception as e:
-        msg = str(e)
+    odd = ["parallel.tp=2", "model.max_seq_len=63", "model.n_heads=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, odd + ["parallel.sequence_parallel=true"]).check_runtime(2)
+    msg = str(e.value)
     assert msg.startswith("model.max_seq_len=63 is not divisible by parallel.tp=2") and "\n" not in msg
     assert "parallel.sequence_parallel=false" in msg
+    load_config(DEMO, odd).check_runtime(2)   # without it, any length

@@ -30,7 +30,9 @@ and once per forward pass (per block in a pipeline, whose blocks each make their
 (int64), the mask M (B·n², the activations' dtype) on the CPU path with synthesized attention, its booleans where an
 SGU masks with them, and the BlockMask's tile indices on the GPU path.
 Beside the mixer: two layer norms (input + fp32 statistics), the MLP's input, pre- and post-GELU hidden (d_ffn/tp
-each), dropout masks where dropout is on. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
+each), dropout masks where dropout is on (booleans on a GPU, the
+activations' dtype on a CPU). Under sequence parallelism (`sp` = tp) the norms' inputs, the residual dropout masks and
+a checkpointed block's input hold n/tp positions. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
 gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32 logits
 (CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
 log-softmax in fp32. Activation checkpointing keeps a checkpointed block's input only, and recomputes one block at a
@@ -137,7 +139,7 @@ def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int
     if copy_out:
         out.append(Term("output projection input", values))
     if mixer.dropout:
-        out.append(Term("mixer dropout mask", head_rows * d_h))
+        out.append(Term("mixer dropout mask", mask_bytes(a, gpu) * head_rows * d_h))
     return out
 
 
@@ -176,7 +178,7 @@ def document_attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: in
         if width != f:   # padded features: the output is laid out per head, not as the values' (B, n, Hl, d_h)
             out.append(Term("output projection input", values))
     if mixer.dropout:
-        out.append(Term("mixer dropout mask", head_rows * d_h))
+        out.append(Term("mixer dropout mask", mask_bytes(a, gpu) * head_rows * d_h))
     return out
 
 
@@ -236,7 +238,7 @@ def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: 
         out += [Term("normed input of the MLP", a * N * d), Term(f"MLP hidden {f} wide, before and after GELU",
                                                                   2 * a * N * f)]
     if cfg.dropout:
-        out.append(Term("residual dropout masks" + share, norms * N * d // sp))
+        out.append(Term("residual dropout masks" + share, mask_bytes(a, gpu) * norms * N * d // sp))
     return tuple(out)
 
 
@@ -262,10 +264,16 @@ def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool
     return kept, chunk
 
 
-def embedding_terms(cfg: ModelConfig, B: int, n: int, sp: int = 1) -> list[Term]:
+def mask_bytes(a: int, gpu: bool) -> int:
+    """Bytes of a dropout mask's element: booleans from the fused kernel of a GPU, the activations' dtype on a CPU
+    (torch's unfused dropout keeps x's dtype of noise ∈ {0, 1/(1−p)})."""
+    return 1 if gpu else a
+
+
+def embedding_terms(cfg: ModelConfig, B: int, n: int, sp: int = 1, a: int = FP32, gpu: bool = False) -> list[Term]:
     out = [Term("token ids", INDEX * B * n)]
     if cfg.dropout:
-        out.append(Term("embedding dropout mask", B * n * cfg.d_model // sp))
+        out.append(Term("embedding dropout mask", mask_bytes(a, gpu) * B * n * cfg.d_model // sp))
     return out
 
 
@@ -297,7 +305,7 @@ def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: 
     full_input = a * B * n * cfg.d_model // sp
     kept, recompute = [], Term("nothing", 0)
     if first:
-        kept += embedding_terms(cfg, B, n, sp)
+        kept += embedding_terms(cfg, B, n, sp, a, gpu)
     if cfg.document_mask:   # once a pass; in a pipeline each block makes its own
         docs = document_terms(cfg, B, n, a, gpu)
         kept += docs if not pipeline else [Term(f"the documents of each of {len(layers)} blocks",

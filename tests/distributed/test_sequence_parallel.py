@@ -1,14 +1,17 @@
 """Sequence parallelism (parallel.sequence_parallel, model/sequence_parallel.py) on two real gloo processes: TP=2 with it
 gives the loss and every gradient of TP=2 without it and of TP=1, every variant, dropout 0; the region functions
 equal a reference made another way (the full tensor's slices and sums, forward and backward); with dropout on, a
-step is deterministic and each rank's chunk gets its own masks. One launch for all of it."""
+step is deterministic and each rank's chunk gets its own masks; the activations it saves are the memory plan's.
+One launch for all of it."""
 import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from model import build_model
+from model.memory import activations
 from model import parallel as tp
+from tests.distributed.test_memory_plan import saved_bytes
 from tests.distributed.test_tensor_parallel import VARIANTS, batch, config, gather
 from tests.support.distributed import run_distributed
 
@@ -77,6 +80,12 @@ def sp_worker(rank, world, cases):
     for _ in range(2):   # from the same seeds: the same masks
         tp.rng_tracker.set_seed(5)
         out["dropout"].append(step("dense", True, dropout=0.3))
+    out["saved"] = {}
+    for sp in (False, True):   # bytes autograd keeps, dropout on: the plan's sequence-parallel terms
+        tp.set_sequence_parallel(sp)
+        model = build_model(dataclasses.replace(config("dense"), dropout=0.1))
+        tokens = batch()
+        out["saved"][sp] = saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
     tp.set_sequence_parallel(True)
     model = build_model(dataclasses.replace(config("dense"), dropout=0.5))
     x = torch.ones(1, 8, 32)
@@ -123,4 +132,9 @@ def test_sequence_parallel_equals_tensor_parallel_every_variant():
         first, second = results[r]["dropout"]
         assert first["loss"] == second["loss"]
     assert results[0]["masks"][0].shape == (1, 4, 32)
-    assert not torch.equal(results[0]["masks"][0], results[0]["masks"][1])
+    cfg = dataclasses.replace(config("dense"), dropout=0.1)
+    B, n = batch()[:, :-1].shape
+    planned = activations(cfg, B, n, tp=2).total - activations(cfg, B, n, tp=2, sp=2).total
+    for r in range(2):   # what sequence parallelism saves: the plan's terms against the tensors autograd keeps
+        saved = results[r]["saved"]
+        assert saved[False] - saved[True] == planned, (r, saved, planned)

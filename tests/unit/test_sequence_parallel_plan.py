@@ -15,14 +15,14 @@ TP2 = ["parallel.tp=2", "model.dropout=0.1", "model.n_layers=3", "model.mixer=de
 
 def test_the_plan_counts_norms_dropouts_and_residuals_on_n_over_tp_positions():
     """The activations the plan saves equal, by hand: per layer two layer norms' inputs (a·N·d) and fp32 statistics
-    (2·4·N) and two dropout masks (N·d bytes), the final norm's input and statistics, the embedding's mask — each
+    (2·4·N) and two dropout masks (a·N·d on a CPU), the final norm's input and statistics, the embedding's mask — each
     (1 − 1/tp) of it; N = B·n."""
     on, off = (load_config(DEMO, TP2 + [f"parallel.sequence_parallel={v}"]) for v in ("true", "false"))
     stage_on, stage_off = (plan(c, layout_of(c, 2), device="cpu").stages[0] for c in (on, off))
     m, B = on.model, on.train.micro_batch_size
     N, d, a = B * m.max_seq_len, m.d_model, 4
     norm = a * N * d + 2 * 4 * N
-    whole = m.n_layers * (2 * norm + 2 * N * d) + norm + N * d
+    whole = m.n_layers * (2 * norm + 2 * a * N * d) + norm + a * N * d   # a CPU's masks: in the activations' dtype
     assert stage_off.activations.total - stage_on.activations.total == whole - whole // 2
     assert any(note.startswith("sequence parallelism: norms, dropout masks and residual stream on n/2")
                for note in stage_on.notes)

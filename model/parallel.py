@@ -346,6 +346,21 @@ class RNGTracker:
             self.states[key] = get_state()
             set_state(saved)
 
+    def checkpoint_contexts(self):
+        """(forward, recompute) contexts for torch.utils.checkpoint's `context_fn`: the recomputation in backward
+        draws from the streams as they were at the forward (torch restores the default generators, not these)."""
+        at_forward = {key: state.clone() for key, state in self.states.items()}
+
+        @contextlib.contextmanager
+        def recompute():
+            now, self.states = self.states, {key: state.clone() for key, state in at_forward.items()}
+            try:
+                yield
+            finally:
+                self.states = now
+
+        return contextlib.nullcontext(), recompute()
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "states": dict(self.states)}
 

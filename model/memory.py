@@ -31,10 +31,10 @@ and once per forward pass (per block in a pipeline, whose blocks each make their
 SGU masks with them, and the BlockMask's tile indices on the GPU path.
 Beside the mixer: two layer norms (input + fp32 statistics), the MLP's input, pre- and post-GELU hidden (d_ffn/tp
 each), dropout masks where dropout is on (booleans on a GPU, the
-activations' dtype on a CPU). Under sequence parallelism (`sp` = tp) the norms' inputs, the residual dropout masks and
-a checkpointed block's input hold n/tp positions. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
-gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32 logits
-(CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
+activations' dtype on a CPU). Under sequence parallelism (`sp` = tp) the norms' inputs, the residual dropout masks
+and a checkpointed block's input hold n/tp positions. The head's fused cross-entropy (model/linear_cross_entropy.py)
+keeps its two gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32
+logits (CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
 log-softmax in fp32. Activation checkpointing keeps a checkpointed block's input only, and recomputes one block at a
 time in backward (its activations come back while it runs).
 """

@@ -196,8 +196,9 @@ def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     if tp_world() == 1:
         layer = plain_linear(d_in, d_out, bias)
     else:
-        layer = _megatron_linear("sequence row" if sequence_parallel() else "row")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
-                           input_is_parallel=True, skip_bias_add=False)
+        kind = "sequence row" if sequence_parallel() else "row"
+        layer = _megatron_linear(kind)(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
+                                       input_is_parallel=True, skip_bias_add=False)
     annotate(layer.weight, normal(std), partition_dim=1)
     if bias:
         annotate(layer.bias, constant(0.0))
@@ -216,10 +217,12 @@ def vocab_embedding(vocab: int, d: int, std: float) -> nn.Module:
 
 
 class SequenceParallelNorm(nn.LayerNorm):
-    """LayerNorm on this rank's n/TP positions; its weight and bias (replicated over TP) get gradients summed over TP."""
+    """LayerNorm on this rank's n/TP positions; its weight and bias (replicated over TP) get gradients summed over
+    TP."""
 
     def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, summed_over_tp(self.weight), summed_over_tp(self.bias), self.eps)
+        weight, bias = summed_over_tp(self.weight), summed_over_tp(self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 def layer_norm(d: int, eps: float) -> nn.LayerNorm:

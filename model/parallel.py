@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .fields import ConfigError
 from .ranks import mcore, tp_group, tp_rank, tp_world, under_process_group
 from .sequence_parallel import (gather_sequence, reduce_scatter_sequence, scatter_sequence, sequence_parallel,
-                                set_sequence_parallel, summed_over_tp)
+                                set_sequence_parallel, summed_over_tp, whole_sequences)
 
 
 # ---- where am I: model/ranks.py ---------------------------------------------------------------------
@@ -242,15 +242,16 @@ def _megatron_linear(kind: str):
     tensor_parallel = mcore().tensor_parallel
     base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear,
             "sequence row": tensor_parallel.RowParallelLinear}[kind]
-    if kind == "sequence row":   # megatron's own sequence-parallel path allocates on the current CUDA device
-        return type(base.__name__, (base,), {"forward": _sequence_row_forward})
-
     def forward_impl(self, input, weight, *args, tp_group=None, **kwargs):
         group = self.tp_group if tp_group is None else tp_group
         return base._forward_impl(self, input, weight, *args, tp_group=group, **kwargs)
 
-    return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0],
-                                         "_forward_impl": forward_impl})
+    def forward(self, x):
+        if kind == "sequence row" and sequence_parallel():   # megatron's own allocates on the current CUDA device
+            return _sequence_row_forward(self, x)
+        return base.forward(self, x)[0]   # and a sequence row within whole_sequences: plain TP's all-reduce
+
+    return type(base.__name__, (base,), {"forward": forward, "_forward_impl": forward_impl})
 
 
 def _sequence_row_forward(self, x):

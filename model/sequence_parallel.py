@@ -24,6 +24,8 @@ the launch (pretrain/distributed.py) before the model is built.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -35,6 +37,19 @@ _enabled = False
 def set_sequence_parallel(on: bool) -> None:
     global _enabled
     _enabled = bool(on)
+
+
+@contextlib.contextmanager
+def whole_sequences():
+    """Within it, a model built with sequence parallelism runs whole sequences on every TP rank, as plain TP does
+    (the row linears all-reduce, nothing is split or gathered): inference at any length (samples, attention maps,
+    downstream evaluation), where n need not divide by TP. Training steps stay outside it."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def sequence_parallel() -> bool:

@@ -148,9 +148,7 @@ class LiveLM(TemplateLM):
         for start in tqdm(range(0, len(order), size), desc="synthformer loglikelihood", disable=disable_tqdm,
                           unit="batch"):
             batch = [rows[i] for i in order[start:start + size]]
-            # under sequence parallelism n splits over the TP ranks: padded after the inputs, which causality hides
-            n = -(-len(batch[0][1]) // tp.tp_world()) * tp.tp_world() if tp.sequence_parallel() else len(batch[0][1])
-            x = torch.full((len(batch), n), eos, dtype=torch.long)                     # (B, n)
+            x = torch.full((len(batch), len(batch[0][1])), eos, dtype=torch.long)     # (B, n)
             for b, (_, inp, _) in enumerate(batch):
                 x[b, :len(inp)] = torch.tensor(inp)
             logits = tp.gather_last_dim(self.model(x.to(self.device)))                 # (B, n, V)

@@ -1,7 +1,8 @@
 """Sequence parallelism (parallel.sequence_parallel, model/sequence_parallel.py) on two real gloo processes: TP=2 with it
 gives the loss and every gradient of TP=2 without it and of TP=1, every variant, dropout 0; the region functions
 equal a reference made another way (the full tensor's slices and sums, forward and backward); with dropout on, a
-step is deterministic and each rank's chunk gets its own masks; the activations it saves are the memory plan's.
+step is deterministic and each rank's chunk gets its own masks; the activations it saves are the memory plan's;
+within `whole_sequences` the same model runs a length that does not split over TP.
 One launch for all of it."""
 import dataclasses
 
@@ -87,6 +88,9 @@ def sp_worker(rank, world, cases):
         tokens = batch()
         out["saved"][sp] = saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
     tp.set_sequence_parallel(True)
+    model = build_model(config("dense+dot"))
+    with torch.no_grad(), tp.whole_sequences():   # inference at a length that does not split over TP
+        out["whole"] = tp.gather_last_dim(model(batch()[:, :7]))
     model = build_model(dataclasses.replace(config("dense"), dropout=0.5))
     x = torch.ones(1, 8, 32)
     mask = model.drop(tp.scatter_sequence(x)) != 0                    # this rank's chunk of a dropout's mask
@@ -127,6 +131,10 @@ def test_sequence_parallel_equals_tensor_parallel_every_variant():
                 for what, other in (("tp 2 without it", off["grads"][name]), ("tp 1", p.grad)):
                     err = (on["grads"][name] - other).abs().max().item()
                     assert err <= TOL, f"{v} (documents {documents}): grad of {name} is {err} from {what}, rank {r}"
+    with torch.no_grad():   # a model built with it runs any length within whole_sequences, as plain TP does
+        logits = build_model(config("dense+dot"))(batch()[:, :7])
+    for r in range(2):
+        assert close(results[r]["whole"], logits), r
     # dropout on: the same step twice gives the same loss; the two ranks' chunks have masks of their own
     for r in range(2):
         first, second = results[r]["dropout"]

@@ -111,12 +111,8 @@ class ParallelSection:
                          "2 (+ gradients), 3 (+ parameters)", 1)
     partition: str = described("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
                         "'uniform' (balance layer counts)", "parameters")
-    sequence_parallel: bool = described("with tp > 1: the layer norms, dropouts, residual adds and the loss's input hold "
-                                        "n/tp positions a rank (Megatron's sequence parallelism: each all-reduce of tp "
-                                        "becomes a reduce-scatter and an all-gather, and those activations divide by "
-                                        "tp); model.max_seq_len must divide by tp. Off by default: a tp 2 step on gloo "
-                                        "takes longer with it (docs/DESIGN.md §2); turn it on where activation "
-                                        "memory is the limit. No effect at tp 1", False)
+    sequence_parallel: bool = described("tp > 1: norms, dropouts, residuals, loss input on n/tp positions a rank (Megatron's"
+                                        "; max_seq_len % tp = 0); off: slower at tp 2 on gloo (docs/DESIGN.md §2)", False)
     activation_checkpointing: int = described("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
     cpu_keep_freed_memory: bool = described("CPU runs: malloc keeps freed memory in the process (faster steps, no page "

@@ -1,0 +1,71 @@
+"""From one stream of token ids (documents joined by eos) to a shard set (tokendata/shards.py, format 2): the windows,
+their train/val split and the manifest. tools/make_shards.py feeds it the ids it tokenizes; tools/import_tokens.py
+the ids of a corpus tokenized elsewhere (tokendata/imports/). The same stream gives the same files either way.
+
+    packer = Packer(out, seq_len, samples_per_shard, val_fraction, seed, dtype)
+    packer.add(ids)     # any number of times: the next ids of the stream (any integer dtype)
+    packer.close()      # the last partial shards
+    packer.finish(tok, tokenizer_source, inputs, input_description)   # tokenizer files, then manifest.json
+
+Windows of seq_len+1 ids are taken with stride seq_len (consecutive samples share one boundary token, as in
+Megatron's GPTDataset); each goes to val with probability val_fraction (a seeded coin flip per window, in stream
+order), else to train.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+from tokendata import tokenizer as tokenizers
+from tokendata.shards import DTYPES, HASH, MANIFEST_FORMAT, SplitWriter, write_file, write_manifest
+
+
+class Packer:
+    """Cuts the stream into windows and writes them to the train and val shards as they fill."""
+
+    def __init__(self, out, seq_len, samples_per_shard, val_fraction, seed, dtype):
+        self.out, self.seq_len, self.seed, self.val_fraction, self.dtype = out, seq_len, seed, val_fraction, dtype
+        self.writers = {s: SplitWriter(out, s, samples_per_shard, dtype) for s in ("train", "val")}
+        self.coin = random.Random(seed)   # one draw per sample: the split depends only on (stream, seed, seq_len)
+        self.leftover = np.zeros(0, dtype=DTYPES[dtype][0])
+        self.tokens = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        n = self.seq_len
+        self.tokens += len(ids)
+        # one conversion of the whole chunk; each window is then a slice of it, written as bytes
+        stream = np.concatenate([self.leftover, np.asarray(ids).astype(DTYPES[self.dtype][0], copy=False)])
+        count = (len(stream) - 1) // n   # windows [i*n, i*n + n + 1) that fit completely
+        data, width = memoryview(stream).cast("B"), stream.itemsize
+        for i in range(count):
+            split = "val" if self.coin.random() < self.val_fraction else "train"
+            self.writers[split].write(data[i * n * width:(i * n + n + 1) * width])
+        self.leftover = stream[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+    @property
+    def dropped(self) -> int:
+        return max(0, len(self.leftover) - 1)
+
+    def finish(self, tok, tokenizer_source: str, inputs: list[str], described: dict) -> dict:
+        """Copy the tokenizer's files and write manifest.json (last); return the manifest."""
+        files = tokenizers.contents(tok)
+        for name, data in files.items():
+            write_file(self.out, name, data)
+        name = next(iter(files))
+        manifest = {
+            "format": MANIFEST_FORMAT, "seq_len": self.seq_len, "vocab_size": tok.vocab_size(),
+            "eos_id": tok.eos_id(), "tokenizer": name, "tokenizer_kind": tok.kind,
+            "tokenizer_sha256": tokenizers.sha256(files[name]), "tokenizer_source": os.path.abspath(tokenizer_source),
+            "dtype": self.dtype, "hash": HASH, "seed": self.seed, "val_fraction": self.val_fraction,
+            "inputs": [os.path.abspath(p) for p in inputs], "input": described,
+            "splits": {s: {"samples": w.samples, "tokens": w.samples * self.seq_len, "shards": w.shards}
+                       for s, w in self.writers.items()},
+        }
+        write_manifest(self.out, manifest)
+        return manifest

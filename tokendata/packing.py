@@ -35,14 +35,25 @@ class Packer:
     def add(self, ids: np.ndarray) -> None:
         n = self.seq_len
         self.tokens += len(ids)
-        # one conversion of the whole chunk; each window is then a slice of it, written as bytes
         stream = np.concatenate([self.leftover, np.asarray(ids).astype(DTYPES[self.dtype][0], copy=False)])
         count = (len(stream) - 1) // n   # windows [i*n, i*n + n + 1) that fit completely
-        data, width = memoryview(stream).cast("B"), stream.itemsize
-        for i in range(count):
-            split = "val" if self.coin.random() < self.val_fraction else "train"
-            self.writers[split].write(data[i * n * width:(i * n + n + 1) * width])
+        # window i is row i of an overlapping view (no copy); runs of windows bound for one shard go in one copy
+        windows = np.lib.stride_tricks.as_strided(stream, (count, n + 1), (n * stream.itemsize, stream.itemsize),
+                                                  writeable=False)
+        splits = ["val" if self.coin.random() < self.val_fraction else "train" for _ in range(count)]
+        i = 0
+        while i < count:
+            writer = self.writers[splits[i]]
+            end = i + 1
+            while end < count and end - i < writer.room and splits[end] == splits[i]:
+                end += 1
+            writer.write_block(windows[i:end], end - i)
+            i = end
         self.leftover = stream[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
+
+    @property
+    def numpy_dtype(self) -> str:
+        return DTYPES[self.dtype][0]
 
     def close(self) -> None:
         for w in self.writers.values():

@@ -47,7 +47,7 @@ def import_tokens(args, progress=True) -> dict:
     for path in args.input:
         for ids, ends, where in READERS[args.format](path, args):
             read, nbytes = read + len(ids), nbytes + ids.nbytes
-            packer.add(with_eos(checked(ids, vocab, where), ends, eos))
+            packer.add(with_eos(checked(ids, vocab, where), ends, eos, packer.numpy_dtype))
             if progress:
                 print(f"\rimporting {where}: {read:,} ids, {nbytes / 1e6:,.0f} MB, "
                       f"{nbytes / 1e6 / max(time.perf_counter() - t0, 1e-9):,.0f} MB/s", end="", file=sys.stderr,

@@ -20,12 +20,19 @@ from tokendata.remote import DataError
 CHUNK_TOKENS = 1 << 24   # ids a reader hands on at a time: bounded memory, large enough to amortize the Python
 
 
-def with_eos(ids: np.ndarray, ends: np.ndarray, eos: int) -> np.ndarray:
-    """ids with eos inserted after each document end in `ends` (positions one past a document's last id, ascending)
-    where that document does not end with eos already; an empty document gets none."""
-    ends = np.unique(ends[(ends > 0)])
-    missing = ends[ids[ends - 1] != eos]
-    return np.insert(ids, missing, np.asarray(eos, dtype=ids.dtype)) if len(missing) else ids
+def with_eos(ids: np.ndarray, ends: np.ndarray, eos: int, dtype=None) -> np.ndarray:
+    """ids (as `dtype`, default theirs) with eos inserted after each document end in `ends` (positions one past a
+    document's last id, ascending) where that document does not end with eos already; an empty document gets none."""
+    ends = np.unique(ends[ends > 0])
+    missing = ends[ids[ends - 1] != eos].tolist()
+    out = np.empty(len(ids) + len(missing), dtype=dtype or ids.dtype)
+    at = 0   # slice copies, one a document: memcpy speed, where np.insert gathers element by element
+    for k, end in enumerate(missing + [len(ids)]):
+        out[at + k:end + k] = ids[at:end]
+        if k < len(missing):
+            out[end + k] = eos
+        at = end
+    return out
 
 
 def checked(ids: np.ndarray, vocab_size: int, where: str) -> np.ndarray:

@@ -17,7 +17,8 @@ import numpy as np
 
 from tokendata.remote import DataError
 
-CHUNK_TOKENS = 1 << 24   # ids a reader hands on at a time: bounded memory, large enough to amortize the Python
+CHUNK_TOKENS = 1 << 21   # ids a reader hands on at a time: bounded memory, enough to amortize the Python, and
+# buffers small enough (below glibc's largest mmap threshold) to be reused rather than mapped and faulted in anew
 
 
 def with_eos(ids: np.ndarray, ends: np.ndarray, eos: int, dtype=None) -> np.ndarray:

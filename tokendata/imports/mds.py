@@ -69,24 +69,26 @@ def spans(data: np.ndarray, shard: dict, col: int, where: str):
     return start, start + size
 
 
-def decode(raw: bytes, encoding: str, dtype: str | None, where: str) -> np.ndarray:
-    """One sample's ids from its column bytes."""
+def values(data: np.ndarray, start: np.ndarray, end: np.ndarray, encoding: str, dtype: str | None, where: str):
+    """(the ids' dtype, where each sample's ids start): the column's own header skipped, for every sample at once."""
     kind, *args = encoding.split(":")
     if kind == "bytes":
         if dtype is None:
             raise DataError(f"{where}: its tokens are raw bytes: give their dtype with --dtype")
-        return np.frombuffer(raw, dtype)
+        return np.dtype(dtype), start
     if kind != "ndarray":
         raise DataError(f"{where}: column encoding {encoding!r} holds no token ids (ndarray or bytes)")
-    i = 0
     if args:
         value = args[0]
-    else:
-        value, i = VALUE_DTYPES[raw[0]], 1
-    if len(args) < 2:   # a dynamic shape: ndim<<2 | shape dtype code, then the shape
-        ndim, code = raw[i] >> 2, raw[i] & 3
-        i += 1 + ndim * (1 << code)
-    return np.frombuffer(raw, value, offset=i)
+    else:   # a dynamic dtype: one byte before the values, the same in every sample of a token column
+        codes = np.unique(data[start]) if len(start) else np.array([65])
+        if len(codes) != 1 or int(codes[0]) not in VALUE_DTYPES:
+            raise DataError(f"{where}: its token arrays have dtype codes {codes.tolist()}: expected one integer type")
+        value, start = VALUE_DTYPES[int(codes[0])], start + 1
+    if len(args) < 2 and len(start):   # a dynamic shape: one byte ndim<<2 | shape dtype code, then the shape
+        byte = data[start].astype(np.int64)
+        start = start + 1 + (byte >> 2) * (1 << (byte & 3))
+    return np.dtype(value), start
 
 
 def chunks(folder: str, column: str | None = None, dtype: str | None = None):
@@ -96,14 +98,11 @@ def chunks(folder: str, column: str | None = None, dtype: str | None = None):
         col, encoding = column_of(shard, column, where)
         data = read_exact(where, np.uint8)
         start, end = spans(data, shard, col, where)
-        buf, parts, ends, count = memoryview(data), [], [], 0
-        for s, e in zip(start.tolist(), end.tolist()):
-            ids = decode(buf[s:e], encoding, dtype, where)
-            parts.append(ids)
-            count += len(ids)
-            ends.append(count)
-            if count >= CHUNK_TOKENS:
-                yield np.concatenate(parts), np.array(ends, dtype=np.int64), where
-                parts, ends, count = [], [], 0
-        if parts:
-            yield np.concatenate(parts), np.array(ends, dtype=np.int64), where
+        value, first = values(data, start, end, encoding, dtype, where)
+        if np.any((end - first) % value.itemsize):
+            raise DataError(f"{where}: a sample's tokens are not a whole number of {value} ids")
+        buf, step = memoryview(data), max(1, CHUNK_TOKENS * value.itemsize // max(1, int(np.mean(end - first))))
+        for k in range(0, len(first), step):   # whole samples, about CHUNK_TOKENS ids at a time: one join each
+            s, e = first[k:k + step].tolist(), end[k:k + step].tolist()
+            ids = np.frombuffer(b"".join([buf[i:j] for i, j in zip(s, e)]), value)
+            yield ids, np.cumsum(end[k:k + step] - first[k:k + step]) // value.itemsize, where

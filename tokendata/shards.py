@@ -191,7 +191,9 @@ class SplitWriter:
         if not self.parts:
             self.shards.append({"name": f"{self.split}-{len(self.shards):06d}.tar", "samples": 0,
                                 "first_id": f"{self.split}-{len(self.shards):06d}-000000", "first_index": self.samples})
-        self.parts.append(np.ascontiguousarray(samples) if isinstance(samples, np.ndarray) else bytes(samples))
+        # bytes-like pieces for any writer (a PUT's body is joined from them): a block's rows copied once
+        self.parts.append(memoryview(np.ascontiguousarray(samples)).cast("B") if isinstance(samples, np.ndarray)
+                          else bytes(samples))
         self.shards[-1]["samples"] += count
         self.samples += count
         if self.shards[-1]["samples"] == self.per_shard:
@@ -201,7 +203,7 @@ class SplitWriter:
         """Write the open shard: its tar (tar_file's bytes) written and hashed piece by piece, never joined."""
         if self.parts:
             record = self.shards[-1]
-            size = sum(memoryview(p).nbytes for p in self.parts)
+            size = sum(len(p) for p in self.parts)
             header = tar_header(f"{record['name'][:-len('.tar')]}.{self.member}", size)
             pieces = [header, *self.parts, bytes(-size % 512 + 1024)]
             digest, f = xxhash.xxh3_128(), remote.writer(remote.join(self.out_dir, record["name"]))

@@ -26,6 +26,8 @@ def with_eos(ids: np.ndarray, ends: np.ndarray, eos: int, dtype=None) -> np.ndar
     document's last id, ascending) where that document does not end with eos already; an empty document gets none."""
     ends = np.unique(ends[ends > 0])
     missing = ends[ids[ends - 1] != eos].tolist()
+    if not missing:   # nothing to insert: the caller's copy (the packer's) is the only one
+        return ids.astype(dtype or ids.dtype, copy=False)
     out = np.empty(len(ids) + len(missing), dtype=dtype or ids.dtype)
     at = 0   # slice copies, one a document: memcpy speed, where np.insert gathers element by element
     for k, end in enumerate(missing + [len(ids)]):

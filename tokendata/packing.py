@@ -35,21 +35,32 @@ class Packer:
     def add(self, ids: np.ndarray) -> None:
         n = self.seq_len
         self.tokens += len(ids)
-        stream = np.concatenate([self.leftover, np.asarray(ids).astype(DTYPES[self.dtype][0], copy=False)])
-        count = (len(stream) - 1) // n   # windows [i*n, i*n + n + 1) that fit completely
-        # window i is row i of an overlapping view (no copy); runs of windows bound for one shard go in one copy
-        windows = np.lib.stride_tricks.as_strided(stream, (count, n + 1), (n * stream.itemsize, stream.itemsize),
-                                                  writeable=False)
-        splits = ["val" if self.coin.random() < self.val_fraction else "train" for _ in range(count)]
+        ids = np.asarray(ids).astype(DTYPES[self.dtype][0], copy=False)
+        head = len(self.leftover)   # 1..n ids left from before (0 at the start): the first window begins with them
+        if head + len(ids) < n + 1:
+            self.leftover = np.concatenate([self.leftover, ids])
+            return
+        # window 0 joins the leftover to the chunk; every later one lies inside `ids`, from n - head on, and is read
+        # through an overlapping view (no copy), so a run of windows bound for one shard is copied once, by the writer
+        first = np.concatenate([self.leftover, ids[:n + 1 - head]])[None, :]
+        rest = ids[n - head:]
+        count = (len(rest) - 1) // n   # len(rest) >= 1: head + len(ids) > n
+        rest_windows = np.lib.stride_tricks.as_strided(rest, (count, n + 1), (n * rest.itemsize, rest.itemsize),
+                                                       writeable=False)
+        splits = ["val" if self.coin.random() < self.val_fraction else "train" for _ in range(count + 1)]
         i = 0
-        while i < count:
+        while i <= count:
             writer = self.writers[splits[i]]
             end = i + 1
-            while end < count and end - i < writer.room and splits[end] == splits[i]:
+            while end <= count and end - i < writer.room and splits[end] == splits[i]:
                 end += 1
-            writer.write_block(windows[i:end], end - i)
+            if i == 0:
+                writer.write_block(first, 1)
+                i += 1
+                continue
+            writer.write_block(rest_windows[i - 1:end - 1], end - i)
             i = end
-        self.leftover = stream[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
+        self.leftover = rest[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
 
     @property
     def numpy_dtype(self) -> str:

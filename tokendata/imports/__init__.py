@@ -28,14 +28,16 @@ def with_eos(ids: np.ndarray, ends: np.ndarray, eos: int, dtype=None) -> np.ndar
     missing = ends[ids[ends - 1] != eos].tolist()
     if not missing:   # nothing to insert: the caller's copy (the packer's) is the only one
         return ids.astype(dtype or ids.dtype, copy=False)
-    out = np.empty(len(ids) + len(missing), dtype=dtype or ids.dtype)
-    at = 0   # slice copies, one a document: memcpy speed, where np.insert gathers element by element
-    for k, end in enumerate(missing + [len(ids)]):
-        out[at + k:end + k] = ids[at:end]
-        if k < len(missing):
-            out[end + k] = eos
+    ids = np.ascontiguousarray(ids.astype(dtype or ids.dtype, copy=False))
+    # one join of byte slices, an eos between them: one copy at memory speed, where np.insert gathers id by id and
+    # a numpy slice assignment a document costs microseconds each
+    view, width, eos_bytes = memoryview(ids).cast("B"), ids.itemsize, np.asarray(eos, ids.dtype).tobytes()
+    pieces, at = [], 0
+    for end in missing:
+        pieces += (view[at * width:end * width], eos_bytes)
         at = end
-    return out
+    pieces.append(view[at * width:])
+    return np.frombuffer(b"".join(pieces), ids.dtype)
 
 
 def checked(ids: np.ndarray, vocab_size: int, where: str) -> np.ndarray:

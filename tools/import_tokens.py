@@ -25,9 +25,9 @@ from tokendata.packing import Packer
 from tokendata.shards import dtype_for
 from tools.make_shards import prepare_out_dir
 
-READERS = {"megatron": lambda path, args: megatron.chunks(path),
-           "mds": lambda path, args: mds.chunks(path, args.mds_column, args.dtype),
-           "npy": lambda path, args: npy.chunks(path, args.dtype)}
+READERS = {"megatron": lambda path, args, eos: megatron.chunks(path),
+           "mds": lambda path, args, eos: mds.chunks(path, args.mds_column, args.dtype, eos),
+           "npy": lambda path, args, eos: npy.chunks(path, args.dtype)}
 
 
 def import_tokens(args, progress=True) -> dict:
@@ -45,7 +45,7 @@ def import_tokens(args, progress=True) -> dict:
     packer = Packer(args.out, args.seq_len, args.samples_per_shard, args.val_fraction, args.seed, dtype_for(vocab))
     t0, read, nbytes = time.perf_counter(), 0, 0
     for path in args.input:
-        for ids, ends, where in READERS[args.format](path, args):
+        for ids, ends, where in READERS[args.format](path, args, eos):
             read, nbytes = read + len(ids), nbytes + ids.nbytes
             packer.add(with_eos(checked(ids, vocab, where), ends, eos, packer.numpy_dtype))
             if progress:

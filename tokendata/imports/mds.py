@@ -91,18 +91,34 @@ def values(data: np.ndarray, start: np.ndarray, end: np.ndarray, encoding: str, 
     return np.dtype(value), start
 
 
-def chunks(folder: str, column: str | None = None, dtype: str | None = None):
-    """(ids, document ends in them, where): a sample a document, about CHUNK_TOKENS ids at a time."""
+def chunks(folder: str, column: str | None = None, dtype: str | None = None, eos: int | None = None):
+    """(ids, document ends in them, where): a sample a document, about CHUNK_TOKENS ids at a time. With `eos`, it is
+    put after each sample that does not end with it in the same copy that gathers the samples (the ends are then
+    empty: nothing is left to insert)."""
     for shard in shards(folder):
         where = os.path.join(folder, shard["raw_data"]["basename"])
         col, encoding = column_of(shard, column, where)
         data = read_exact(where, np.uint8)
         start, end = spans(data, shard, col, where)
         value, first = values(data, start, end, encoding, dtype, where)
-        if np.any((end - first) % value.itemsize):
+        width = value.itemsize
+        if np.any((end - first) % width):
             raise DataError(f"{where}: a sample's tokens are not a whole number of {value} ids")
-        buf, step = memoryview(data), max(1, CHUNK_TOKENS * value.itemsize // max(1, int(np.mean(end - first))))
+        open_end = np.ones(len(end), dtype=bool)   # samples that need an eos after them
+        if eos is not None:
+            nonempty = end > first
+            last = data[(end[nonempty, None] - width) + np.arange(width)].copy().view(value)[:, 0]
+            open_end[nonempty] = last != eos
+            open_end &= nonempty
+        buf, step = memoryview(data), max(1, CHUNK_TOKENS * width // max(1, int(np.mean(end - first))))
+        eos_bytes = b"" if eos is None else np.asarray(eos, value).tobytes()
         for k in range(0, len(first), step):   # whole samples, about CHUNK_TOKENS ids at a time: one join each
             s, e = first[k:k + step].tolist(), end[k:k + step].tolist()
-            ids = np.frombuffer(b"".join([buf[i:j] for i, j in zip(s, e)]), value)
-            yield ids, np.cumsum(end[k:k + step] - first[k:k + step]) // value.itemsize, where
+            if eos is None:
+                ids = np.frombuffer(b"".join([buf[i:j] for i, j in zip(s, e)]), value)
+                yield ids, np.cumsum(end[k:k + step] - first[k:k + step]) // width, where
+                continue
+            pieces = []
+            for i, j, more in zip(s, e, open_end[k:k + step].tolist()):
+                pieces += (buf[i:j], eos_bytes) if more else (buf[i:j],)
+            yield np.frombuffer(b"".join(pieces), value), np.zeros(0, dtype=np.int64), where

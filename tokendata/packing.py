@@ -47,19 +47,17 @@ class Packer:
         count = (len(rest) - 1) // n   # len(rest) >= 1: head + len(ids) > n
         rest_windows = np.lib.stride_tricks.as_strided(rest, (count, n + 1), (n * rest.itemsize, rest.itemsize),
                                                        writeable=False)
-        splits = ["val" if self.coin.random() < self.val_fraction else "train" for _ in range(count + 1)]
-        i = 0
-        while i <= count:
-            writer = self.writers[splits[i]]
-            end = i + 1
-            while end <= count and end - i < writer.room and splits[end] == splits[i]:
-                end += 1
-            if i == 0:
-                writer.write_block(first, 1)
-                i += 1
-                continue
-            writer.write_block(rest_windows[i - 1:end - 1], end - i)
-            i = end
+        coin, fraction = self.coin.random, self.val_fraction
+        val = np.array([coin() < fraction for _ in range(count + 1)], dtype=bool)   # window 0 is `first`
+        self.writers["val" if val[0] else "train"].write_block(first, 1)
+        # runs of windows bound for one split, found at once; each run goes to its writer a shard's room at a time
+        bounds = np.flatnonzero(np.diff(val[1:].view(np.int8))) + 1
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), count]) if count else ():
+            writer = self.writers["val" if val[lo + 1] else "train"]
+            while lo < hi:
+                take = min(hi - lo, writer.room)
+                writer.write_block(rest_windows[lo:lo + take], take)
+                lo += take
         self.leftover = rest[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
 
     @property

@@ -176,24 +176,31 @@ class SplitWriter:
         self.member = DTYPES[dtype][1]
         self.shards = []  # manifest records of the shards written so far
         self.samples = 0
-        self.parts = []   # the open shard's payload, in pieces
+        # the open shard's payload: one buffer, kept from shard to shard (a fresh one would be faulted in anew)
+        self.buffer, self.used = np.empty(0, dtype=np.uint8), 0
 
     @property
     def room(self) -> int:
         """Samples the open shard (or the next) still takes."""
-        return self.per_shard - (self.shards[-1]["samples"] if self.parts else 0)
+        return self.per_shard - (self.shards[-1]["samples"] if self.used else 0)
 
     def write(self, sample: bytes):
         self.write_block(sample, 1)
 
     def write_block(self, samples, count: int):
         """`count` (≤ room) samples back to back: bytes, or a 2-D array of one row a sample."""
-        if not self.parts:
+        if not self.used:
             self.shards.append({"name": f"{self.split}-{len(self.shards):06d}.tar", "samples": 0,
                                 "first_id": f"{self.split}-{len(self.shards):06d}-000000", "first_index": self.samples})
-        # bytes-like pieces for any writer (a PUT's body is joined from them): a block's rows copied once
-        self.parts.append(memoryview(np.ascontiguousarray(samples)).cast("B") if isinstance(samples, np.ndarray)
-                          else bytes(samples))
+        block = samples if isinstance(samples, np.ndarray) else np.frombuffer(samples, dtype=np.uint8)
+        end = self.used + block.nbytes
+        if end > len(self.buffer):
+            grown = np.empty(max(end, 2 * len(self.buffer)), dtype=np.uint8)
+            grown[:self.used] = self.buffer[:self.used]
+            self.buffer = grown
+        # a block's rows (an overlapping view of the stream) copied once, into place
+        self.buffer[self.used:end].view(block.dtype).reshape(block.shape)[...] = block
+        self.used = end
         self.shards[-1]["samples"] += count
         self.samples += count
         if self.shards[-1]["samples"] == self.per_shard:
@@ -201,18 +208,17 @@ class SplitWriter:
 
     def close(self):
         """Write the open shard: its tar (tar_file's bytes) written and hashed piece by piece, never joined."""
-        if self.parts:
-            record = self.shards[-1]
-            size = sum(len(p) for p in self.parts)
+        if self.used:
+            record, size = self.shards[-1], self.used
             header = tar_header(f"{record['name'][:-len('.tar')]}.{self.member}", size)
-            pieces = [header, *self.parts, bytes(-size % 512 + 1024)]
+            pieces = [header, memoryview(self.buffer[:size]), bytes(-size % 512 + 1024)]
             digest, f = xxhash.xxh3_128(), remote.writer(remote.join(self.out_dir, record["name"]))
             for piece in pieces:
                 digest.update(piece)
                 f.write(piece)
             f.close()
             record.update(bytes=len(header) + size + len(pieces[-1]), hash=digest.hexdigest())
-            self.parts = []
+            self.used = 0
 
 
 def sample_index(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[tuple]:

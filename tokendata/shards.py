@@ -151,40 +151,70 @@ def content_hash(data: bytes, algorithm: str = HASH) -> str:
     return HASHES[algorithm](data)
 
 
-def tar_file(member: str, payload: bytes) -> bytes:
-    """A tar of one member: a ustar header (mtime 0, no PAX), the payload padded to 512 bytes, two zero blocks."""
+def tar_header(member: str, size: int) -> bytes:
+    """The ustar header (mtime 0, no PAX) of a tar's one member of `size` bytes."""
     info = tarfile.TarInfo(member)
-    info.size, info.mtime, info.mode = len(payload), 0, 0o644
-    return info.tobuf(format=tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512 + 1024)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def tar_file(member: str, payload: bytes) -> bytes:
+    """A tar of one member: its header, the payload padded to 512 bytes, two zero blocks."""
+    return tar_header(member, len(payload)) + payload + bytes(-len(payload) % 512 + 1024)
 
 
 class SplitWriter:
-    """Writes one split's samples into numbered shards (format 2), each written whole once it is full."""
+    """Writes one split's samples into numbered shards (format 2), each written whole once it is full: a sample at a
+    time (`write`) or a block of them (`write_block`: rows of a 2-D array, copied once)."""
 
     def __init__(self, out_dir, split, samples_per_shard, dtype):
         self.out_dir, self.split, self.per_shard = out_dir, split, samples_per_shard
         self.member = DTYPES[dtype][1]
         self.shards = []  # manifest records of the shards written so far
         self.samples = 0
-        self.payload = bytearray()
+        # the open shard's payload: one buffer, kept from shard to shard (a fresh one would be faulted in anew)
+        self.buffer, self.used = np.empty(0, dtype=np.uint8), 0
+
+    @property
+    def room(self) -> int:
+        """Samples the open shard (or the next) still takes."""
+        return self.per_shard - (self.shards[-1]["samples"] if self.used else 0)
 
     def write(self, sample: bytes):
-        if not self.payload:
+        self.write_block(sample, 1)
+
+    def write_block(self, samples, count: int):
+        """`count` (≤ room) samples back to back: bytes, or a 2-D array of one row a sample."""
+        if not self.used:
             self.shards.append({"name": f"{self.split}-{len(self.shards):06d}.tar", "samples": 0,
                                 "first_id": f"{self.split}-{len(self.shards):06d}-000000", "first_index": self.samples})
-        self.payload += sample
-        self.shards[-1]["samples"] += 1
-        self.samples += 1
+        block = samples if isinstance(samples, np.ndarray) else np.frombuffer(samples, dtype=np.uint8)
+        end = self.used + block.nbytes
+        if end > len(self.buffer):
+            grown = np.empty(max(end, 2 * len(self.buffer)), dtype=np.uint8)
+            grown[:self.used] = self.buffer[:self.used]
+            self.buffer = grown
+        # a block's rows (an overlapping view of the stream) copied once, into place
+        self.buffer[self.used:end].view(block.dtype).reshape(block.shape)[...] = block
+        self.used = end
+        self.shards[-1]["samples"] += count
+        self.samples += count
         if self.shards[-1]["samples"] == self.per_shard:
             self.close()
 
     def close(self):
-        if self.payload:
-            record = self.shards[-1]
-            data = tar_file(f"{record['name'][:-len('.tar')]}.{self.member}", bytes(self.payload))
-            write_file(self.out_dir, record["name"], data)
-            record.update(bytes=len(data), hash=content_hash(data))
-            self.payload = bytearray()
+        """Write the open shard: its tar (tar_file's bytes) written and hashed piece by piece, never joined."""
+        if self.used:
+            record, size = self.shards[-1], self.used
+            header = tar_header(f"{record['name'][:-len('.tar')]}.{self.member}", size)
+            pieces = [header, memoryview(self.buffer[:size]), bytes(-size % 512 + 1024)]
+            digest, f = xxhash.xxh3_128(), remote.writer(remote.join(self.out_dir, record["name"]))
+            for piece in pieces:
+                digest.update(piece)
+                f.write(piece)
+            f.close()
+            record.update(bytes=len(header) + size + len(pieces[-1]), hash=digest.hexdigest())
+            self.used = 0
 
 
 def sample_index(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[tuple]:

@@ -51,17 +51,15 @@ as they fill. manifest.json is written last, so a directory without one is an un
 import argparse
 import glob
 import os
-import random
 import sys
 import time
-
-import numpy as np
 
 from cli import UsageError, one_line_errors
 from cli.remote_args import add_remote_arguments, configure_remote
 from tokendata import corpus as corpora, remote, tokenizer as tokenizers
 from tokendata.encode import encoded
-from tokendata.shards import DTYPES, HASH, MANIFEST_FORMAT, SplitWriter, dtype_for, write_file, write_manifest
+from tokendata.packing import Packer
+from tokendata.shards import dtype_for
 
 
 def prepare_out_dir(out, force):
@@ -95,43 +93,21 @@ def make_shards(inputs, tokenizer, out, seq_len, samples_per_shard=1000, val_fra
     dtype = dtype_for(vocab)
     prepare_out_dir(out, force)
 
-    writers = {s: SplitWriter(out, s, samples_per_shard, dtype) for s in ("train", "val")}
-    coin = random.Random(seed)  # one draw per sample, in stream order: the split depends only on (input, seed, seq_len)
-    leftover = np.zeros(0, dtype=np.int64)
+    packer = Packer(out, seq_len, samples_per_shard, val_fraction, seed, dtype)
     n_docs = n_bytes = n_tokens = 0
     t0 = time.perf_counter()
     documents = corpus.documents(desc="tokenizing", progress=progress)
     for ids, docs, text_bytes in encoded(documents, tok, workers, threads or os.cpu_count() or 1, batch_chars):
         n_docs, n_bytes, n_tokens = n_docs + docs, n_bytes + text_bytes, n_tokens + len(ids)
-        stream = np.concatenate([leftover, ids.astype(np.int64)])
-        count = (len(stream) - 1) // seq_len  # windows [i*n, i*n + n + 1) that fit completely
-        for i in range(count):
-            window = stream[i * seq_len : i * seq_len + seq_len + 1]
-            split = "val" if coin.random() < val_fraction else "train"
-            writers[split].write(window.astype(DTYPES[dtype][0]).tobytes())
-        leftover = stream[count * seq_len :]  # >= 1 token: the last window's end is the next window's start
-    for w in writers.values():
-        w.close()
+        packer.add(ids)
+    packer.close()
     seconds = time.perf_counter() - t0
-    if writers["train"].samples == 0:
+    if packer.writers["train"].samples == 0:
         raise UsageError(f"{', '.join(corpus.paths)}: only {n_tokens} tokens, not one train sample of {seq_len + 1}: "
                          "give more text or a smaller --seq-len")
-    files = tokenizers.contents(tok)
-    for name, data in files.items():
-        write_file(out, name, data)
-    name = next(iter(files))
-    manifest = {
-        "format": MANIFEST_FORMAT, "seq_len": seq_len, "vocab_size": vocab, "eos_id": eos_id,
-        "tokenizer": name, "tokenizer_kind": tok.kind, "tokenizer_sha256": tokenizers.sha256(files[name]),
-        "tokenizer_source": os.path.abspath(tokenizer),
-        "dtype": dtype, "hash": HASH, "seed": seed, "val_fraction": val_fraction,
-        "inputs": [os.path.abspath(p) for p in corpus.paths], "input": corpus.describe(),
-        "splits": {s: {"samples": w.samples, "tokens": w.samples * seq_len, "shards": w.shards}
-                   for s, w in writers.items()},
-    }
-    write_manifest(out, manifest)
+    manifest = packer.finish(tok, tokenizer, corpus.paths, corpus.describe())
     manifest["stats"] = {"documents": n_docs, "text_bytes": n_bytes, "stream_tokens": n_tokens, "seconds": seconds,
-                         "dropped_tokens": max(0, len(leftover) - 1), "skipped_records": corpus.skip_note()}
+                         "dropped_tokens": packer.dropped, "skipped_records": corpus.skip_note()}
     return manifest
 
 

@@ -1,0 +1,128 @@
+"""The speed of tools/import_tokens.py against `cp` of the same bytes, for each format it reads: a synthetic corpus
+of --mb MB of uint16 ids (documents of 1-4000 ids, none ending in eos), written once per format, then copied with
+cp and imported (seq_len 2048, 1000 samples a shard); MB/s is input bytes per second, both from the page cache.
+
+    python benchmarks/bench_import.py --mb 256
+    python benchmarks/bench_import.py --mb 32 --formats npy   # quick
+
+The Megatron input is written by megatron-core's IndexedDatasetBuilder; the MDS input in the layout Streaming's
+MDSWriter writes (tokendata/imports/mds.py; Streaming cannot be installed beside the pinned torch), one
+ndarray:uint16 column, a document a sample; the .npy input as OLMo writes it (headerless, eos between documents).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from tools.import_tokens import main as import_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(ROOT, "tests", "data", "format1", "shards", "tokenizer.model")   # 320 ids, eos 2
+EOS = 2
+
+
+def corpus(mb: int, seed=0):
+    """(ids, document ends): mb MB of uint16 ids in [3, 320)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 320, size=mb * (1 << 20) // 2, dtype=np.uint16)
+    ends = np.cumsum(rng.integers(1, 4000, size=len(ids) // 1000 + 1))
+    return ids, np.append(ends[ends < len(ids)], len(ids))
+
+
+def write_megatron(folder, ids, ends):
+    builder = IndexedDatasetBuilder(os.path.join(folder, "corpus.bin"), dtype=np.uint16)
+    for doc in np.split(ids, ends[:-1]):
+        builder.add_item(torch.from_numpy(doc))
+        builder.end_document()
+    builder.finalize(os.path.join(folder, "corpus.idx"))
+    return [os.path.join(folder, "corpus.bin"), os.path.join(folder, "corpus.idx")], os.path.join(folder, "corpus")
+
+
+def write_mds(folder, ids, ends, limit=1 << 26):
+    """index.json + shard.NNNNN.mds: per sample a uint32 size, then ndim<<2|shape-dtype byte, the shape, the ids."""
+    shards, samples, size = [], [], 0
+
+    def flush():
+        n = len(samples)
+        offsets = 4 + 4 * (n + 1) + np.concatenate([[0], np.cumsum([len(s) for s in samples])])
+        name = f"shard.{len(shards):05d}.mds"
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(np.uint32(n).tobytes() + offsets.astype(np.uint32).tobytes() + b"".join(samples))
+        shards.append({"column_encodings": ["ndarray:uint16"], "column_names": ["tokens"], "column_sizes": [None],
+                       "compression": None, "format": "mds", "hashes": [], "raw_data": {"basename": name},
+                       "samples": n, "size_limit": limit, "version": 2, "zip_data": None})
+    for doc in np.split(ids, ends[:-1]):
+        body = bytes([(1 << 2) | 2]) + np.uint32(len(doc)).tobytes() + doc.tobytes()
+        samples.append(np.uint32(len(body)).tobytes() + body)
+        size += len(samples[-1])
+        if size >= limit:
+            flush()
+            samples, size = [], 0
+    if samples:
+        flush()
+    with open(os.path.join(folder, "index.json"), "w") as f:
+        json.dump({"shards": shards, "version": 2}, f)
+    return [os.path.join(folder, n) for n in os.listdir(folder)], folder
+
+
+def write_npy(folder, ids, ends):
+    path = os.path.join(folder, "part-0-00000.npy")
+    np.insert(ids, ends[:-1], np.uint16(EOS)).tofile(path)
+    return [path], path
+
+
+WRITERS = {"megatron": (write_megatron, []), "mds": (write_mds, []), "npy": (write_npy, ["--dtype", "uint16"])}
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(fmt, ids, ends, work):
+    src, out = os.path.join(work, fmt), os.path.join(work, f"{fmt}-shards")
+    os.makedirs(src)
+    write, extra = WRITERS[fmt]
+    files, given = write(src, ids, ends)
+    nbytes = sum(os.path.getsize(f) for f in files)
+    cp_dir = os.path.join(work, "cp")
+    os.makedirs(cp_dir)
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)   # both start from the page cache
+    cp = timed(lambda: subprocess.run(["cp", *files, cp_dir], check=True))
+    shutil.rmtree(cp_dir)
+    args = ["--format", fmt, "--input", given, "--tokenizer", TOKENIZER, "--out", out, "--seq-len", "2048",
+            "--quiet", *extra]
+    imp = timed(lambda: import_main(args) == 0 or sys.exit(f"import of {fmt} failed"))
+    shutil.rmtree(src)
+    shutil.rmtree(out)
+    return nbytes, cp, imp
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=int, default=256, help="MB of ids in the synthetic corpus (default 256)")
+    p.add_argument("--formats", nargs="+", default=sorted(WRITERS), choices=sorted(WRITERS))
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    args = p.parse_args(argv)
+    ids, ends = corpus(args.mb)
+    print(f"{'format':<9} {'MB':>7} {'cp MB/s':>9} {'import MB/s':>12} {'ratio':>6}  (goal >= 0.5)")
+    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+        for fmt in args.formats:
+            print(f"writing {fmt} ...", end="\r", file=sys.stderr, flush=True)
+            nbytes, cp, imp = measure(fmt, ids, ends, work)
+            mb = nbytes / 1e6
+            print(f"{fmt:<9} {mb:>7.0f} {mb / cp:>9.0f} {mb / imp:>12.0f} {cp / imp:>6.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

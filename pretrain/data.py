@@ -11,6 +11,7 @@ import torch
 from pretrain import distributed
 from pretrain.config import TrainConfig
 from pretrain.distributed import Layout
+from tokendata.sources import as_stages
 from tokendata.stream import TokenStream
 
 
@@ -24,7 +25,8 @@ def train_stream(cfg: TrainConfig, lay: Layout, sources: tuple = ()) -> TokenStr
                        cache_dir=cfg.data.cache_dir, decide=lambda check: distributed.from_rank0(check, lay),
                        global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.data.canonical_streams,
                        verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads,
-                       preempt_signals=[getattr(signal, name) for name in cfg.train.preempt_signals])
+                       preempt_signals=[getattr(signal, name) for name in cfg.train.preempt_signals],
+                       stages=as_stages(cfg.data.stages, [s["name"] for s in cfg.data.sources or [{"name": None}]]))
 
 
 def named(stream: TokenStream) -> bool:

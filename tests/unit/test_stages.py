@@ -1,0 +1,72 @@
+"""data.stages (tokendata/order.py `Staged`): each stage's picks follow its own weights from its start, each source's
+draws carry on across a boundary, and a position mid-stage resumes the uninterrupted order."""
+import pytest
+
+from model.fields import ConfigError
+from pretrain.config.sections import DataSection
+from tokendata.order import Blend, Position, Staged, blend_of, layout, rank_slice
+
+G = 4
+STAGED = [(2 * G, [3.0, 1.0, 0.0]), (4 * G, [0.0, 0.0, 1.0])]   # stage 1 from step 2, stage 2 from step 4
+
+
+def staged():
+    return Staged([1.0, 1.0, 0.0], STAGED)
+
+
+def test_counts_at_boundaries_match_hand_arithmetic():
+    pos, blend = Position(0, [0, 0, 0]), staged()
+    blend.picks(pos, 2 * G)
+    assert pos.counts == [4, 4, 0]        # stage 0: 8 picks at 1:1
+    blend.picks(pos, 2 * G)
+    assert pos.counts == [4 + 6, 4 + 2, 0]   # stage 1: 8 picks at 3:1
+    blend.picks(pos, 3)
+    assert pos.counts == [10, 6, 3]       # stage 2: source c alone
+
+
+def test_draws_continue_across_a_boundary():
+    blend, pos = staged(), Position(0, [0, 0, 0])
+    seen = {0: [], 1: [], 2: []}
+    for _ in range(6):
+        lay = layout(blend, pos, G, 1)   # one stream: a draw is the source's draw number t
+        for s, t in zip(lay.sources.tolist(), lay.draws.tolist()):
+            seen[s].append(t)
+    for s, draws in seen.items():
+        assert sorted(draws) == list(range(len(draws)))   # 0, 1, 2, … never restarted at a boundary
+    assert len(seen[0]) == 10 and len(seen[2]) == 8
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_same_global_batches_for_every_dp(streams):
+    for step in range(6):
+        lay = layout(staged(), staged().position_at(step, G), G, streams)
+        whole = list(zip(lay.sources.tolist(), lay.draws.tolist()))
+        for dp in (1, 2, 4):
+            parts = [whole[slice(*rank_slice(G, r, dp))] for r in range(dp)]
+            assert sum(parts, []) == whole
+
+
+def test_resume_mid_stage_equals_the_uninterrupted_order():
+    blend, pos = staged(), Position(0, [0, 0, 0])
+    whole = blend.picks(pos, 7 * G)
+    for step in (1, 3, 5):   # stage 0, mid-stage 1, in stage 2
+        again = staged().position_at(step, G)
+        assert staged().picks(again, (7 - step) * G) == whole[step * G:]
+
+
+def test_no_stages_is_todays_blend():
+    assert type(blend_of([1.0, 2.0])) is Blend
+    a, b = Position(0, [0, 0]), Position(0, [0, 0])
+    assert Staged([1.0, 2.0], []).picks(a, 50) == Blend([1.0, 2.0]).picks(b, 50)
+
+
+@pytest.mark.parametrize("stages, words", [
+    ([{"step": 3, "weights": {"c": 1}}], "data.stages[0].weights names 'c'"),
+    ([{"step": 3, "weights": {"a": 1}}, {"step": 3, "weights": {"b": 1}}], "data.stages[1].step=3 must be"),
+    ([{"step": 3, "weights": {"a": 0}}], "data.stages[0].weights are all 0"),
+    ([{"step": 3}], "data.stages[0] must be a mapping"),
+])
+def test_bad_stages_name_the_key(stages, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        DataSection(sources=[{"name": "a", "path": "x", "weight": 1}, {"name": "b", "path": "y", "weight": 1}],
+                    stages=stages)

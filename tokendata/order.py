@@ -144,9 +144,9 @@ class Blend:
 
 class Staged(Blend):
     """Data stages (data.stages): the picks from sample `starts[k]` on follow Tijdeman's rule over stage k's weights,
-    counted from that stage's start over its sources of weight > 0 (its own pick index and counts, so each stage's counts stay within 1 of its
-    weights × its picks), while each source's draw number, hence its epoch, carries on across the boundary: a source
-    is not restarted. Stage 0 (the sources' own weights) starts at 0. The counts at a stage's start are a function of
+    counted from that stage's start over its sources of weight > 0 (its own pick index and counts, so each stage's
+    counts stay within 1 of its weights × its picks), while each source's draw number, hence its epoch, carries on
+    across the boundary: a source is not restarted. Stage 0 (the sources' own weights) starts at 0. The counts at a stage's start are a function of
     the settings alone (one pass over the earlier stages' picks, kept once computed)."""
 
     def __init__(self, weights: list[float], stages: list[tuple[int, list[float]]]):

@@ -70,3 +70,16 @@ def test_bad_stages_name_the_key(stages, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
         DataSection(sources=[{"name": "a", "path": "x", "weight": 1}, {"name": "b", "path": "y", "weight": 1}],
                     stages=stages)
+
+
+def test_prelaunch_prints_what_each_source_gives_in_each_stage():
+    from pretrain.config import load_config
+    from pretrain.data import stage_lines
+    cfg = load_config("configs/demo-cpu.yaml", [
+        "data.shard_dir=null", "data.sources=[{name: web, path: a, weight: 3}, {name: code, path: b, weight: 1}]",
+        "data.stages=[{step: 100, weights: {code: 1, web: 1}}, {step: 150, weights: {code: 1}}]",
+        "train.max_steps=200", "train.global_batch_size=16", "model.max_seq_len=128"])
+    assert stage_lines(cfg) == [   # 16 samples a step: 3:1, then 1:1, then code alone
+        "data stage 0: steps 0–100: web 1200 samples (153,600 tokens), code 400 samples (51,200 tokens)",
+        "data stage 1: steps 100–150: web 400 samples (51,200 tokens), code 400 samples (51,200 tokens)",
+        "data stage 2: steps 150–200: web 0 samples (0 tokens), code 800 samples (102,400 tokens)"]

@@ -4,7 +4,11 @@ import pytest
 
 from model.fields import ConfigError
 from pretrain.config.sections import DataSection
+from pretrain.config import load_config
+from pretrain.data import stage_lines
 from tokendata.order import Blend, Position, Staged, blend_of, layout, rank_slice
+from tokendata.stream import merged_state
+from tests.unit import test_order as through
 
 G = 4
 STAGED = [(2 * G, [3.0, 1.0, 0.0]), (4 * G, [0.0, 0.0, 1.0])]   # stage 1 from step 2, stage 2 from step 4
@@ -73,8 +77,6 @@ def test_bad_stages_name_the_key(stages, words):
 
 
 def test_prelaunch_prints_what_each_source_gives_in_each_stage():
-    from pretrain.config import load_config
-    from pretrain.data import stage_lines
     cfg = load_config("configs/demo-cpu.yaml", [
         "data.shard_dir=null", "data.sources=[{name: web, path: a, weight: 3}, {name: code, path: b, weight: 1}]",
         "data.stages=[{step: 100, weights: {code: 1, web: 1}}, {step: 150, weights: {code: 1}}]",
@@ -83,3 +85,24 @@ def test_prelaunch_prints_what_each_source_gives_in_each_stage():
         "data stage 0: steps 0–100: web 1200 samples (153,600 tokens), code 400 samples (51,200 tokens)",
         "data stage 1: steps 100–150: web 400 samples (51,200 tokens), code 400 samples (51,200 tokens)",
         "data stage 2: steps 150–200: web 0 samples (0 tokens), code 800 samples (102,400 tokens)"]
+
+
+def test_a_staged_stream_resumes_mid_stage_in_another_layout(blend):
+    """Through TokenStream (real shards, DataLoader workers): stage 1 (c alone) from step 3, stage 2 (a and b 1:1)
+    from step 6. Four global batches on 2 ranks, then five on 3 ranks: the nine of one rank, in order; and a's
+    samples in stage 2 go on from its draws of stage 0 (no sample of a again before its epoch ends)."""
+    stages = [(3, [0.0, 0.0, 1.0]), (6, [1.0, 1.0, 0.0])]
+    spec, ranks, global_batches = through.data(blend, "three sources"), through.ranks, through.global_batches
+    straight = global_batches(ranks(spec, 1, 0, through.G, stages=stages), 9)
+    first = ranks(spec, 2, 1, 8, stages=stages)
+    assert global_batches(first, 4) == straight[:4]
+    state = merged_state([s.state_dict() for s in first])
+    later = ranks(spec, 3, 0, 4, stages=stages)
+    for s in later:
+        s.load_state_dict(state)
+    assert global_batches(later, 5) == straight[4:]
+    assert all(i.startswith("c/") for batch in straight[3:6] for i in batch)
+    assert not any(i.startswith("c/") for batch in straight[6:] for i in batch)
+    a = [i for batch in straight for i in batch if i.startswith("a/")]
+    n = later[0].parts[0].manifest["splits"]["train"]["samples"]
+    assert len(a) < n and len(set(a)) == len(a)   # one epoch of a, never restarted at the boundaries

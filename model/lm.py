@@ -51,14 +51,16 @@ class Block(nn.Module):
             self.mixer = (SpatialGatingMixer(cfg, cfg.d_model, scale) if mixer == "sgu"
                           else SynthesizedAttention(cfg, mixer, scale))
             self.ln_2, self.mlp = tp.layer_norm(cfg.d_model, cfg.norm_eps), MLP(cfg, scale)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = tp.dropout(cfg.dropout)
 
     def forward(self, x, t0: int = 0, cache=None, return_map: bool = False, docs: Documents | None = None):
-        y = self.mixer(self.ln_1(x), return_map=return_map, t0=t0, cache=cache, docs=docs)
+        # the mixer and the MLP see every position (B, m, d); the residual stream, the norms and the dropouts hold
+        # this rank's m/TP positions under sequence parallelism (model/sequence_parallel.py), all m without it
+        y = self.mixer(tp.gather_sequence(self.ln_1(x)), return_map=return_map, t0=t0, cache=cache, docs=docs)
         y, A = y if return_map else (y, None)
         x = x + self.drop(y)
         if self.mlp is not None:
-            x = x + self.drop(self.mlp(self.ln_2(x)))
+            x = x + self.drop(self.mlp(tp.gather_sequence(self.ln_2(x))))
         return (x, A) if return_map else x
 
     def attention_map(self, x, docs: Documents | None = None):
@@ -87,7 +89,7 @@ class Embedding(nn.Module):
         if positions and cfg.position == "learned":
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             tp.annotate(self.wpe.weight, tp.normal(cfg.init_std))
-        self.drop = nn.Dropout(cfg.dropout) if positions else None
+        self.drop = tp.dropout(cfg.dropout) if positions else None
 
     def forward(self, x, t0: int = 0, docs: Documents | None = None):
         if self.wte is not None:                                         # token ids (B, m)
@@ -99,7 +101,7 @@ class Embedding(nn.Module):
         if self.drop is not None:
             if self.wpe is not None:
                 x = x + (self.wpe.weight[t0:t0 + x.shape[1]] if docs is None else self.wpe(docs.positions[:, t0:]))
-            x = self.drop(x)
+            x = self.drop(tp.scatter_sequence(x))                       # (B, m/TP, d) under sequence parallelism
         return x
 
 
@@ -122,13 +124,13 @@ class Head(nn.Module):
 
     @staticmethod
     def project(x, weight):
-        return tp.copy_to_tp(x) @ weight.T                               # grads of x all-reduced over TP
+        return tp.copy_to_tp(tp.gather_sequence(x)) @ weight.T          # grads of x summed over TP
 
     def fused_loss(self, x, targets, tied_weight=None):
         """The mean cross-entropy of LN(x)'s logits, computed chunk by chunk without materializing them
         (model/linear_cross_entropy.py); equal to `loss(forward(x), targets)`."""
         weight = self.head.weight if self.head is not None else tied_weight
-        return linear_cross_entropy(self.ln_f(x), weight, targets)
+        return linear_cross_entropy(tp.gather_sequence(self.ln_f(x)), weight, targets)
 
     @staticmethod
     def loss(logits, targets, ignore_index: int = -100):

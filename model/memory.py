@@ -30,9 +30,11 @@ and once per forward pass (per block in a pipeline, whose blocks each make their
 (int64), the mask M (B·n², the activations' dtype) on the CPU path with synthesized attention, its booleans where an
 SGU masks with them, and the BlockMask's tile indices on the GPU path.
 Beside the mixer: two layer norms (input + fp32 statistics), the MLP's input, pre- and post-GELU hidden (d_ffn/tp
-each), dropout masks where dropout is on. The head's fused cross-entropy (model/linear_cross_entropy.py) keeps its two
-gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32 logits
-(CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
+each), dropout masks where dropout is on (booleans on a GPU, the
+activations' dtype on a CPU). Under sequence parallelism (`sp` = tp) the norms' inputs, the residual dropout masks
+and a checkpointed block's input hold n/tp positions. The head's fused cross-entropy (model/linear_cross_entropy.py)
+keeps its two gradients, ∂x (N·d) and ∂W (V/tp·d, fp32), and its forward's largest temporary is one chunk of fp32
+logits (CHUNK_ELEMENTS); under pipeline parallelism the last stage materializes the logits (B·n·V/tp) and their
 log-softmax in fp32. Activation checkpointing keeps a checkpointed block's input only, and recomputes one block at a
 time in backward (its activations come back while it runs).
 """
@@ -137,7 +139,7 @@ def attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: int, a: int
     if copy_out:
         out.append(Term("output projection input", values))
     if mixer.dropout:
-        out.append(Term("mixer dropout mask", head_rows * d_h))
+        out.append(Term("mixer dropout mask", mask_bytes(a, gpu) * head_rows * d_h))
     return out
 
 
@@ -176,7 +178,7 @@ def document_attention_terms(mixer: SynthesizedAttention, B: int, n: int, tp: in
         if width != f:   # padded features: the output is laid out per head, not as the values' (B, n, Hl, d_h)
             out.append(Term("output projection input", values))
     if mixer.dropout:
-        out.append(Term("mixer dropout mask", head_rows * d_h))
+        out.append(Term("mixer dropout mask", mask_bytes(a, gpu) * head_rows * d_h))
     return out
 
 
@@ -202,22 +204,24 @@ def document_terms(cfg: ModelConfig, B: int, n: int, a: int, gpu: bool) -> list[
     return out
 
 
-def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> list[Term]:
+def layer_terms(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool, sp: int = 1) -> list[Term]:
     """Everything block `index` keeps for backward on one rank (blocks of one mixer keep alike: computed once per
-    config, shape and GPU kernel choice)."""
+    config, shape and GPU kernel choice). `sp`: what the sequence-parallel region's positions divide by (tp under
+    parallel.sequence_parallel, else 1): the norms' inputs and the dropout masks hold n/sp positions; the mixer's
+    and the MLP's normed inputs are the gathered sequence, kept whole by their column-parallel linears."""
     mixers = cfg.layer_mixers()
     return list(_layer_terms(cfg.key(), mixers.index(mixers[index]), B, n, tp, a, gpu,
-                             key_bias_kernel() if gpu else None))
+                             key_bias_kernel() if gpu else None, sp))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: bool,
-                 kernel: str | None) -> tuple[Term, ...]:   # kernel: part of the cache's key (key_bias_kernel())
+                 kernel: str | None, sp: int = 1) -> tuple[Term, ...]:   # kernel: part of the cache's key
     cfg = ModelConfig.from_dict(json.loads(config))
     block = shape_model(cfg).blocks[index]
     N, d = B * n, cfg.d_model
-    norms = 1 if block.mlp is None else 2
-    out = [Term("layer norm inputs and statistics", norms * (a * N * d + 2 * FP32 * N)),
+    norms, share = 1 if block.mlp is None else 2, "" if sp == 1 else f", n/{sp} positions (sequence parallel)"
+    out = [Term("layer norm inputs and statistics" + share, norms * (a * N * d + 2 * FP32 * N) // sp),
            Term("normed input of the mixer", a * N * d)]
     if isinstance(block.mixer, SynthesizedAttention):
         terms = document_attention_terms if cfg.document_mask else attention_terms
@@ -234,18 +238,20 @@ def _layer_terms(config: str, index: int, B: int, n: int, tp: int, a: int, gpu: 
         out += [Term("normed input of the MLP", a * N * d), Term(f"MLP hidden {f} wide, before and after GELU",
                                                                   2 * a * N * f)]
     if cfg.dropout:
-        out.append(Term("residual dropout masks", norms * N * d))
+        out.append(Term("residual dropout masks" + share, mask_bytes(a, gpu) * norms * N * d // sp))
     return tuple(out)
 
 
-def layer_bytes(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool) -> int:
-    return sum(t.bytes for t in layer_terms(cfg, index, B, n, tp, a, gpu))
+def layer_bytes(cfg: ModelConfig, index: int, B: int, n: int, tp: int, a: int, gpu: bool, sp: int = 1) -> int:
+    return sum(t.bytes for t in layer_terms(cfg, index, B, n, tp, a, gpu, sp))
 
 
-def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool = False) -> tuple[list[Term], int]:
-    """(what the final norm, head and loss keep; the forward's largest temporary) on one rank."""
+def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool = False,
+               sp: int = 1) -> tuple[list[Term], int]:
+    """(what the final norm, head and loss keep; the forward's largest temporary) on one rank; the final norm on
+    n/sp positions (`layer_terms`), the head on the gathered sequence."""
     N, d, V = B * n, cfg.d_model, cfg.vocab_size // tp
-    kept = [Term("final layer norm input and statistics", a * N * d + 2 * FP32 * N)]
+    kept = [Term("final layer norm input and statistics", (a * N * d + 2 * FP32 * N) // sp)]
     if pipeline:   # the last stage computes the logits, then the loss (model/lm.py Head.loss), kept per micro-batch
         kept.append(Term(f"vocab logits B·n·V/tp = {N}·{V}, and their fp32 log-softmax",
                          a * N * V + FP32 * N * V * (2 if a != FP32 else 1)))
@@ -258,10 +264,16 @@ def head_terms(cfg: ModelConfig, B: int, n: int, tp: int, a: int, pipeline: bool
     return kept, chunk
 
 
-def embedding_terms(cfg: ModelConfig, B: int, n: int) -> list[Term]:
+def mask_bytes(a: int, gpu: bool) -> int:
+    """Bytes of a dropout mask's element: booleans from the fused kernel of a GPU, the activations' dtype on a CPU
+    (torch's unfused dropout keeps x's dtype of noise ∈ {0, 1/(1−p)})."""
+    return 1 if gpu else a
+
+
+def embedding_terms(cfg: ModelConfig, B: int, n: int, sp: int = 1, a: int = FP32, gpu: bool = False) -> list[Term]:
     out = [Term("token ids", INDEX * B * n)]
     if cfg.dropout:
-        out.append(Term("embedding dropout mask", B * n * cfg.d_model))
+        out.append(Term("embedding dropout mask", mask_bytes(a, gpu) * B * n * cfg.d_model // sp))
     return out
 
 
@@ -283,23 +295,24 @@ class Activations(NamedTuple):
 
 def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: int = FP32, checkpoint_every: int = 0,
                 layers: range | None = None, first: bool = True, last: bool = True, pipeline: bool = False,
-                gpu: bool = False) -> Activations:
+                gpu: bool = False, sp: int = 1) -> Activations:
     """The activations of blocks `layers` (default all) and, where `first`/`last`, of the embedding and the head
     (a pipeline stage holds some of them). `checkpoint_every` k > 0: blocks 0, k, 2k, … keep their input only
-    (parallel.activation_checkpointing); `gpu`: the GPU path's kernels (model/kernels.py `on_gpu_path`)."""
+    (parallel.activation_checkpointing); `gpu`: the GPU path's kernels (model/kernels.py `on_gpu_path`); `sp`: tp
+    under sequence parallelism, else 1 (`layer_terms`)."""
     n = n or cfg.max_seq_len
     layers = range(cfg.n_layers) if layers is None else layers
-    full_input = a * B * n * cfg.d_model
+    full_input = a * B * n * cfg.d_model // sp
     kept, recompute = [], Term("nothing", 0)
     if first:
-        kept += embedding_terms(cfg, B, n)
+        kept += embedding_terms(cfg, B, n, sp, a, gpu)
     if cfg.document_mask:   # once a pass; in a pipeline each block makes its own
         docs = document_terms(cfg, B, n, a, gpu)
         kept += docs if not pipeline else [Term(f"the documents of each of {len(layers)} blocks",
                                                 len(layers) * sum(t.bytes for t in docs))]
     mixers, runs = cfg.layer_mixers(), []   # runs of alike layers: [first, last, what, bytes each]
     for i in layers:
-        size = layer_bytes(cfg, i, B, n, tp, a, gpu)
+        size = layer_bytes(cfg, i, B, n, tp, a, gpu, sp)
         if checkpoint_every and i % checkpoint_every == 0:
             what, each = f"{mixers[i]}, checkpointed: its input", full_input
             if size > recompute.bytes:
@@ -316,7 +329,7 @@ def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: 
                          count * each))
     transient = recompute
     if last:
-        head, chunk = head_terms(cfg, B, n, tp, a, pipeline)
+        head, chunk = head_terms(cfg, B, n, tp, a, pipeline, sp)
         kept += head
         if chunk > transient.bytes:
             transient = Term("the logits' gradient" if pipeline else "the loss's chunk of fp32 logits", chunk)
@@ -324,12 +337,12 @@ def activations(cfg: ModelConfig, B: int, n: int | None = None, tp: int = 1, a: 
 
 
 def per_layer_summary(cfg: ModelConfig, B: int, n: int, tp: int, a: int, gpu: bool,
-                      layers: range | None = None) -> dict[str, list[Term]]:
+                      layers: range | None = None, sp: int = 1) -> dict[str, list[Term]]:
     """{mixer name: one layer's terms} for each distinct mixer among `layers` (the plan's breakdown)."""
     out, mixers = {}, cfg.layer_mixers()
     for i in range(cfg.n_layers) if layers is None else layers:
         if mixers[i] not in out:
-            out[mixers[i]] = layer_terms(cfg, i, B, n, tp, a, gpu)
+            out[mixers[i]] = layer_terms(cfg, i, B, n, tp, a, gpu, sp)
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import zlib
 from typing import Callable
 
@@ -26,46 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fields import ConfigError
+from .ranks import mcore, tp_group, tp_rank, tp_world, under_process_group
+from .sequence_parallel import (gather_sequence, reduce_scatter_sequence, scatter_sequence, sequence_parallel,
+                                set_sequence_parallel, summed_over_tp, whole_sequences)
 
 
-# ---- where am I -------------------------------------------------------------------------------------
-def _mcore():
-    """megatron.core, imported on first use (only under a process group). The import sits in a try block because
-    transformers' remote-code loader skips those when it checks that every imported package is installed: a Hugging
-    Face export (model/hf.py) ships this file and must load without megatron-core."""
-    try:
-        import megatron.core
-    except ImportError as e:
-        raise ImportError(f"tensor parallelism needs megatron-core (pip install -r requirements.txt): {e}") from e
-    return megatron.core
-
-
-def _under_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _parallel_state():
-    """megatron-core's parallel_state if a layout with TP or PP initialised it, else None (TP = 1). It is looked up,
-    never imported: a data-parallel launch does not import megatron-core at all."""
-    parallel_state = sys.modules.get("megatron.core.parallel_state") if _under_process_group() else None
-    return parallel_state if parallel_state is not None and parallel_state.model_parallel_is_initialized() else None
-
-
-def tp_world() -> int:
-    ps = _parallel_state()
-    return ps.get_tensor_model_parallel_world_size() if ps else 1
-
-
-def tp_rank() -> int:
-    ps = _parallel_state()
-    return ps.get_tensor_model_parallel_rank() if ps else 0
-
-
-def tp_group():
-    ps = _parallel_state()
-    return ps.get_tensor_model_parallel_group() if ps else None
-
-
+# ---- where am I: model/ranks.py ---------------------------------------------------------------------
 def split_size(total: int, what: str) -> int:
     """total / TP, with a one-line error when it does not divide."""
     tp = tp_world()
@@ -134,7 +99,7 @@ def init_from_seed(model: nn.Module, seed: int, rename: Callable[[str], str] = l
 # ---- layers ------------------------------------------------------------------------------------------
 def _megatron_config():
     # Weights are filled by init_from_seed; megatron's own init would draw per-rank random numbers.
-    return _mcore().ModelParallelConfig(tensor_model_parallel_size=tp_world(), use_cpu_initialization=True,
+    return mcore().ModelParallelConfig(tensor_model_parallel_size=tp_world(), use_cpu_initialization=True,
                                         perform_initialization=False, params_dtype=torch.float32)
 
 
@@ -156,7 +121,7 @@ class EngineLinear(nn.Linear):
 
 
 def plain_linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
-    return (EngineLinear if _under_process_group() else nn.Linear)(d_in, d_out, bias=bias)
+    return (EngineLinear if under_process_group() else nn.Linear)(d_in, d_out, bias=bias)
 
 
 def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
@@ -164,8 +129,9 @@ def column_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
     if tp_world() == 1:
         layer = plain_linear(d_in, d_out, bias)
     else:
+        # under sequence parallelism the input is gather_sequence's output, whose backward sums ∂x over TP already
         layer = _megatron_linear("column")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
-                              gather_output=False)
+                              gather_output=False, disable_grad_reduce=sequence_parallel())
     annotate(layer.weight, normal(std), partition_dim=0)
     if bias:
         annotate(layer.bias, constant(0.0), partition_dim=0)
@@ -225,12 +191,14 @@ class JointLinear(torch.autograd.Function):
 
 
 def row_linear(d_in: int, d_out: int, bias: bool, std: float) -> nn.Module:
-    """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once."""
+    """y = x Wᵀ + b with W (d_out, d_in) split along d_in: partial sums are all-reduced over TP, b added once —
+    under sequence parallelism reduce-scattered along the sequence instead (each rank keeps n/TP positions)."""
     if tp_world() == 1:
         layer = plain_linear(d_in, d_out, bias)
     else:
-        layer = _megatron_linear("row")(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
-                           input_is_parallel=True, skip_bias_add=False)
+        kind = "sequence row" if sequence_parallel() else "row"
+        layer = _megatron_linear(kind)(d_in, d_out, config=_megatron_config(), init_method=_no_init, bias=bias,
+                                       input_is_parallel=True, skip_bias_add=False)
     annotate(layer.weight, normal(std), partition_dim=1)
     if bias:
         annotate(layer.bias, constant(0.0))
@@ -242,14 +210,24 @@ def vocab_embedding(vocab: int, d: int, std: float) -> nn.Module:
     if tp_world() == 1:
         layer = nn.Embedding(vocab, d)
     else:
-        layer = _mcore().tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=_no_init,
+        layer = mcore().tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=_no_init,
                                                                 config=_megatron_config())
     annotate(layer.weight, normal(std), partition_dim=0)
     return layer
 
 
+class SequenceParallelNorm(nn.LayerNorm):
+    """LayerNorm on this rank's n/TP positions; its weight and bias (replicated over TP) get gradients summed over
+    TP."""
+
+    def forward(self, x):
+        weight, bias = summed_over_tp(self.weight), summed_over_tp(self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
 def layer_norm(d: int, eps: float) -> nn.LayerNorm:
-    norm = nn.LayerNorm(d, eps=eps)
+    """A norm of the residual stream: in the sequence-parallel region where that is on."""
+    norm = (SequenceParallelNorm if sequence_parallel() else nn.LayerNorm)(d, eps=eps)
     annotate(norm.weight, constant(1.0))
     annotate(norm.bias, constant(0.0))
     return norm
@@ -261,23 +239,35 @@ def _megatron_linear(kind: str):
     matmul gets the layer's own TP group: megatron-core 0.16.1's RowParallelLinear.forward passes tp_group=None,
     whose deprecation warning (rank 0, every call) is a torch.compile graph break in every row-parallel linear
     (the column one passes self.tp_group already; the group changes no number here)."""
-    tensor_parallel = _mcore().tensor_parallel
-    base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear}[kind]
-
+    tensor_parallel = mcore().tensor_parallel
+    base = {"column": tensor_parallel.ColumnParallelLinear, "row": tensor_parallel.RowParallelLinear,
+            "sequence row": tensor_parallel.RowParallelLinear}[kind]
     def forward_impl(self, input, weight, *args, tp_group=None, **kwargs):
         group = self.tp_group if tp_group is None else tp_group
         return base._forward_impl(self, input, weight, *args, tp_group=group, **kwargs)
 
-    return type(base.__name__, (base,), {"forward": lambda self, x: base.forward(self, x)[0],
-                                         "_forward_impl": forward_impl})
+    def forward(self, x):
+        if kind == "sequence row" and sequence_parallel():   # megatron's own allocates on the current CUDA device
+            return _sequence_row_forward(self, x)
+        return base.forward(self, x)[0]   # and a sequence row within whole_sequences: plain TP's all-reduce
+
+    return type(base.__name__, (base,), {"forward": forward, "_forward_impl": forward_impl})
+
+
+def _sequence_row_forward(self, x):
+    """y = reduce-scatter_n(x W_rᵀ) + b: the partial sums (B, n, d_out) of this rank's d_in/TP inputs, summed over TP,
+    this rank's n/TP positions kept (B, n/TP, d_out); b added there, its gradient summed over TP."""
+    y = reduce_scatter_sequence(F.linear(x, self.weight))
+    return y if self.bias is None else y + summed_over_tp(self.bias)
 
 
 # ---- communication in the model's forward ----------------------------------------------------------
 def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient backward (input of a column-parallel matmul)."""
-    if tp_world() == 1:
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel matmul). Under sequence
+    parallelism identity both ways: x is then gather_sequence's output, whose backward sums the gradient over TP."""
+    if tp_world() == 1 or sequence_parallel():
         return x
-    return _mcore().tensor_parallel.copy_to_tensor_model_parallel_region(x)
+    return mcore().tensor_parallel.copy_to_tensor_model_parallel_region(x)
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -315,7 +305,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token loss (B, n) from vocab-sharded logits (B, n, V/TP)."""
     if tp_world() == 1:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-    return _mcore().tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+    return mcore().tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
 
 
 # ---- RNG for dropout on TP-sharded activations -------------------------------------------------------
@@ -360,6 +350,21 @@ class RNGTracker:
             self.states[key] = get_state()
             set_state(saved)
 
+    def checkpoint_contexts(self):
+        """(forward, recompute) contexts for torch.utils.checkpoint's `context_fn`: the recomputation in backward
+        draws from the streams as they were at the forward (torch restores the default generators, not these)."""
+        at_forward = {key: state.clone() for key, state in self.states.items()}
+
+        @contextlib.contextmanager
+        def recompute():
+            now, self.states = self.states, {key: state.clone() for key, state in at_forward.items()}
+            try:
+                yield
+            finally:
+                self.states = now
+
+        return contextlib.nullcontext(), recompute()
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "states": dict(self.states)}
 
@@ -368,3 +373,20 @@ class RNGTracker:
 
 
 rng_tracker = RNGTracker()
+
+
+class RegionDropout(nn.Dropout):
+    """Dropout on the residual stream. In the sequence-parallel region each rank holds other positions, so its masks
+    come from the TP-rank stream (`rng_tracker`, seed + 2718 + tp_rank, megatron's choice): deterministic, different
+    on every chunk. They are not the masks of the same run without sequence parallelism (those come from the default
+    stream, equal on the TP ranks), only drawn alike."""
+
+    def forward(self, x):
+        if not (sequence_parallel() and self.training and self.p > 0):
+            return super().forward(x)
+        with rng_tracker.fork(x.device):
+            return super().forward(x)
+
+
+def dropout(p: float) -> nn.Dropout:
+    return RegionDropout(p)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import TrainConfig
+from model import parallel as tp
 from pretrain import timeouts
 
 
@@ -295,6 +296,7 @@ def init(cfg: TrainConfig) -> Layout:
                                                  pipeline_model_parallel_size=cfg.parallel.pp,
                                                  distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
         dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
+    tp.set_sequence_parallel(cfg.parallel.sequence_parallel and cfg.parallel.tp > 1)   # before any model is built
     timeouts.agree(timeout.total_seconds())
     device = torch.device(accel.current_device_name())
     peers = [None] * world

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from model import build_model
 from model import release
 from model.lm import Block, SynthesizerLM
-from model.parallel import is_sharded, tp_rank
+from model.parallel import is_sharded, rng_tracker, tp_rank
 from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.config.schedule import DECAY_SHAPES, decay_length
@@ -143,7 +143,12 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor") -> None:
 def _recomputed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():   # evaluation: nothing to save, nothing to recompute
         return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # the TP-rank dropout streams (head dropout; the residual ones under sequence parallelism) replayed as well;
+    # not in a compiled block, whose tracing takes no context_fn but a selective-checkpoint one
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                             context_fn=rng_tracker.checkpoint_contexts, **kwargs)
 
 
 def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_universal: bool = False,

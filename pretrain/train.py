@@ -346,6 +346,7 @@ class Trainer:
 
     @torch.no_grad()
     @torch.compiler.set_stance("force_eager")   # decoding's changing lengths would recompile the blocks
+    @tp.whole_sequences()   # any length: under sequence parallelism, too, every TP rank runs the whole sequence
     def log_samples(self) -> None:
         """Attention maps of the first validation sequence (its first IMAGE_TOKENS positions, every head: gathered
         over TP) and a text sample, from the whole model: under PP, the stages' weights joined on the ranks of the
@@ -368,6 +369,7 @@ class Trainer:
         self.log.info(f"sample: {text!r}")
         self.engine.train()
 
+    @tp.whole_sequences()
     def log_scores(self) -> None:   # logging.eval_tasks on the live weights (pretrain/observe/live_model.py)
         if self.cfg.logging.eval_tasks:
             live_model.log_scores(self.step, live_model.whole_model(self.engine, self.cfg, self.layout), self.cfg,

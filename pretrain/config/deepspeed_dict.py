@@ -67,4 +67,8 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
         "timers": {"throughput": {"enabled": False}},
         "wall_clock_breakdown": False,
     }
+    if cfg.parallel.pp > 1 and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+        # DeepSpeed's pipeline sends 1/tp of an activation from each TP rank and all-gathers it at the next stage,
+        # which assumes the TP ranks hold the same tensor; under sequence parallelism each holds other positions
+        generated["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return merge(generated, cfg.deepspeed.passed())   # the `deepspeed:` section (pretrain/config/deepspeed_section.py)

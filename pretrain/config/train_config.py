@@ -88,6 +88,10 @@ class TrainConfig:
         if m.vocab_size % p.tp:  # VocabParallelEmbedding splits the vocabulary evenly
             raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
                               "pad the vocabulary")
+        if p.tp > 1 and p.sequence_parallel and m.max_seq_len % p.tp:
+            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by parallel.tp={p.tp}, as "
+                              "parallel.sequence_parallel needs (each rank holds n/tp positions); choose max_seq_len "
+                              "as a multiple of tp or set parallel.sequence_parallel=false")
         if m.n_layers < p.pp:
             raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
         if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss

@@ -203,16 +203,22 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
         notes.append("ZeRO-1/2's reduce bucket lives inside backward only, after the loss's buffers are freed: "
                      "not counted")
     micro_batches = t.grad_accum(lay.dp)
+    sp = lay.tp if cfg.parallel.sequence_parallel else 1   # the sequence-parallel region holds n/sp positions
     if lay.pp > 1:   # DeepSpeed's 1F1B pipe buffers: each keeps a micro-batch's input and output, also between steps
         held = max(2, min(lay.pp - stage, micro_batches))
         N = micro * m.max_seq_len
-        output = w * N * (m.vocab_size // lay.tp if last else m.d_model)
+        output = w * N * m.vocab_size // lay.tp if last else w * N * m.d_model // sp
         pipe = Term(f"pipeline buffers: inputs and outputs of {held} micro-batches{' (the logits)' if last else ''}",
-                    held * (output + (0 if first else w * N * m.d_model)))
+                    held * (output + (0 if first else w * N * m.d_model // sp)))
     else:
         pipe = Term("no pipeline buffers", 0)
     act = activations(m, micro, m.max_seq_len, lay.tp, a, cfg.parallel.activation_checkpointing, layers,
-                      first, last, pipeline=lay.pp > 1, gpu=gpu)
+                      first, last, pipeline=lay.pp > 1, gpu=gpu, sp=sp)
+    if sp > 1:
+        whole = activations(m, micro, m.max_seq_len, lay.tp, a, cfg.parallel.activation_checkpointing, layers,
+                            first, last, pipeline=lay.pp > 1, gpu=gpu).total
+        notes.append(f"sequence parallelism: norms, dropout masks and residual stream on n/{sp} positions, "
+                     f"{gib(whole - act.total)} less activations a micro-batch than without it")
     if t.autocast:   # each weight's bf16 copy, made in forward, saved for backward
         act = Activations(act.kept + [Term("autocast's bf16 copies of the weights, kept for backward", a * T)],
                           act.transient)
@@ -239,7 +245,7 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
         where = "" if gpu else "; on a CPU its written pages, in the gradients' place"
         step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{where}",
                     step.bytes + (resident if gpu else 0))
-    breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers)
+    breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers, sp)
     return StagePlan(stage, (T, sum(n for n, tr in params if not tr)), states, buffers, pipe, act, in_flight,
                      backward_extra, step, breakdown, notes)
 

@@ -13,10 +13,11 @@ MIXERS = variants.subset("layers")   # one layer of each: every stage holds seve
 
 
 def config(tmp_path, shards, name, mixers=MIXERS, **parallel):
-    """Under the document mask: its document ids travel between the pipeline's stages."""
+    """Under the document mask: its document ids travel between the pipeline's stages. With sequence parallelism
+    where tp > 1 (the plain TP layouts without it are test_training's)."""
     return write_config(tmp_path / f"{name}.yaml", shards, tmp_path / name,
                         model={"n_layers": len(mixers), "mixer": mixers, "document_mask": True, "eos_id": EOS_ID},
-                        parallel={"zero_stage": 1, "partition": "uniform", **parallel},
+                        parallel={"zero_stage": 1, "partition": "uniform", "sequence_parallel": True, **parallel},
                         train={"max_steps": 10, "micro_batch_size": 2})
 
 

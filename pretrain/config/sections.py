@@ -24,8 +24,7 @@ class DataSection:
                         "path, weight}; path: as shard_dir; weight: a proportion > 0 (0.5, 0.3, 0.2, or 5, 3, 2); "
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
                         "one tokenizer, vocabulary, seq_len and eos", None)
-    stages: list | None = described("data stages: [{step, weights: {source: weight}}], each from its step on (increasing), "
-                        "weights over data.sources (unnamed: 0); epochs carry over (docs/data.md: stages)", None)
+    stages: list | None = described("[{step, weights: {source: weight}}]: new weights from a step on (docs/data.md)", None)
     canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
                         "global batch g holds the same samples, in the same order, on every data-parallel size that "
                         "divides the global batch, any worker count and micro-batch. 1 ≤ C ≤ train.global_batch_size; "
@@ -78,9 +77,8 @@ class DataSection:
             raise ConfigError(str(e)) from None
         need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",
              self.canonical_streams, "null or ≥ 1")
-        need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
-        need(self.fetch_threads >= 1, "data.fetch_threads", self.fetch_threads, "≥ 1")
-        need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
+        for key, low in (("num_workers", 0), ("fetch_threads", 1), ("val_batches", 1)):
+            need(getattr(self, key) >= low, f"data.{key}", getattr(self, key), f"≥ {low}")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
         need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
         need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()

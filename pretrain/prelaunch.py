@@ -23,6 +23,7 @@ from pretrain.checkpoints import bucket, universal
 from pretrain.checkpoints.resume import architecture_problem, data_problem, layout_problem
 from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.data import stage_lines
 from pretrain.plan.memory import parse_size, report
 from pretrain.observe.monitor import requirements
 from pretrain.plan import load_cluster, run_prediction, search
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             check_launch(cfg, args.world_size, relayout=True)
+            print("\n".join(stage_lines(cfg)), file=sys.stderr, end="\n" if cfg.data.stages else "")
             print(run_prediction.StepCheck.for_run(cfg, args.world_size, run_prediction.device_cluster_name(), args.cluster).line,
                   file=sys.stderr)
         if args.run_dir:

@@ -32,6 +32,9 @@ bad shard takes the window's i-th good slot, cyclically (a window of bad shards 
 in the epoch). Those samples are read twice in the epoch (more only where a window holds more bad slots than good);
 no other draw moves, so the batches depend on which shards are bad, not on which rank found them or when.
 
+Stages (data.stages, `Staged`): from a stage's first pick on, Tijdeman's rule runs over that stage's weights, counted
+from the stage's start; draws (so epochs) of each source carry on across the boundary.
+
 A position (`Position`) is the picks so far and each source's count: the same on every rank.
 """
 from __future__ import annotations
@@ -137,6 +140,56 @@ class Blend:
         for _ in range(step):
             self.picks(pos, global_batch)
         return pos
+
+
+class Staged(Blend):
+    """Data stages (data.stages): the picks from sample `starts[k]` on follow Tijdeman's rule over stage k's weights,
+    counted from that stage's start over its sources of weight > 0 (its own pick index and counts, so each stage's
+    counts stay within 1 of its weights × its picks), while each source's draw number, hence its epoch, carries on
+    across the boundary: a source is not restarted. Stage 0 (the sources' own weights) starts at 0. The counts at a stage's start are a function of
+    the settings alone (one pass over the earlier stages' picks, kept once computed)."""
+
+    def __init__(self, weights: list[float], stages: list[tuple[int, list[float]]]):
+        super().__init__(weights)
+        self.starts = [0] + [start for start, _ in stages]
+        every = [list(weights)] + [list(w) for _, w in stages]
+        self.used = [[i for i, x in enumerate(w) if x > 0] for w in every]   # a stage's sources of weight > 0
+        self.blends = [Blend([w[i] for i in used]) for w, used in zip(every, self.used)]
+        self._base = [[0] * len(weights)]   # each stage's counts at its start, as far as computed
+
+    def base(self, k: int) -> list[int]:
+        while len(self._base) <= k:
+            i = len(self._base) - 1
+            inner = self.blends[i].position_at(1, self.starts[i + 1] - self.starts[i])   # one pass of its picks
+            base = list(self._base[i])
+            for i_used, c in zip(self.used[i], inner.counts):
+                base[i_used] += c
+            self._base.append(base)
+        return self._base[k]
+
+    def picks(self, pos: Position, n: int) -> list[int]:
+        out = []
+        while n > 0:
+            k = bisect.bisect_right(self.starts, pos.samples) - 1
+            take = n if k + 1 == len(self.starts) else min(n, self.starts[k + 1] - pos.samples)
+            base, used = self.base(k), self.used[k]
+            inner = Position(pos.samples - self.starts[k], [pos.counts[i] - base[i] for i in used])
+            out += [used[s] for s in self.blends[k].picks(inner, take)]
+            for i, c in zip(used, inner.counts):
+                pos.counts[i] = base[i] + c
+            pos.samples, n = pos.samples + take, n - take
+        return out
+
+    def position_at(self, step: int, global_batch: int) -> Position:
+        k = bisect.bisect_right(self.starts, step * global_batch) - 1
+        pos = Position(self.starts[k], list(self.base(k)))
+        self.picks(pos, step * global_batch - self.starts[k])
+        return pos
+
+
+def blend_of(weights: list[float], stages=()) -> Blend:
+    """The run's picks: a `Blend` of the weights, or `Staged` where stages [(first sample, weights)] are given."""
+    return Staged(weights, list(stages)) if stages else Blend(weights)
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@ with its manifest, where its files are, and which of its shards are good; and th
 
     Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
+    as_stages(spec, names)                data.stages: [(first step, [weight of each source])], checked
     open_sources(sources, cache_dir, verify)  [Opened]: manifests read (once: Opened ones are taken as they are),
                                           checked against each other (`check_agree`)
     good_shards(opened, bad_shards)       the size check of every source's shards at once (the orders of older
@@ -64,6 +65,33 @@ def as_sources(spec) -> list[Source]:
              f"3, 2)")
         need(entry.name not in [s.name for s in out], f"{where}.name={entry.name!r} is used twice: names must differ")
         out.append(Source(entry.path, float(entry.weight), entry.name))
+    return out
+
+
+def as_stages(spec, names: list) -> list[tuple[int, list[float]]]:
+    """data.stages ([{step, weights: {source name: weight ≥ 0}}], steps increasing from > 0; a source a stage does not
+    name has weight 0 in it) as [(first step, [weight of each source, in data.sources' order])]."""
+    spec = [] if spec is None else spec
+    need(isinstance(spec, (list, tuple)), f"data.stages must be a list of {{step, weights}}, got {spec!r}")
+    need(not spec or None not in names, "data.stages needs data.sources (named sources), not data.shard_dir")
+    out, last = [], 0
+    for i, entry in enumerate(spec):
+        where = f"data.stages[{i}]"
+        need(isinstance(entry, dict) and set(entry) == {"step", "weights"}, f"{where} must be a mapping {{step, "
+             f"weights}} (e.g. {{step: 1000, weights: {{{names[0]}: 1}}}}), got {entry!r}")
+        step, weights = entry["step"], entry["weights"]
+        need(isinstance(step, int) and not isinstance(step, bool) and step > last, f"{where}.step={step!r} must be "
+             f"an integer > {last}: stages start at increasing steps (stage 0, data.sources' weights, at step 0)")
+        need(isinstance(weights, dict) and weights, f"{where}.weights must be a mapping {{source name: weight}}")
+        for name, w in weights.items():
+            near = difflib.get_close_matches(str(name), [str(n) for n in names], 1)
+            need(name in names, f"{where}.weights names {name!r}, not a source of data.sources ({', '.join(names)})"
+                 + (f": did you mean {near[0]!r}?" if near else ""))
+            need(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0,
+                 f"{where}.weights.{name}={w!r} must be a number ≥ 0 (a proportion)")
+        need(sum(weights.values()) > 0, f"{where}.weights are all 0: give a source a weight > 0")
+        out.append((step, [float(weights.get(name, 0)) for name in names]))
+        last = step
     return out
 
 

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from tokendata import rank_order, shard_stream_order
-from tokendata.order import Blend, Position, SourceOrder, check_streams, default_streams, layout, rank_slice
+from tokendata.order import Position, blend_of, SourceOrder, check_streams, default_streams, layout, rank_slice
 from tokendata.reading import Part, Plan, RankPieces, as_is, collate, start
 from tokendata.shard_files import ShardReader
 from tokendata.lengths import fit
@@ -97,7 +97,7 @@ class TokenStream:
 
     def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
                  mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None,
-                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=()):
+                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=()):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -128,7 +128,7 @@ class TokenStream:
                         for split, info in p.manifest["splits"].items()} for p in self.parts]
         self.skipped_shards = []
         self.train = self.shards[0]["train"]
-        self.blend = Blend([p.source.weight for p in self.parts])
+        self.blend = blend_of([p.source.weight for p in self.parts], [(step * G, w) for step, w in stages])  # data.stages
         self.lo, self.hi = rank_slice(G, dp_rank, dp_world)
         self.grad_accum = G // (micro_batch_size * dp_world)
         self._order(C)

@@ -10,7 +10,7 @@ from model.fields import check_types, described, need
 from pretrain.config.schedule import check_decay
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
-from tokendata.sources import Source, as_sources
+from tokendata.sources import Source, as_sources, as_stages
 
 
 @dataclass(kw_only=True)
@@ -24,6 +24,7 @@ class DataSection:
                         "path, weight}; path: as shard_dir; weight: a proportion > 0 (0.5, 0.3, 0.2, or 5, 3, 2); "
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
                         "one tokenizer, vocabulary, seq_len and eos", None)
+    stages: list | None = described("[{step, weights: {source: weight}}]: new weights from a step on (docs/data.md)", None)
     canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
                         "global batch g holds the same samples, in the same order, on every data-parallel size that "
                         "divides the global batch, any worker count and micro-batch. 1 ≤ C ≤ train.global_batch_size; "
@@ -67,18 +68,17 @@ class DataSection:
                               "blend: [{name, path, weight}])")
         if self.shard_dir is not None and self.sources is not None:
             raise ConfigError("set data.shard_dir (one shard set) or data.sources (a blend), not both")
-        if self.shard_dir is not None:
-            need(bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
-        else:
-            try:
+        need(self.shard_dir is None or bool(self.shard_dir), "data.shard_dir", self.shard_dir, "a directory path")
+        try:
+            if self.sources is not None:
                 self.sources = [{"name": s.name, "path": s.path, "weight": s.weight} for s in as_sources(self.sources)]
-            except DataError as e:
-                raise ConfigError(str(e)) from None
+            as_stages(self.stages, [s["name"] for s in self.sources or [{"name": None}]])
+        except DataError as e:
+            raise ConfigError(str(e)) from None
         need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",
              self.canonical_streams, "null or ≥ 1")
-        need(self.num_workers >= 0, "data.num_workers", self.num_workers, "≥ 0")
-        need(self.fetch_threads >= 1, "data.fetch_threads", self.fetch_threads, "≥ 1")
-        need(self.val_batches >= 1, "data.val_batches", self.val_batches, "≥ 1")
+        for key, low in (("num_workers", 0), ("fetch_threads", 1), ("val_batches", 1)):
+            need(getattr(self, key) >= low, f"data.{key}", getattr(self, key), f"≥ {low}")
         need(self.bad_shards in ("fail", "skip"), "data.bad_shards", self.bad_shards, "fail, skip")
         need(self.verify in ("hash", "size", "none"), "data.verify", self.verify, "hash, size, none")
         need(all(isinstance(k, str) and isinstance(v, str) and v.isidentifier()

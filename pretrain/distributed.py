@@ -97,6 +97,14 @@ def dp_union(names: set[str], lay: Layout) -> set[str]:
     return set().union(*map(set, gathered))
 
 
+def every_rank(obj) -> list:
+    """`obj` of every rank of the world, in rank order: for rare, small answers (why each rank's checkpoint write
+    failed), not for a step's numbers."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def any_rank(flags: list[bool], lay: Layout) -> torch.Tensor:
     """Per flag, 1.0 where it is set on any rank of the world, else 0.0: a tensor on the device (not read)."""
     t = torch.tensor([float(f) for f in flags]).to(lay.device, non_blocking=True)

@@ -7,8 +7,11 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           job): every rank stops after that step, with a checkpoint
     kill-save-PHASE@6@1   rank 1 kills itself (SIGKILL, as `kill -9` or the OOM killer) while saving step 6, at PHASE:
                           begin    (the temporary directory exists, nothing written yet)
-                          engine   (DeepSpeed's files written, the trainer's not yet)
-                          written  (every rank's files written, not yet committed)
+                          engine   (DeepSpeed's files written, the trainer's not yet; async: copied to host)
+                          writing  (checkpoint.async_save: the writer thread has written the first file, not the
+                                   rest; training goes on meanwhile)
+                          written  (every rank's files written, not yet committed; async: at the step that
+                                   commits)
                           renamed  (the directory has its final name, `latest` still names the previous one)
     hang@5@1              rank 1 stops in step 5 (after its forward) and never goes on, as a rank stuck in a
                           collective or on storage would: the other ranks wait for it in the next collective
@@ -27,7 +30,7 @@ import os
 import signal
 import time
 
-SAVE_PHASES = ("begin", "engine", "written", "renamed")
+SAVE_PHASES = ("begin", "engine", "writing", "written", "renamed")
 
 
 class Faults:

@@ -8,6 +8,7 @@
                       from a release or a checkpoint (what evaluation and the tools start from)
     retention.py      which checkpoints a save deletes: all but the last `keep`, except every `keep_every`-th step
     universal.py      universal checkpoints: another layout, AdamW's moments kept (DeepSpeed's converter)
+    async_save.py     saves in the background: host copies of the state dicts, a writer thread per save
     checkpointer.py   Checkpointer: the trainer's atomic save and exact restore of a DeepSpeed engine and its state
 
 A release (model/release.py) and a Hugging Face export (model/hf.py) are the model's own formats and live with it.

@@ -278,6 +278,11 @@ class CheckpointSection:
                                        "10000); null = none beyond the last `keep`", None)
     dir: str | None = described("checkpoint directory; default <train.run_dir>/checkpoints", None)
     resume: str = described("'auto' (latest in dir, if any), 'none' (start fresh), or a checkpoint path", "auto")
+    async_save: bool = described("save in the background: a step waits only for a copy of the state in host memory "
+                                 "(pinned on a GPU), a writer thread writes the files, and the checkpoint is "
+                                 "published (complete.json, `latest`) at a later step, once every rank's writer is "
+                                 "done; costs host memory of one copy of this rank's model and optimizer state",
+                                 False)
     relayout: bool = described("when the checkpoint to resume is of another layout (TP, PP, ZeRO-3, world size): "
                                "launch/pretrain.sh converts it to a universal checkpoint first, and the run resumes "
                                "from it with its optimizer state (one launcher; with NNODES launchers, convert "

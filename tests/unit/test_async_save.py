@@ -73,7 +73,7 @@ def test_the_commit_comes_after_the_writer_and_holds_the_step_s_state(saver):
     assert saver.writer_flags() == [False, False]
     # the hang watchdog's view of this rank's save (supervision/saves.py reads `own`): the writer's files, all of them
     written = [os.path.join(saver.partial_path(3), name) for name in sorted(os.listdir(saver.partial_path(3)))]
-    assert saver.own.progress() == (len(written), sum(os.path.getsize(f) for f in written)) and len(written) == 3
+    assert saver.own.progress() == (len(written), sum(os.path.getsize(f) for f in written)) and len(written) == 4   # + config.yaml
     saver.written([0.0, 0.0])                                # every rank done: committed now
     assert latest(saver) == "step_00000003" and os.path.exists(os.path.join(final, "complete.json"))
     state = torch.load(os.path.join(final, "mp_rank_00_model_states.pt"))

@@ -147,10 +147,11 @@ def dp_union(names: set[str], lay: Layout) -> set[str]:
     return set().union(*map(set, gathered))
 
 
-def all_gathered(obj, lay: Layout) -> list:
-    """A small picklable object of every rank, in rank order, on every rank (whether each rank's upload of a
-    checkpoint succeeded, and what it uploaded: pretrain/checkpoints/bucket.py)."""
-    gathered = [None] * lay.world
+def every_rank(obj) -> list:
+    """`obj` of every rank of the world, in rank order, on every rank: for rare, small answers (why each rank's
+    checkpoint write failed; whether each rank's upload succeeded and what it uploaded, checkpoints/bucket.py), not
+    for a step's numbers."""
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 

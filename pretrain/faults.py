@@ -7,8 +7,11 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                           job): every rank stops after that step, with a checkpoint
     kill-save-PHASE@6@1   rank 1 kills itself (SIGKILL, as `kill -9` or the OOM killer) while saving step 6, at PHASE:
                           begin    (the temporary directory exists, nothing written yet)
-                          engine   (DeepSpeed's files written, the trainer's not yet)
-                          written  (every rank's files written, not yet committed)
+                          engine   (DeepSpeed's files written, the trainer's not yet; async: copied to host)
+                          writing  (checkpoint.async_save: the writer thread has written the first file, not the
+                                   rest; training goes on meanwhile)
+                          written  (every rank's files written, not yet committed; async: at the step that
+                                   commits)
                           uploaded (checkpoint.dir in a bucket: this rank's files uploaded, not yet committed)
                           renamed  (the directory has its final name, or complete.json is in the bucket; `latest`
                                    still names the previous one)
@@ -37,7 +40,7 @@ import time
 
 import torch
 
-SAVE_PHASES = ("begin", "engine", "written", "renamed")
+SAVE_PHASES = ("begin", "engine", "writing", "written", "renamed")
 BUCKET_PHASES = ("uploaded",)   # only where checkpoint.dir is a bucket
 SLOW_FACTOR = 3   # a `slow` rank's forward passes take this many times as long
 

@@ -69,13 +69,14 @@ class Trainer:
         self.host_reads = 0   # device values the trainer has waited for (one per step outside logging steps)
         self.guard = LossGuard(cfg.train.max_consecutive_skips, cfg.train.spike_z, cfg.train.spike_window)
         self.faults = Faults.from_environment(lay.rank, cfg.train.run_dir)   # the fault tests' hooks; none by default
+        self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
         saves = bucket.Saves(cfg.checkpoint.dir, cfg.checkpoint.staging_dir, lay) \
             if bucket.is_bucket(cfg.checkpoint.dir) else None   # checkpoint.dir in a bucket: staged, then uploaded
         self.checkpointer = Checkpointer(self.engine, cfg.checkpoint.staging_dir if saves else cfg.checkpoint.dir,
                                          cfg.checkpoint.keep, {"data": self.stream, "guard": self.guard},
                                          cfg.to_dict(), self.tokenizer, lay.rank, lay.world, self.faults,
-                                         keep_every=cfg.checkpoint.keep_every, bucket=saves)
-        self.log = Logger(lay.is_main, cfg.logging.tensorboard_dir, cfg.train.run_dir, cfg.logging.wandb, cfg.to_dict())
+                                         keep_every=cfg.checkpoint.keep_every, bucket=saves,
+                                         async_save=cfg.checkpoint.async_save, announce=self.log.info)
         self.log.info(memory_plan.report(cfg, lay.world, device=lay.device.type) if lay.is_main else None)
         self.step_check = StepCheck.for_run(cfg, lay.world, device_name(lay.device)) if lay.is_main else None
         self.log.info(self.step_check and self.step_check.line)   # the time plan's step (pretrain/plan/run_prediction.py)
@@ -178,8 +179,9 @@ class Trainer:
             if cfg.logging.image_every and self.step % cfg.logging.image_every == 0:
                 self.eta.timed("samples", self.log_samples)
             if self.step % cfg.checkpoint.every == 0 or self.step == stop or preempted:
-                path = self.eta.timed("checkpoint", self.checkpointer.save, self.step)
-                self.log.info(path and f"saved checkpoint {path}")   # None: not uploaded (bucket.py said why)
+                path = self.eta.timed("checkpoint", self.checkpointer.save, self.step,
+                                       self.step == stop or preempted is not None)
+                self.log.info(path and not cfg.checkpoint.async_save and f"saved checkpoint {path}")   # async: commit
             if preempted:
                 self.log.info(f"stopped at step {self.step} ({preempted}): checkpoint saved; relaunch the same "
                               f"command to continue")
@@ -275,8 +277,9 @@ class Trainer:
         clock (the clocks differ slightly), stops all of them after the same step."""
         limit = self.cfg.train.max_wall_minutes
         over = limit is not None and time.time() - self.started > 60 * limit
-        outcome = distributed.step_outcome(loss, guarded, [self.stop_reason is not None, over], self.layout)
-        loss, guarded, signalled, over = self.read(outcome)
+        flags = [self.stop_reason is not None, over, *self.checkpointer.writer_flags()]   # async saves: writing, failed
+        loss, guarded, signalled, over, *writes = self.read(distributed.step_outcome(loss, guarded, flags, self.layout))
+        self.checkpointer.written(writes)   # a save in the background is committed once no rank writes it
         if signalled:
             return loss, bool(guarded), self.stop_reason or "a signal on another rank"
         return loss, bool(guarded), f"train.max_wall_minutes={limit} reached" if over else None

@@ -298,7 +298,7 @@ class Saves:
         """Whether the checkpoint written into `partial` (`own`: this rank's files in it) is committed."""
         rank = self.lay.rank
         problem = self._clear(tag) if rank == 0 else None   # a crashed earlier attempt at this step
-        wrote = set().union(*distributed.all_gathered([os.path.basename(p) for p in own], self.lay))
+        wrote = set().union(*distributed.every_rank([os.path.basename(p) for p in own]))
         mine = list(dict.fromkeys(own))   # (a file written twice is uploaded once)
         if rank == 0:   # files DeepSpeed writes outside its checkpoint engine (its recovery scripts)
             mine += [os.path.join(partial, n) for n in sorted(os.listdir(partial)) if n not in wrote]
@@ -311,7 +311,7 @@ class Saves:
         except (remote.DataError, OSError) as e:
             problem = problem or (str(e).splitlines() or [type(e).__name__])[0]
         faults.saving("uploaded", step)
-        results = distributed.all_gathered((problem, sizes), self.lay)
+        results = distributed.every_rank((problem, sizes))
         failed = next((f"rank {r}: {p}" for r, (p, _) in enumerate(results) if p), None)
         if rank == 0 and failed is None:
             files = {name: size for _, s in results for name, size in s.items()}

@@ -12,6 +12,11 @@ directory older than the newest committed checkpoint is removed by the next save
 `complete.json` (every file present, same size) and falls back to the newest complete checkpoint when `latest` names
 a damaged one. While it saves, `own` lists the files this rank writes (DeepSpeed's, through its checkpoint engine,
 and the trainer's): all the hang watchdog reads of a save.
+
+With checkpoint.async_save the save returns once this rank's state is copied to host memory; a writer thread
+writes the same files (async_save.py), and the commit above happens at a later step, after every rank's writer has
+finished (`writer_flags` ride on the step's all-reduce; `written` commits) — before the next save starts, and
+before the run's last save returns (`settle`).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import os
 import random
 import shutil
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,10 +36,11 @@ from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
 from pretrain.checkpoints import retention, safe_load, universal
+from pretrain.checkpoints.async_save import Background
 from pretrain.checkpoints.bucket import Saves
 from pretrain.checkpoints.durable import publish
 from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
-from pretrain.distributed import is_peer_loss
+from pretrain.distributed import every_rank, is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
 
@@ -85,6 +92,10 @@ class OwnFiles:
         return self.started, self.done + (size(current) if current is not None else 0)
 
 
+def kept(previous: str | None) -> str:
+    return f"the previous checkpoint {previous} is kept as latest" if previous else "no earlier checkpoint"
+
+
 def size(path: str) -> int:
     try:
         return os.stat(path).st_size
@@ -92,11 +103,21 @@ def size(path: str) -> int:
         return 0
 
 
+class Pending(NamedTuple):
+    """A save written in the background, not yet committed."""
+    step: int
+    tag: str
+    partial: str
+    final: str
+    previous: str | None
+
+
 class Checkpointer:
     """Saves and restores a DeepSpeed engine together with a dict of Stateful objects of this rank."""
 
     def __init__(self, engine, directory: str, keep: int, stateful: dict, config: dict, tokenizer: str, rank: int,
-                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None, bucket: Saves | None = None):
+                 world: int, faults: Faults = NO_FAULTS, keep_every: int | None = None, bucket: Saves | None = None,
+                 async_save: bool = False, announce=lambda line: None):
         self.engine, self.dir, self.keep, self.stateful = engine, directory, keep, stateful
         self.bucket = bucket   # checkpoint.dir in a bucket: `directory` is the local staging directory (bucket.py)
         self.keep_every = keep_every   # every this many steps kept for good (retention.py)
@@ -105,6 +126,8 @@ class Checkpointer:
         self.restored: set[str] = set()   # after load(): "engine" and the names of the Stateful objects restored
         self.loaded_from: str | None = None
         self.own = OwnFiles()
+        self.background = Background() if async_save else None   # checkpoint.async_save: the writer thread's side
+        self.announce = announce   # the run's log (rank 0's lines): async saves say when they are published
         writer = getattr(engine, "checkpoint_engine", None)   # DeepSpeed writes and reads each of its files through it
         if writer is not None:
             writer.save = self._own_file(writer.save)
@@ -113,9 +136,16 @@ class Checkpointer:
     def _own_file(self, save):
         """DeepSpeed's checkpoint engine's save(state_dict, path), each file listed in `own` as it starts."""
         def listed(state_dict, path, *args, **kwargs):
-            self.own.writing(path)
-            return save(state_dict, path, *args, **kwargs)
+            self._file(path, state_dict, lambda state, where: save(state, where, *args, **kwargs))
         return listed
+
+    def _file(self, path: str, state, write) -> None:
+        """One file of this rank's save: written now, or (async) copied to host memory and queued for the writer."""
+        if self.background is not None and self.background.collecting is not None:
+            self.background.add(path, state, write)
+        else:
+            self.own.writing(path)
+            write(state, path)
 
     @staticmethod
     def _checked(load):
@@ -125,11 +155,16 @@ class Checkpointer:
             return load(path, *args, **kwargs)
         return checked
 
-    def save(self, step: int) -> str | None:
+    def save(self, step: int, last: bool = False) -> str | None:
         """Write the checkpoint of `step` atomically; its path (its URL in a bucket). Collective. A failed write (a
         full disk, a quota, an I/O error) raises CheckpointError on the rank that saw it; the other ranks then wait in
         a collective until the launcher, seeing a rank exit with an error, ends them: the previous checkpoint stays
-        complete and `latest`. A failed upload to a bucket returns None on every rank (rank 0 said why in one line)."""
+        complete and `latest`. A failed upload to a bucket returns None on every rank (rank 0 said why in one line).
+        Async (checkpoint.async_save): the previous save is committed first (`settle`); this one returns once the
+        state is in host memory, and is committed at a later step (`written`), or before it returns where `last`
+        (the run's last save, a preemption's)."""
+        if self.background is not None:
+            self.settle()
         tag = f"step_{step:08d}"
         final, partial = os.path.join(self.dir, tag), self.partial_path(step)
         previous = self.latest_tag()
@@ -138,16 +173,25 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)           # a crashed earlier attempt at this step
         dist.barrier()
         try:
+            if self.background is not None:
+                self.background.begin(self.own, after_first=lambda: self.faults.saving("writing", step))
             self._write(partial, tag, step)
-            dist.barrier()                                        # every rank's files are written
-            self.faults.saving("written", step)
-            if self.bucket is not None:                           # upload, all agree, rank 0 commits in the bucket
-                committed = self.bucket.publish(partial, tag, step, self.own.paths, self.faults, previous, self.keep,
-                                                self.keep_every)
-            elif self.rank == 0:
-                self._commit(partial, final, tag, step)
-                self._prune()
+            if self.background is not None:                       # the snapshot is taken: the thread writes it
+                self.background.start(Pending(step, tag, partial, final, previous), tag)
+                self.announce(f"checkpoint {tag}: in host memory ({self.background.host.bytes / 2**20:,.0f} MiB on "
+                              f"rank {self.rank}), written in the background")
+            else:
+                dist.barrier()                                    # every rank's files are written
+                self.faults.saving("written", step)
+                if self.bucket is not None:                       # upload, all agree, rank 0 commits in the bucket
+                    committed = self.bucket.publish(partial, tag, step, self.own.paths, self.faults, previous,
+                                                    self.keep, self.keep_every)
+                elif self.rank == 0:
+                    self._commit(partial, final, tag, step)
+                    self._prune()
         except (OSError, RuntimeError) as e:                      # torch.save reports ENOSPC as a RuntimeError
+            if self.background is not None:
+                self.background.abandon()
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)        # give the space back
             if is_peer_loss(e):                                   # another rank died mid-save: not a disk problem
@@ -155,15 +199,63 @@ class Checkpointer:
             free = shutil.disk_usage(self.dir).free / 2**20 if os.path.isdir(self.dir) else float("nan")
             cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
             full = "the disk is full, " if free < 1 or getattr(e, "errno", None) == errno.ENOSPC else ""
-            kept = f"the previous checkpoint {previous} is kept as latest" if previous else "no earlier checkpoint"
             raise CheckpointError(f"could not write checkpoint {tag} in {self.dir}: {full}{free:.1f} MiB free "
-                                  f"({type(e).__name__}: {cause}); {kept}: free space or set checkpoint.dir, then "
-                                  f"relaunch to resume") from None
-        dist.barrier()                                            # nobody runs on before the commit
+                                  f"({type(e).__name__}: {cause}); {kept(previous)}: free space or set "
+                                  f"checkpoint.dir, then relaunch to resume") from None
+        if self.background is None:
+            dist.barrier()                                        # nobody runs on before the commit
+        elif last:
+            self.settle()
         if self.bucket is not None:                               # the staging copy is uploaded (or given up)
             shutil.rmtree(partial, ignore_errors=True)
             return self.bucket.store.where(tag) if committed else None
         return final
+
+    # ---- saves in the background (checkpoint.async_save) --------------------------------------------------------
+    def writer_flags(self) -> list[bool]:
+        """[this rank still writing a save in the background, this rank's write failed]: for the step's all-reduce
+        (MAX over the ranks: pretrain/distributed.py step_outcome), whose result goes to `written`."""
+        return self.background.flags() if self.background is not None else [False, False]
+
+    def written(self, flags: list[float]) -> None:
+        """After a step's all-reduce of `writer_flags` (the same on every rank): commit the save in the background
+        once no rank is writing it, or report its failure. No wait of its own."""
+        if self.background is None or self.background.pending is None:
+            return
+        writing, failed = flags
+        if failed:
+            self._conclude(every_rank(self.background.wait(cancel=True)))
+        elif not writing:
+            self._conclude([None])
+
+    def settle(self) -> None:
+        """Wait for this rank's writer, then commit the save in the background once every rank's is done
+        (collective)."""
+        if self.background is not None and self.background.pending is not None:
+            self._conclude(every_rank(self.background.wait()))
+
+    def _conclude(self, causes: list[str | None]) -> None:
+        """Every rank's writer is done: rank 0 commits; or one failed: every rank raises the same one line, the
+        previous checkpoint stays `latest` and the written part is removed."""
+        p = self.background.settled()
+        failed = [(r, cause) for r, cause in enumerate(causes) if cause]
+        if not failed:
+            self.faults.saving("written", p.step)
+            if self.rank == 0:
+                try:
+                    self._commit(p.partial, p.final, p.tag, p.step)
+                    self._prune()
+                    self.announce(f"saved checkpoint {p.final}")
+                except OSError as e:
+                    failed = [(0, f"{type(e).__name__}: {e.strerror or e} (committing)")]
+            if not failed:
+                return
+        if self.rank == 0:
+            shutil.rmtree(p.partial, ignore_errors=True)
+        r, cause = failed[0]
+        raise CheckpointError(f"could not write checkpoint {p.tag} in {self.dir} in the background: rank {r}: "
+                              f"{cause}; {kept(p.previous)}: fix the cause (free space, or set checkpoint.dir), "
+                              f"then relaunch to resume")
 
     def partial_path(self, step: int) -> str:
         """Where the save of `step` writes until it is committed (every rank's files; the hang watchdog reads only `own`)."""
@@ -177,8 +269,7 @@ class Checkpointer:
         self.faults.saving("engine", step)
         own = {name: obj.state_dict() for name, obj in self.stateful.items()}
         mine = os.path.join(partial, f"trainer_rank{self.rank}.pt")
-        self.own.writing(mine)
-        torch.save({"step": step, "world": self.world, "rng": rng_state(), "stateful": own}, mine)
+        self._file(mine, {"step": step, "world": self.world, "rng": rng_state(), "stateful": own}, torch.save)
         if self.rank == 0:
             self.own.writing(os.path.join(partial, "config.yaml"))
             with open(os.path.join(partial, "config.yaml"), "w") as f:

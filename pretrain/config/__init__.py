@@ -19,8 +19,9 @@ This package imports nothing of the trainer: the model's config, the data layer'
 
 runs the check before a launch (its code is pretrain/prelaunch.py's `main`; this package only hands over to it).
 """
+from pretrain.config.checkpoint_section import CheckpointSection
 from pretrain.config.fleet_section import FleetSection
-from pretrain.config.sections import (CheckpointSection, DataSection, LoggingSection, ParallelSection, ProfileSection,
+from pretrain.config.sections import (DataSection, LoggingSection, ParallelSection, ProfileSection,
                                       TrainSection, WandbSection)
 from pretrain.config.train_config import Runtime, TrainConfig, check_release, cuda_available, load_config
 

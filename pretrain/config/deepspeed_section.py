@@ -40,6 +40,12 @@ OWNED_INSIDE = {
     "zero_optimization.stage": "parallel.zero_stage",
     "checkpoint.load_universal": "checkpoint.relayout",
 }
+# keys inside a DeepSpeed mapping refused outright → why, and what to use instead
+REFUSED_INSIDE = {
+    "checkpoint.writer": "DeepSpeed's decoupled and FastPersist writers finish after save_checkpoint returns, so the "
+                         "checkpointer would publish a half-written checkpoint; remove it and set "
+                         "checkpoint.async_save: true for saves in the background",
+}
 UNTESTED = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param", "zero_optimization.cpu_offload")
 
 
@@ -63,7 +69,8 @@ class DeepSpeedSection:
     dump_state: bool | None = described("print DeepSpeed's state after initialization", None)
     data_types: dict | None = described("DeepSpeed's data types, e.g. {grad_accum_dtype: fp32}", None)
     checkpoint: dict | None = described("DeepSpeed's checkpoint options: tag_validation, use_node_local_storage, "
-                                        "parallel_write (not load_universal: checkpoint.relayout)", None)
+                                        "parallel_write (not load_universal: checkpoint.relayout; not writer: "
+                                        "checkpoint.async_save)", None)
     pipeline: dict | None = described("DeepSpeed's pipeline engine options (pipe_partitioned, grad_partitioned, ...)",
                                       None)
     aio: dict | None = described("DeepSpeed's async I/O settings", None)
@@ -76,6 +83,10 @@ class DeepSpeedSection:
             outer, inner = dotted.split(".")
             if inner in (getattr(self, outer) or {}):
                 raise ConfigError(owned_message(f"deepspeed.{dotted}", setting))
+        for dotted, why in REFUSED_INSIDE.items():
+            outer, inner = dotted.split(".")
+            if inner in (getattr(self, outer) or {}):
+                raise ConfigError(f"deepspeed.{dotted} is refused: {why}")
         for dotted in UNTESTED:
             outer, inner = dotted.split(".")
             if inner in (getattr(self, outer) or {}):

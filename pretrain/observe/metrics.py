@@ -174,7 +174,8 @@ class Logger:
             self.event(step, {"branch/parent_step": record["step"]}, {"branch/parent": line})
 
     def info(self, msg: str | None) -> None:
-        if self.enabled and msg is not None:
+        """Rank 0 prints msg; nothing for an empty one (None, "", False: a line that does not apply)."""
+        if self.enabled and msg:
             print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True, file=sys.stdout)
 
     def scalars(self, step: int, values: dict, descriptions: dict | None = None) -> None:

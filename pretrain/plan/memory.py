@@ -27,6 +27,9 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
                            gradients w·T (bf16: + their fp32 copy 4·T); ZeRO-1/2 the model's gradients w·T, their
                            averaged flat partition w·T/dp and its fp32 copy 4·T/dp (none with bf16 master weights);
                            ZeRO-3 w·T/dp + 4·T/dp
+    host copy              checkpoint.async_save: a copy of the model states in host memory (pinned on a GPU), held
+                           from the first save on: on a GPU a row of its own (host memory, not the GPU's); on a CPU,
+                           where host memory is the device's, part of the peak
     peak                   states at rest + buffers + max(activations at the end of the forward pass + their largest
                            temporary + the head weight's gradient, the step)
 
@@ -80,6 +83,8 @@ class StagePlan:
     step: Term
     breakdown: dict[str, list[Term]]        # one layer's terms, per mixer of the stage
     notes: list[str] = field(default_factory=list)
+    host: Term = Term("no host copy (checkpoint.async_save off)", 0)
+    host_is_device: bool = False            # a CPU run: the host copy is in the same memory as the rest
 
     @property
     def states_bytes(self) -> int:
@@ -96,7 +101,8 @@ class StagePlan:
 
     @property
     def peak(self) -> int:
-        return self.engine_bytes + self.pipe.bytes + max(self.activation_peak, self.step.bytes)
+        held = self.host.bytes if self.host_is_device else 0
+        return self.engine_bytes + self.pipe.bytes + held + max(self.activation_peak, self.step.bytes)
 
 
 @dataclass
@@ -246,8 +252,10 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
         step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{where}",
                     step.bytes + (resident if gpu else 0))
     breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers, sp)
+    host = Term("async saves' copy of the states" + (", pinned" if gpu else ""),
+                sum(term.bytes for term in states) if cfg.checkpoint.async_save else 0)
     return StagePlan(stage, (T, sum(n for n, tr in params if not tr)), states, buffers, pipe, act, in_flight,
-                     backward_extra, step, breakdown, notes)
+                     backward_extra, step, breakdown, notes, host, not gpu)
 
 
 def plan(cfg: TrainConfig, lay: Layout, micro: int | None = None, device: str = "cuda", ds: dict | None = None) -> Plan:
@@ -338,7 +346,11 @@ def table(p: Plan, budget: int | None = None, alternatives: list[tuple[Layout, i
         if s.backward_extra.bytes:
             lines.append(f"      {'+ ' + s.backward_extra.name:<42}{gib(s.backward_extra.bytes):>14}")
         lines.append(f"    {'optimizer step: ' + s.step.name:<44}{gib(s.step.bytes):>14}")
+        if s.host.bytes and s.host_is_device:
+            lines.append(f"    {'+ ' + s.host.name:<44}{gib(s.host.bytes):>14}")
         lines.append(f"    {'peak':<44}{gib(s.peak):>14}")
+        if s.host.bytes and not s.host_is_device:
+            lines.append(f"    {'host memory: ' + s.host.name:<44}{gib(s.host.bytes):>14}")
         lines += [f"    note: {note}" for note in s.notes]
     if budget is not None:
         lines.append(f"with {gib(budget)} per GPU: {verdict(p.peak, budget, lay).text}; largest micro-batch that "

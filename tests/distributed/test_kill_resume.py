@@ -18,10 +18,14 @@ from tests.support.runs import (finish, free_local_port, launch, logged_step, ou
 
 pytestmark = pytest.mark.slow
 # SYNTHFORMER_KILL_TRIALS=N: N random trials of each kind (10 for a thorough run); by default 3 kill -9 trials, and
-# one kill in a save for each place a rank can die in one (every save phase of rank 0, the two of rank 1)
+# one kill in a save for each place a rank can die in one (every save phase of rank 0, the two of rank 1, and the
+# background write of checkpoint.async_save on rank 0: its writer thread dies with it after the first file)
 TRIALS = int(os.environ.get("SYNTHFORMER_KILL_TRIALS", 0))
 STEPS, EVERY = 40, 3   # the reference config's
-SAVE_KILLS = [(p, 0) for p in SAVE_PHASES] + [(p, 1) for p in ("begin", "engine")]   # rank 1 commits nothing
+ASYNC = "checkpoint.async_save=true"
+IN_BACKGROUND = ("writing",)   # the phases of an async save only
+SAVE_KILLS = ([(p, 0) for p in SAVE_PHASES] +   # rank 1 commits nothing
+              [(p, 1) for p in ("begin", "engine")])
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +100,9 @@ def kill_9_and_relaunch(cfg, run, reference):
 
 
 def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp_path, reference):
+    """Also saves in the background: a kill in the writer thread's write, and the last launch saves asynchronously
+    to the end (a checkpoint published at a later step resumes as one saved in place, and its losses are the
+    reference's)."""
     rng, run, cfg = random.Random(11), tmp_path / "run", reference_config(tmp_path, shards, "run")
     trials = [rng.choice(SAVE_KILLS) for _ in range(TRIALS)] if TRIALS else SAVE_KILLS   # each place once
     resume_at, kills = 0, []
@@ -103,15 +110,17 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp
         save = resume_at + EVERY * rng.randint(1, 2)
         shutil.rmtree(run / "faults", ignore_errors=True)   # a new injection: a fault's marker stops it firing twice
         # the ranks started directly (the launcher's part, a one-line message, is test_kill_9's)
-        r = launch(cfg, 2, check=False, env={"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"})
+        r = launch(cfg, 2, *[ASYNC] * (phase in IN_BACKGROUND), check=False,
+                   env={"SYNTHFORMER_FAULTS": f"kill-save-{phase}@{save}@{rank}"})
         assert r.returncode != 0
         check_resumed(r.stdout, resume_at)
         assert f"saved checkpoint {run / 'checkpoints' / f'step_{save:08d}'}" not in r.stdout
         kills.append((save, phase, rank))
         assert latest(run) == save - EVERY, (kills, latest(run))   # the one before the interrupted save
         resume_at = save - EVERY
-    r = launch(cfg, 2)
+    r = launch(cfg, 2, ASYNC)
     check_resumed(r.stdout, resume_at)
+    assert f"saved checkpoint {run / 'checkpoints' / f'step_{STEPS:08d}'}" in r.stdout and latest(run) == STEPS
     print(f"killed in the save of (step, phase, rank): {kills}")
     loss, ids = record(run)
     assert loss == reference[0] and ids == reference[1]

@@ -9,7 +9,7 @@ import pytest
 
 from pretrain.checkpoints import retention
 from pretrain.checkpoints.bucket import Bucket, local_checkpoint, resume_from, rewinds
-from pretrain.config.sections import CheckpointSection
+from pretrain.config.checkpoint_section import CheckpointSection
 from model import ConfigError
 from tests.support.s3_server import S3Server
 

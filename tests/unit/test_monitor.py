@@ -83,6 +83,8 @@ def test_the_deepspeed_section_is_merged_into_the_generated_config():
                                                "parallel.zero_stage"),
     ("deepspeed.zero_optimization={offload_optimizer: {device: cpu}}", "offload is not tested with the trainer's "
                                                                        "optimizer"),
+    ("deepspeed.checkpoint={writer: {decoupled: true}}", "deepspeed.checkpoint.writer is refused: DeepSpeed's "
+                                                          "decoupled and FastPersist writers"),
     ("deepspeed.zero_optimisation={overlap_comm: true}", "did you mean 'deepspeed.zero_optimization'?"),
     ("deepspeed.comms_loger={enabled: true}", "did you mean 'deepspeed.comms_logger'?"),
 ])

@@ -9,7 +9,7 @@ import pytest
 from model import ConfigError
 from pretrain.checkpoints.checkpointer import Checkpointer
 from pretrain.checkpoints.durable import publish
-from pretrain.config.sections import CheckpointSection
+from pretrain.config.checkpoint_section import CheckpointSection
 
 
 def save(directory, step, commit=True):

@@ -18,8 +18,6 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,23 +46,17 @@ def main(argv=None) -> int:
     host, port = server.get_host_and_port()
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                        "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(name, value)
+    from benchmarks.bench_lib import one_rank_125m
     from pretrain import distributed
     from pretrain.checkpoints.bucket import Bucket, Saves
     from pretrain.checkpoints.checkpointer import Checkpointer
-    from pretrain.config import load_config
     from pretrain.engine import build_engine
 
-    os.environ.setdefault("MASTER_PORT", str(distributed.free_local_port()))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-bucket-") as tmp:
-            cfg = load_config(os.path.join(ROOT, "configs", "synth-125m.yaml"),
-                              ["model.max_seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=1",
-                               f"parallel.zero_stage={args.zero_stage}", f"train.precision={args.precision}",
-                               f"train.run_dir={tmp}/run", "checkpoint.dir=s3://bench/run", "data.num_workers=0"])
             Bucket("s3://bench").fs.mkdir("bench")
-            lay = distributed.init(cfg)
+            cfg, lay = one_rank_125m(f"{tmp}/run", [f"parallel.zero_stage={args.zero_stage}",
+                                                    f"train.precision={args.precision}", "checkpoint.dir=s3://bench/run"])
             engine = build_engine(cfg, lay)
             n_params = sum(p.numel() for p in engine.module.parameters())
             for _ in range(args.steps):   # AdamW's moments exist after a step, as in any checkpoint of a run

@@ -343,3 +343,20 @@ def run_point(spec: dict) -> None:
             "reader": bench_data.run_reader, "startup": bench_data.run_startup}
     out = runs.get(spec["kind"], run_train)(spec)
     print(RESULT_MARK + json.dumps(out), flush=True)
+
+
+def one_rank_125m(run_dir: str, overrides: list[str]):
+    """(config, layout) of a 1-rank process group on this machine for synth-125m's widths at n 256, micro-batch 1
+    (configs/synth-125m.yaml and `overrides`): the checkpoint benchmarks' engine (bench_bucket.py,
+    bench_async_save.py)."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(name, value)
+    from pretrain import distributed
+    from pretrain.config import load_config
+
+    os.environ.setdefault("MASTER_PORT", str(distributed.free_local_port()))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "synth-125m.yaml"),
+                      ["model.max_seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=1",
+                       f"train.run_dir={run_dir}", "data.num_workers=0", *overrides])
+    return cfg, distributed.init(cfg)

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""The stall of a checkpoint save, sync against async (checkpoint.async_save), on a real DeepSpeed engine of
+synth-125m's widths (configs/synth-125m.yaml at n 256, micro-batch 1, 1 rank: the writer's thread competes with no
+second rank for the cores), a save every 3 steps, through the trainer's own Checkpointer.
+
+    PYTHONPATH=. python benchmarks/bench_async_save.py [--saves 5] [--every 3] [--json]
+
+The stall of a save is the time the training loop spends in checkpoint code from the save call until its checkpoint
+is committed: sync, the save call itself; async, the call (the host snapshot) plus the commit at the step that makes
+it (and each step's poll before). Both modes run in one process on one engine, alternately save by save, so that the
+machine's load falls on both alike. Reported: median and spread (min–max) of each, async ÷
+sync (goal ≤ 0.10), and the step times while a background write runs beside the others (on 2 CPU cores the writer
+takes a core from the step: that measures the machine, it is no goal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--saves", type=int, default=5, help="saves of each mode (default 5)")
+    p.add_argument("--every", type=int, default=3, help="steps between saves (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from benchmarks.bench_lib import one_rank_125m
+    from pretrain import distributed
+    from pretrain.checkpoints.checkpointer import Checkpointer
+    from pretrain.engine import build_engine
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+            cfg, lay = one_rank_125m(f"{tmp}/run", ["parallel.zero_stage=1"])
+            engine = build_engine(cfg, lay)
+
+            def step() -> float:
+                t = time.perf_counter()
+                tokens = torch.randint(cfg.model.vocab_size, (1, 257), device=lay.device)
+                engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+                engine.step()
+                return time.perf_counter() - t
+
+            savers = {mode: Checkpointer(engine, os.path.join(tmp, mode), 2, {}, cfg.to_dict(), None, 0, 1,
+                                         async_save=mode == "async") for mode in ("sync", "async")}
+            print(f"synth-125m widths at n 256, {sum(p.numel() for p in engine.module.parameters()) / 1e6:.1f}M "
+                  f"parameters, {args.saves} saves of each mode, one every {args.every} steps", file=sys.stderr)
+            plain, calls, beside = [], {"sync": [], "async": []}, []
+            stalls = {"sync": [], "async": []}
+            n = 0
+            for k in range(2 * args.saves):
+                mode = ("sync", "async")[k % 2]
+                saver = savers[mode]
+                for _ in range(args.every):
+                    plain.append(step())
+                n += args.every
+                t = time.perf_counter()
+                saver.save(n)
+                call = time.perf_counter() - t
+                calls[mode].append(call)
+                extra = []   # async: the steps until the commit, and the commit
+                while mode == "async" and saver.background.pending is not None:
+                    s = step()
+                    n += 1
+                    beside.append(s)
+                    t = time.perf_counter()
+                    saver.written([float(f) for f in saver.writer_flags()])
+                    extra.append((s, time.perf_counter() - t))
+                stalls[mode].append(call + sum(c for _, c in extra))
+                print(f"  save {k // 2 + 1} {mode}: stall {stalls[mode][-1]:.2f} s (call {call:.2f} s, "
+                      f"{len(extra)} steps beside a write)", file=sys.stderr)
+        result = {"step_s": spread(plain), "stall_sync_s": spread(stalls["sync"]),
+                  "stall_async_s": spread(stalls["async"]), "snapshot_s": spread(calls["async"]),
+                  "step_beside_write_s": spread(beside) if beside else None,
+                  "async_over_sync": round(statistics.median(stalls["async"]) / statistics.median(stalls["sync"]), 3)}
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"step {result['step_s']} s; stall per save: sync {result['stall_sync_s']} s, async "
+                  f"{result['stall_async_s']} s (snapshot {result['snapshot_s']} s); async ÷ sync "
+                  f"{result['async_over_sync']} (goal ≤ 0.10); a step beside a background write "
+                  f"{result['step_beside_write_s']} s")
+    finally:
+        distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

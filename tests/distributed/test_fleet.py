@@ -8,26 +8,27 @@ from tests.support.runs import ROOT, launch, ranks, tensorboard_scalars, write_c
 
 def test_a_rank_slowed_3x_in_its_forward_is_named_and_its_peers_are_not(shards, tmp_path):
     """4 gloo ranks, data parallel; rank 2 runs every forward 3 times from step 1 (SYNTHFORMER_FAULTS=slow@1@2).
-    Windows of 5 steps, the first (warm-up) not judged, named after 3 late windows (step 20, or 25 where this
-    machine's noise broke a streak). The factor is 1.5 here: on 4 ranks sharing 2 cores a window of a few steps can
+    Windows of 5 steps, the first (warm-up) not judged, named after 3 late windows in a row: at step 20, later where
+    this machine's noise broke a streak (the suite runs 2 tests at once on 2 cores: step 30 was seen), and again after
+    a broken streak runs 3 windows once more; no other rank ever. The factor is 1.5 here: on 4 ranks sharing 2 cores a window of a few steps can
     show any rank 1.2× its peers (tests/data/fleet_even_4ranks.json: none named at 1.5 in windows of 5)."""
-    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", train={"max_steps": 30, "global_batch_size": 8,
+    cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", train={"max_steps": 40, "global_batch_size": 8,
                                                                             "micro_batch_size": 2},
-                       logging={"every": 30, "val_every": 0, "image_every": 0},
+                       logging={"every": 40, "val_every": 0, "image_every": 0},
                        fleet={"every": 5, "slow_factor": 1.5})
     r = launch(cfg, 4, env={"SYNTHFORMER_FAULTS": "slow@1@2", "OMP_NUM_THREADS": "1"})
     lines = [line for line in r.stdout.splitlines() if "fleet: rank" in line]
     print("\n".join(lines))
-    assert len(lines) == 1 and "fleet: rank 2 (host " in lines[0] and ", GPU 2) slow compute" in lines[0], lines
+    assert lines and all("fleet: rank 2 (host " in line and ", GPU 2) slow compute" in line for line in lines), lines
     assert all(f"{p} " in lines[0] for p in ("data_wait", "compute", "backward", "optimizer", "collective")), lines
     windows = [json.loads(line) for line in open(tmp_path / "run" / "fleet" / "windows.jsonl")]
-    assert [w["step"] for w in windows] == [5, 10, 15, 20, 25, 30]
+    assert [w["step"] for w in windows] == [5, 10, 15, 20, 25, 30, 35, 40]
     named = {w["step"]: [s["rank"] for s in w["named"]] for w in windows if w["named"]}
-    assert list(named.values()) == [[2]] and list(named) in ([20], [25]), named
-    assert sum(w["slowest_rank"] == 2 for w in windows[1:]) >= 4, windows
+    assert named and all(r == [2] for r in named.values()) and min(named) >= 20 and len(named) == len(lines), named
+    assert sum(w["slowest_rank"] == 2 for w in windows[1:]) >= 5, windows
     record = next(s for w in windows for s in w["named"])
     assert record["phase"] == "compute" and record["gpu"] == 2 and record["ratio"] > 1.5
-    assert len(tensorboard_scalars(str(tmp_path / "run"), "fleet/slowest_rank")) == 6
+    assert len(tensorboard_scalars(str(tmp_path / "run"), "fleet/slowest_rank")) == 8
 
 
 def preflight(cfg, env):

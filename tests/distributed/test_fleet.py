@@ -31,9 +31,9 @@ def test_a_rank_slowed_3x_in_its_forward_is_named_and_its_peers_are_not(shards, 
     assert len(tensorboard_scalars(str(tmp_path / "run"), "fleet/slowest_rank")) == 8
 
 
-def preflight(cfg, env):
+def preflight(cfg, env, *overrides):
     # loopback links of a 2-core machine shared with other jobs vary by 2× between pairs: their floor is set low here
-    return ranks([cfg, "fleet.link_floor=0.25", "--repeats", "10", "--mb", "1"], 4, {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}, 120,
+    return ranks([cfg, "fleet.link_floor=0.25", *overrides, "--repeats", "10", "--mb", "1"], 4, {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env}, 120,
                  warm="pretrain.fleet")
 
 
@@ -47,7 +47,9 @@ def test_the_check_before_launch_names_a_slow_gemm_and_passes_an_even_machine(sh
     assert slow.returncode == 1, slow.stdout + slow.stderr[-2000:]
     assert line.startswith("preflight: slow: rank 1 (host ") and "GPU 1) GEMM TFLOP/s" in line
     assert "rank 0 " not in line and "rank 2 " not in line and "rank 3 " not in line
-    even = preflight(cfg, {})
+    # the even machine's GEMMs at a floor of 0.6: with the suite's other worker on the same 2 cores a rank's turn can
+    # come out at 0.8 of the median (the slowed rank above is at 0.2–0.56)
+    even = preflight(cfg, {}, "fleet.gpu_floor=0.6")
     [line] = [line for line in even.stdout.splitlines() if line.startswith("preflight")]
     print(line)
     assert even.returncode == 0 and line.startswith("preflight: 4 ranks even") and "6 links even" in line

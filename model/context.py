@@ -57,7 +57,9 @@ def split(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
 class _AllGather(torch.autograd.Function):
     """[t of every rank of the group] forward; backward each rank's gradient of every copy of its own t, summed.
     A sum over ranks of a gathered gradient is a reduce-scatter; gloo has none, so it is an all-reduce there, and a
-    reduce-scatter where the backend has one (NCCL)."""
+    reduce-scatter where the backend has one (NCCL). torch.distributed.nn.functional.all_gather (an all-to-all and
+    a sum on gloo) was tried in its place: tests/distributed/test_context_parallel.py's gradients came out wrong with it
+    on gloo (relative errors up to 59 for the dot variants), so this one stays until that is understood."""
 
     @staticmethod
     def forward(ctx, t, group):

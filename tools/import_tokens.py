@@ -23,7 +23,7 @@ from tokendata import tokenizer as tokenizers
 from tokendata.imports import checked, megatron, mds, npy, with_eos
 from tokendata.packing import Packer
 from tokendata.shards import dtype_for
-from tools.make_shards import prepare_out_dir
+from tools.make_shards import prepare_out_dir, wrote_line
 
 READERS = {"megatron": lambda path, args, eos: megatron.chunks(path),
            "mds": lambda path, args, eos: mds.chunks(path, args.mds_column, args.dtype, eos),
@@ -94,11 +94,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     m = import_tokens(args, progress=not args.quiet)
-    st, tr, va = m["stats"], m["splits"]["train"], m["splits"]["val"]
-    secs = max(st["seconds"], 1e-9)
-    print(f"wrote {args.out}: train {tr['samples']} samples in {len(tr['shards'])} shards, val {va['samples']} "
-          f"samples in {len(va['shards'])} shards, seq_len={m['seq_len']}, vocab_size={m['vocab_size']}, "
-          f"dtype={m['dtype']}")
+    st, secs = m["stats"], max(m["stats"]["seconds"], 1e-9)
+    print(wrote_line(args.out, m))
     print(f"read {st['ids']:,} ids ({st['bytes'] / 1e6:.1f} MB) into a stream of {st['stream_tokens']:,} tokens "
           f"({st['dropped_tokens']} left over at the end) in {secs:.1f} s: {st['bytes'] / 1e6 / secs:.0f} MB/s")
     return 0

@@ -140,6 +140,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def wrote_line(out: str, m: dict) -> str:
+    """The summary of a written shard set (its manifest `m`): its splits, length, vocabulary and dtype."""
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    return (f"wrote {out}: train {tr['samples']} samples in {len(tr['shards'])} shards, val {va['samples']} samples "
+            f"in {len(va['shards'])} shards, seq_len={m['seq_len']}, vocab_size={m['vocab_size']}, dtype={m['dtype']}")
+
+
 @one_line_errors
 def main(argv=None):
     args = parse_args(argv)
@@ -147,11 +154,8 @@ def main(argv=None):
     m = make_shards(args.input, args.tokenizer, args.out, args.seq_len, args.samples_per_shard, args.val_fraction,
                     args.seed, args.batch_chars, args.threads, args.force, not args.quiet, args.workers, args.eos,
                     corpora.Corpus.from_args(args))
-    st, tr, va = m["stats"], m["splits"]["train"], m["splits"]["val"]
-    secs = max(st["seconds"], 1e-9)
-    print(f"wrote {args.out}: train {tr['samples']} samples in {len(tr['shards'])} shards, "
-          f"val {va['samples']} samples in {len(va['shards'])} shards, seq_len={m['seq_len']}, "
-          f"vocab_size={m['vocab_size']}, dtype={m['dtype']}")
+    st, secs = m["stats"], max(m["stats"]["seconds"], 1e-9)
+    print(wrote_line(args.out, m))
     print(f"read {st['documents']} documents, {st['text_bytes'] / 1e6:.1f} MB, {st['stream_tokens']} tokens "
           f"({st['dropped_tokens']} left over at the end) in {secs:.1f} s: "
           f"{st['text_bytes'] / 1e6 / secs:.2f} MB/s, {st['stream_tokens'] / secs:,.0f} tokens/s")

@@ -104,8 +104,10 @@ class DataSection:
 
 @dataclass(kw_only=True)
 class ParallelSection:
-    """How ranks are split: world = tp × pp × dp, dp derived from the world size at launch (`dp()`)."""
+    """How ranks are split: world = tp × cp × pp × dp, dp derived from the world size at launch (`dp()`)."""
     tp: int = described("tensor-parallel size: heads (and every per-head synthesizer weight) are split over tp ranks", 1)
+    cp: int = described("context-parallel size: each sequence split into 2·cp chunks over cp ranks (model/context.py; "
+                        "max_seq_len % (2·cp) = 0)", 1)
     pp: int = described("pipeline stages (DeepSpeed PipelineModule); layers are split over them", 1)
     zero_stage: int = described("DeepSpeed ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer states), "
                          "2 (+ gradients), 3 (+ parameters)", 1)
@@ -121,6 +123,7 @@ class ParallelSection:
     def __post_init__(self):
         check_types(self, "parallel")
         need(self.tp >= 1, "parallel.tp", self.tp, "≥ 1")
+        need(self.cp >= 1, "parallel.cp", self.cp, "≥ 1")
         need(self.pp >= 1, "parallel.pp", self.pp, "≥ 1")
         need(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         need(self.partition in ("parameters", "uniform"), "parallel.partition", self.partition,
@@ -133,11 +136,12 @@ class ParallelSection:
                               f"zero_stage={self.zero_stage}); DeepSpeed pipelines support ZeRO-0/1 only")
 
     def dp(self, world_size: int) -> int:
-        """Data-parallel size: the ranks left after tensor and pipeline parallelism."""
-        if world_size < 1 or world_size % (self.tp * self.pp):
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp × parallel.pp = "
-                              f"{self.tp} × {self.pp} = {self.tp * self.pp}")
-        return world_size // (self.tp * self.pp)
+        """Data-parallel size: the ranks left after tensor, context and pipeline parallelism."""
+        model_ranks = self.tp * self.cp * self.pp
+        if world_size < 1 or world_size % model_ranks:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp × parallel.cp × parallel.pp = "
+                              f"{self.tp} × {self.cp} × {self.pp} = {model_ranks}")
+        return world_size // model_ranks
 
 
 @dataclass(kw_only=True)

@@ -97,6 +97,9 @@ class TrainConfig:
             raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by parallel.tp={p.tp}, as "
                               "parallel.sequence_parallel needs (each rank holds n/tp positions); choose max_seq_len "
                               "as a multiple of tp or set parallel.sequence_parallel=false")
+        if p.cp > 1:   # the model's half (model/context.py) is tested; the trainer's groups and data split are not yet
+            raise ConfigError(f"parallel.cp={p.cp} is not in the trainer yet (model/context.py has the model's half); "
+                              "set parallel.cp=1")
         if m.n_layers < p.pp:
             raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
         if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss

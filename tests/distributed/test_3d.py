@@ -129,7 +129,7 @@ def test_megatron_and_deepspeed_agree_on_every_rank():
 
 
 @pytest.mark.parametrize("overrides,world,needles", [
-    (["parallel.tp=2", "parallel.pp=2"], 6, ["world size 6", "parallel.tp × parallel.pp"]),
+    (["parallel.tp=2", "parallel.pp=2"], 6, ["world size 6", "parallel.tp × parallel.cp × parallel.pp"]),
     (["parallel.tp=3"], 3, ["model.n_heads=4", "parallel.tp=3"]),
     (["parallel.pp=4", "model.n_layers=2", "model.mixer=dot"], 4, ["model.n_layers", "parallel.pp"]),
     (["parallel.pp=2", "parallel.zero_stage=2"], 2, ["parallel.pp", "parallel.zero_stage"]),

@@ -247,7 +247,7 @@ def test_check_runtime_cross_section_errors():
     assert error_of(demo.check_runtime, 4) == ("train.global_batch_size=16 is not divisible by train.micro_batch_size"
                                                " × data-parallel size = 8 × 4 = 32")
     tp2 = load_config(DEMO, ["parallel.tp=2"])
-    assert error_of(tp2.check_runtime, 3) == "world size 3 is not divisible by parallel.tp × parallel.pp = 2 × 1 = 2"
+    assert error_of(tp2.check_runtime, 3) == "world size 3 is not divisible by parallel.tp × parallel.cp × parallel.pp = 2 × 1 × 1 = 2"
     assert tp2.check_runtime(4).dp == 2
     assert error_of(load_config(DEMO, ["parallel.tp=8"]).check_runtime, 8) == \
         "model.n_heads=4 is not divisible by parallel.tp=8"

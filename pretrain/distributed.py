@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pretrain.config import TrainConfig
 from model import parallel as tp
 from pretrain import timeouts
+from pretrain.node import node_name
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Layout:
     grad_accum: int
     device: torch.device
     dp_group: object = None
-    peers: tuple = ()    # (host, pid) of every rank, to name the one that is lost if a rank dies
+    peers: tuple = ()    # (node name: pretrain/node.py, pid) of every rank, to name the one that is lost if a rank dies
     collective_timeout_s: float = 0.0   # C of pretrain/timeouts.py: computed once, here, for every process group
 
     @property
@@ -301,7 +302,7 @@ def init(cfg: TrainConfig) -> Layout:
     timeouts.agree(timeout.total_seconds())
     device = torch.device(accel.current_device_name())
     peers = [None] * world
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    dist.all_gather_object(peers, (node_name(), os.getpid()))
     return Layout(rank=dist.get_rank(), world=world, dp_rank=dp_rank, dp=runtime.dp, tp=cfg.parallel.tp,
                   pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device, dp_group=dp_group,
                   peers=tuple(peers), collective_timeout_s=timeout.total_seconds())
@@ -330,7 +331,7 @@ def lost_peer(e: BaseException, lay: Layout) -> str | None:
     lost ranks (those of this host whose process is gone; others are not visible from here) and what to do."""
     if not is_peer_loss(e):
         return None
-    here = socket.gethostname()
+    here = node_name()
     deadline = time.monotonic() + LOSS_GRACE_S
     while True:   # a killed rank's sockets close before its process is gone: give it a moment to be seen gone
         lost = [r for r, (host, pid) in enumerate(lay.peers) if host == here and r != lay.rank and not _alive(pid)]

@@ -163,7 +163,7 @@ class Trainer:
             with self.profile.step(self.step + 1):   # logging.profile's windows; nothing when off
                 loss, skipped, preempted = self.train_step(batches)
             self.step += 1
-            self.fleet.after(self.step, self.times, self.log, self.read)   # at each fleet window's last step
+            self.stop_reason = self.fleet.after(self.step, self.times, self.log, self.read) or self.stop_reason
             note = self.guard.record(self.step, loss, skipped is not None, skipped or "")   # raises after K in a row
             if note:
                 self.log.scalars(self.step, {"train/skipped_steps": self.guard.total})

@@ -16,11 +16,13 @@ a local HTTP server. It shows, in order:
      supervisor stops its launcher within 60 s (measured);
   7. the shard server down for longer than the retries (SYNTHFORMER_DATA_RETRIES=2) → the launch ends transient and is
      relaunched; after the server returns, the first run's losses, and no shard marked bad;
-  8. a data error (source b's shards damaged on the server, same sizes, other content) → no relaunch, exit 2.
+  8. a data error (source b's shards damaged on the server, same sizes, other content) → no relaunch, exit 2;
+  9. a slow node (4 ranks as 2 nodes of 2, rank 2 slowed 3×, fleet.exclude=true) → named, every rank saves, the
+     node leaves, the other relaunches alone at dp 2: the same global batches as a 2-rank run, no sample read twice.
 
 Claims 5-7 share one run, a copy of the first at step 6 (tools/rehearsal_cases.py tells how).
 
-    python tools/rehearsal.py [--out build/rehearsal] [--hang-timeout 20]
+    python tools/rehearsal.py [--out build/rehearsal] [--hang-timeout 20] [--only exclude]
 
 It prints what it does, a PASS or FAIL per claim, the time taken and the peak resident memory of every process it
 started (the budget: 12 minutes and 12 GiB on 2 cores); exit status 0 when all pass.
@@ -34,18 +36,20 @@ import signal
 import sys
 import time
 
-from tools.rehearsal_cases import hangs_alike, preempt_error_outage
+from tools.rehearsal_cases import exclude_slow_node, hangs_alike, preempt_error_outage
 from tools.rehearsal_kit import (ROOT, T0, Memory, Nodes, Shards, damage, fork_run, ids_by_step, jsonl, logged_step,
                                  replays_agree, say, verdicts, wait_until, write_config)
 
 
-def rehearse(out: str, hang_timeout: float) -> dict[str, tuple[bool, str]]:
+def rehearse(out: str, hang_timeout: float, only: str | None = None) -> dict[str, tuple[bool, str]]:
     from tools.rehearsal_kit import build_data
 
     data = build_data(out)
     shards = Shards(data)
     url = shards.url
     say(f"two sources (a 0.6, b 0.4) served from {data} at {url}")
+    if only == "exclude":
+        return exclude_slow_node(out, shards, hang_timeout)
     results = {}
 
     # 1-3: kill -9 of rank 6, relaunch; rank 5 stalls at step 8, all watchdogs expire, relaunch; the same stall again
@@ -132,6 +136,9 @@ def rehearse(out: str, hang_timeout: float) -> dict[str, tuple[bool, str]]:
     results["data error → no relaunch"] = (
         codes_bad == [2, 2] and failed and not restarts,
         f"exit statuses {codes_bad}, {len(restarts)} relaunches")
+
+    # 9: fleet.exclude, a slow node moved off
+    results.update(exclude_slow_node(out, shards, hang_timeout))
     shards.stop()
     return results
 
@@ -141,6 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "build", "rehearsal"), help="its folder (default "
                                                                                   "build/rehearsal, emptied first)")
     p.add_argument("--hang-timeout", type=float, default=20.0, help="train.hang_timeout of the runs (default 20 s)")
+    p.add_argument("--only", choices=["exclude"], help="run only this claim (exclude: 9, the move off a slow node)")
     args = p.parse_args(argv)
     for name in os.listdir(args.out) if os.path.isdir(args.out) else []:
         if name != "data":
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(args.out, exist_ok=True)
     memory = Memory()
-    results = rehearse(args.out, args.hang_timeout)
+    results = rehearse(args.out, args.hang_timeout, args.only)
     memory.stop = True
     print()
     for claim, (ok, words) in results.items():

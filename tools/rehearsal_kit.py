@@ -100,7 +100,8 @@ class Nodes:
             log = open(os.path.join(out, f"{name}.node{node}.out"), "w")
             environ = {**os.environ, "PYTHON": PY, "NNODES": str(nodes), "NODE_RANK": str(node),
                        "NPROC": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RESTART_BACKOFF": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+                       "RESTART_BACKOFF": "1", "OMP_NUM_THREADS": "1",
+                       "SYNTHFORMER_NODE": f"node{node}", **(env or {})}   # the node's name (pretrain/node.py)
             self.procs.append(subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), *options, config,
                                                *overrides],
                                                cwd=ROOT, env=environ, stdout=log, stderr=err, text=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.config import ConfigError
 from model.fields import check_types, described, need
 
 TARGET_WINDOW_S = 20.0   # fleet.every's default: a window of about this much predicted step time
@@ -24,8 +23,8 @@ class FleetSection:
     exclude: bool = described("when a node stays named for fleet.exclude_after_s, the supervisor checkpoints, "
                               "writes it to <run_dir>/fleet/excluded_nodes and relaunches without it at the smaller "
                               "data-parallel size (docs/operations.md); later relaunches keep it out until a person "
-                              "removes its line. Not acted on yet: true is refused until the supervisor's relaunch "
-                              "on it is wired (the host-list logic is pretrain/fleet/exclusion.py)", False)
+                              "removes its line. Needs launch/pretrain.sh's supervisor (not a scheduler's own "
+                              "ranks); the first node (the rendezvous's) never leaves", False)
     exclude_after_s: float = described("seconds a node must stay named before fleet.exclude moves the job off it", 300.0)
     preflight: bool = described("run the check before launch (python -m pretrain.fleet: a fixed GEMM on every rank, "
                                 "a collective over every node pair) before the first step; a rank or link named "
@@ -38,10 +37,6 @@ class FleetSection:
         need(self.every is None or self.every >= 0, "fleet.every", self.every, "null (about 20 s), 0 (off) or ≥ 1")
         need(self.slow_factor > 1, "fleet.slow_factor", self.slow_factor, "> 1, e.g. 1.15")
         need(self.windows >= 1, "fleet.windows", self.windows, "≥ 1")
-        if self.exclude:
-            raise ConfigError("fleet.exclude=true is not available yet: the supervisor does not yet relaunch without a "
-                              "named node (docs/operations.md, Slow jobs); set fleet.exclude=false and move off a node "
-                              "named in the log by hand")
         need(self.exclude_after_s >= 0, "fleet.exclude_after_s", self.exclude_after_s, "≥ 0 seconds")
         for name in ("gpu_floor", "link_floor"):
             need(0 < getattr(self, name) < 1, f"fleet.{name}", getattr(self, name), "between 0 and 1, e.g. 0.9")

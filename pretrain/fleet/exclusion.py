@@ -9,16 +9,23 @@ that keeps it out of later launches. Pure logic on host lists and the run direct
                  fit, the largest smaller micro-batch that does (more accumulation, the same batches). Where dp' does
                  not divide the global batch at all, or no node would be left, nothing leaves: `Refused` says why, in
                  one line, and the job goes on at the slow node's speed.
+                 The first node holds the rendezvous (MASTER_ADDR) of every launcher: it never leaves (`pinned`).
     the file     <run_dir>/fleet/excluded_nodes: one host a line, `host  # why`, appended. A launch reads it and leaves
                  those hosts out of its host list; a person lets a node back by deleting its line.
+    the request  <run_dir>/fleet/exclude_requests.jsonl: the trainer's rank 0, once a move is due, appends it (`ask`)
+                 and stops every rank after the next step with a checkpoint (its stop reason begins with REASON); the
+                 supervisors read the newest line (`asked`) and relaunch without the node (supervision/exclude.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 EXCLUDED = os.path.join("fleet", "excluded_nodes")
+REQUESTS = os.path.join("fleet", "exclude_requests.jsonl")
+REASON = "fleet.exclude"   # how the stop reason of a move begins (supervision/rank.py records the class `exclude`)
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,13 @@ def due(named_since: dict[str, float], now: float, after_s: float) -> str | None
 
 
 def plan(host: str, hosts: list[str], ranks_per_node: int, tp: int, pp: int, global_batch: int, micro_batch: int,
-         why: str) -> Exclusion | Refused:
-    """The launch without `host` (see the module's docstring)."""
+         why: str, pinned: str | None = None) -> Exclusion | Refused:
+    """The launch without `host` (see the module's docstring); `pinned`: a node that must stay (the rendezvous's)."""
     if host not in hosts:
         return Refused(f"fleet.exclude: node {host} is not in the host list ({', '.join(hosts)}); nothing leaves")
+    if host == pinned:
+        return Refused(f"fleet.exclude: node {host} stays: it holds the launch's rendezvous (MASTER_ADDR, the first "
+                       f"node); move the job off it by hand (docs/operations.md, Slow jobs)")
     kept = tuple(h for h in hosts if h != host)
     if not kept:
         return Refused(f"fleet.exclude: node {host} is the only node; nothing leaves (the job stays at its speed)")
@@ -91,3 +101,23 @@ def hosts_for_launch(run_dir: str, hosts: list[str]) -> list[str]:
     """The host list of a launch of this run: `hosts` without the excluded ones."""
     out = set(excluded(run_dir))
     return [h for h in hosts if h not in out]
+
+
+def ask(run_dir: str, move: Exclusion, hosts: list[str]) -> None:
+    """The trainer's request for `move` (from the launch's `hosts`), for the supervisors: one line, appended."""
+    path = os.path.join(run_dir, REQUESTS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), "from": list(hosts), **asdict(move)}) + "\n")
+
+
+def asked(run_dir: str) -> tuple[Exclusion, list[str]] | None:
+    """The newest request: (the move, the hosts of the launch it was planned on), or None."""
+    path = os.path.join(run_dir, REQUESTS)
+    rows = [line for line in open(path) if line.strip()] if os.path.exists(path) else []
+    if not rows:
+        return None
+    row = json.loads(rows[-1])
+    hosts = row.pop("from")
+    row.pop("time")
+    return Exclusion(**{**row, "hosts": tuple(row["hosts"])}), hosts

@@ -14,6 +14,9 @@ own (`read`): what it records after it (a hang in its teardown) is left out, and
     done                     0  no           the launch trained what it was asked (train.max_steps, stop_after_steps)
     preempted                0  no           a signal (train.preempt_signals) or train.max_wall_minutes: a checkpoint of
                                              the step, then exit 0; the scheduler, or the user, relaunches
+    exclude                  0  no           fleet.exclude: rank 0 stopped every rank with a checkpoint to move off a
+                                             slow node; the supervisor relaunches without it (exclude.py), not as a
+                                             failure (no --max-restarts counted)
     config or data error     2  no           ConfigError, DataError (a bad shard under data.bad_shards=fail: missing, a
                                              size, hash or parse that is wrong): the same command fails the same way
     training stopped         4  no           TrainingStopped (train.max_consecutive_skips non-finite steps in a row), a
@@ -53,13 +56,15 @@ CONFIG = FailureClass("config or data error", 2, False, "a bad setting, a bad or
                                                         "(data.bad_shards=fail): the same command fails the same way")
 STOPPED = FailureClass("training stopped", 4, False, "train.max_consecutive_skips non-finite steps in a row, or a "
                                                      "checkpoint that cannot be written: replayed, it stops again")
+EXCLUDE = FailureClass("exclude", 0, False, "fleet.exclude: every rank saved the step and exited to move off a "
+                                           "slow node; the supervisor relaunches without it (not a failure)")
 HANG = FailureClass("hang", 3, True, "no progress for train.hang_timeout (the watchdog), or a collective timed out")
 UNKNOWN = FailureClass("unknown", 1, True, "anything else: a CUDA error, out of memory, a bug (a crash loop stops it)")
 TRANSIENT = FailureClass("transient", 6, True, "an outage of the data's server, store or network that outlasted the "
                                                "retries (tokendata/remote.py): relaunched after a longer wait")
 LOST = FailureClass("lost rank", 5, True, "another rank died (kill -9, the OOM killer, a node lost); a rank that "
                                           "left no record")
-PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, TRANSIENT, LOST, PREEMPTED, DONE)   # the cause before its echoes
+PRECEDENCE = (CONFIG, STOPPED, HANG, UNKNOWN, TRANSIENT, LOST, EXCLUDE, PREEMPTED, DONE)   # the cause before its echoes
 CAUSES = (HANG, UNKNOWN, TRANSIENT)   # what a relaunch can fix, the earliest of them first: the first cause wins
 BY_NAME = {c.name: c for c in PRECEDENCE}
 RANKED = {c.name: i for i, c in enumerate(PRECEDENCE)}
@@ -223,7 +228,7 @@ def conclude(endings: list[Ending], exit_status: int) -> Verdict:
         return Verdict(cls, None, None, f"{why}; the launch ended with exit status {exit_status}")
     best, quiet = first_cause(endings), silent(endings)
     who = f"{'rank' if len(quiet) == 1 else 'ranks'} {spans(quiet)}" if quiet else "a rank"
-    if exit_status != 0 and best.failure in (DONE, PREEMPTED):
+    if exit_status != 0 and best.failure in (DONE, PREEMPTED, EXCLUDE):
         return Verdict(LOST, quiet[0] if quiet else None, best.step,
                        f"{who} left no record and the launch ended with exit status {exit_status} (killed: kill -9, "
                        f"the OOM killer)")

@@ -21,6 +21,7 @@ import time
 from model import ConfigError
 from pretrain import distributed, timeouts
 from pretrain.checkpoints.checkpointer import CheckpointError
+from pretrain.fleet import exclusion
 from pretrain.step_guard import TrainingStopped
 from pretrain.supervision import classes, flight_recorder, nodes, ranklog
 from pretrain.supervision.relaunch import STOP_SIGNALS
@@ -102,8 +103,9 @@ def run_rank(load, make_trainer) -> int:
     try:
         trainer = make_trainer(cfg)
         trainer.train()
-        stopped = getattr(trainer, "stopped_by", None)
-        cls = classes.PREEMPTED if stopped else classes.DONE
+        stopped = getattr(trainer, "stopped_by", None)   # fleet.exclude's stop names its move (fleet/exclusion.py)
+        cls = (classes.EXCLUDE if str(stopped).startswith(exclusion.REASON) else classes.PREEMPTED) if stopped else \
+            classes.DONE
         line = f"stopped at step {trainer.step} ({stopped})" if stopped else f"trained to step {trainer.step}"
         final_record(run_dir, trainer, classes.Ending(rank, cls.name, line, trainer.step, restart))
         return 0

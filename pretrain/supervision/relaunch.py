@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from pretrain.supervision import classes, nodes
+from pretrain.supervision import classes, exclude, nodes
 from pretrain.supervision.ranklog import log_path
 
 MAX_BACKOFF_S = 300
@@ -103,7 +103,7 @@ def judge(run_dir: str | None, restart: int, since: dict | float, code: int,
         verdict.step = newest_checkpoint_step(run_dir)
     before = previous(run_dir, restart)
     stop = None
-    if not verdict.cls.relaunch:
+    if not verdict.cls.relaunch and verdict.cls is not classes.EXCLUDE:   # a move off a node: exclude.py
         stop = f"a relaunch cannot fix a {verdict.cls.name} ({verdict.cls.meaning})"
     elif crash_loop(before, verdict):
         stop = (f"launch {restart} failed as launch {restart - 1} did, at step {verdict.step} with the same first "
@@ -285,13 +285,17 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
         finder.start()
     board = nodes.Board(run_dir) if node else None
     restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
-    first = restarts
+    first = restarts   # (moved on by each move off a node: those relaunches are no failures)
+    if node and exclude.kept_out(run_dir):   # this node is in the run's excluded nodes (fleet.exclude)
+        print(exclude.kept_out(run_dir), file=sys.stderr, flush=True)
+        return 0
     for s in STOP_SIGNALS:   # also while it waits to relaunch
         signal.signal(s, lambda signum, frame: stopping.append(signum))
     while True:
         started, since = time.monotonic(), time.time()
         if run_dir:   # for ranks that this environment does not reach
             nodes.announce(run_dir, restarts, env.get(RESTART_CAUSE))
+        command = exclude.honour(command, run_dir)   # over ssh: the hostfile without the run's excluded nodes
         code, errors, stopped_for = run_once(command, {**env, RESTARTS: str(restarts)}, stopping, run_dir, restarts,
                                              board, node)
         if run_dir:
@@ -304,11 +308,21 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
         if finder.is_alive():
             finder.join()
         run_dir = found["dir"]
-        if node and code != 0:
+        if node:   # (a clean end too: rank 0's record of a move off a node may be another node's last)
             wait_for_nodes(board, node, restarts, stopping)
         verdict, stop = judge(run_dir, restarts, found["mark"] if found["mark"] is not None else since, code, errors)
         if verdict.cls in (classes.DONE, classes.PREEMPTED) and code == 0:
             return 0
+        if verdict.cls is classes.EXCLUDE and code == 0:   # every rank saved and stopped to move off a node
+            moved = exclude.move(run_dir, command, node.count if node else 1, node.rank if node else 0, board,
+                                 restarts)
+            if moved.command is None:
+                return moved.status
+            command, node = moved.command, node and Node(moved.count, moved.rank, node.grace)
+            env.update({RESTART_CAUSE: verdict.line, **({"NNODES": str(moved.count), "NODE_RANK": str(moved.rank)}
+                                                         if node else {})})
+            restarts, first = restarts + 1, first + 1
+            continue
         print(failure_line(verdict, run_dir), file=sys.stderr, flush=True)
         status = verdict.cls.exit or code or 1
         if max_restarts == 0:   # no relaunch was asked for: the failure's line says it all

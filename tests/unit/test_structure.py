@@ -46,7 +46,7 @@ REACH = {("evaluation", "pretrain"): ("pretrain.checkpoints", "pretrain.observe"
 #   4  what builds or watches a run: the engine, the supervision, the checks before a launch
 #   5  the trainer
 PRETRAIN_FLOORS = {
-    "pretrain.timeouts": 0, "pretrain.faults": 0, "pretrain.pipeline": 0,
+    "pretrain.timeouts": 0, "pretrain.faults": 0, "pretrain.pipeline": 0, "pretrain.node": 0,
     "pretrain.config": 1,
     "pretrain.distributed": 2, "pretrain.float8": 2, "pretrain.plan": 2, "pretrain.observe": 2,
     "pretrain.data": 3, "pretrain.step_guard": 3, "pretrain.checkpoints": 3, "pretrain.fleet": 3,

@@ -18,7 +18,8 @@ a local HTTP server. It shows, in order:
      relaunched; after the server returns, the first run's losses, and no shard marked bad;
   8. a data error (source b's shards damaged on the server, same sizes, other content) → no relaunch, exit 2;
   9. a slow node (4 ranks as 2 nodes of 2, rank 2 slowed 3×, fleet.exclude=true) → named, every rank saves, the
-     node leaves, the other relaunches alone at dp 2: the same global batches as a 2-rank run, no sample read twice.
+     node leaves, the other relaunches alone at dp 2: the same global batches as the first run's (8 ranks; with
+     --only exclude, a 2-rank run made first), no sample read twice.
 
 Claims 5-7 share one run, a copy of the first at step 6 (tools/rehearsal_cases.py tells how).
 
@@ -138,7 +139,7 @@ def rehearse(out: str, hang_timeout: float, only: str | None = None) -> dict[str
         f"exit statuses {codes_bad}, {len(restarts)} relaunches")
 
     # 9: fleet.exclude, a slow node moved off
-    results.update(exclude_slow_node(out, shards, hang_timeout))
+    results.update(exclude_slow_node(out, shards, hang_timeout, reference=run, ranks=8))
     shards.stop()
     return results
 

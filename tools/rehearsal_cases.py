@@ -1,4 +1,4 @@
-"""The rehearsal's preemption, error and outage claims, and the move off a slow node (tools/rehearsal.py runs them), on one run of 8 ranks as 2 nodes
+"""The rehearsal's preemption, error and outage claims (tools/rehearsal.py runs them), on one run of 8 ranks as 2 nodes
 of 4 with data.num_workers 2: a copy of the first run at its checkpoint of step 6 (rehearsal_kit.fork_run), whose
 steps 7-12 that run has already trained, so that every loss after a resume is compared with that pass's, bit for bit.
 
@@ -11,6 +11,8 @@ steps 7-12 that run has already trained, so that every loss after a resume is co
              down (its socket closed) before the relaunch, with SYNTHFORMER_DATA_RETRIES=2: launch 1 ends transient and
              is relaunched; the server comes back, and launch 2 trains to step 12 with data.bad_shards=skip, which
              would skip (and log) any shard an outage marked bad.
+
+And the move off a slow node (fleet.exclude, `exclude_slow_node`), on a run of its own: 4 ranks as 2 nodes of 2.
 """
 from __future__ import annotations
 
@@ -132,16 +134,19 @@ def hangs_alike(lines: list[str]) -> int:
 
 
 
-def exclude_slow_node(out: str, shards: Shards, hang_timeout: float) -> dict[str, tuple]:
+def exclude_slow_node(out: str, shards: Shards, hang_timeout: float, reference: str | None = None,
+                      ranks: int = 2) -> dict[str, tuple]:
     """fleet.exclude: 4 ranks as 2 "nodes" of 2, node 1's rank 2 slowed 3× (SYNTHFORMER_FAULTS slow@1@2), named
     within a few windows (fleet.every 2, fleet.windows 2, fleet.exclude_after_s 0); every rank saves and stops, both
     supervisors read the move, node 1's leaves, node 0's converts the checkpoint and relaunches alone at dp 2. Against
-    a run of 2 ranks (dp 2) that never had node 1: the same global batch at every step, no sample read twice, and
-    the losses within float rounding (other reduction orders)."""
-    reference = os.path.join(out, "exclude-reference")
-    say("fleet.exclude: a reference run on 1 node of 2 ranks (dp 2), 12 steps")
-    ref_codes = Nodes(out, "exclude-reference", write_config(os.path.join(out, "exclude-reference.yaml"), reference,
-                                                            shards.url, hang_timeout), 1, 2).wait(600)
+    a run that never had node 1 (`reference`, of `ranks` ranks: the full rehearsal's first run, 8 ranks, whose global
+    batches are those of any data-parallel size; else one of 2 ranks, dp 2, trained here first): the same global batch
+    at every step, no sample read twice, and the losses within float rounding (other reduction orders)."""
+    if reference is None:
+        reference = os.path.join(out, "exclude-reference")
+        say("fleet.exclude: a reference run on 1 node of 2 ranks (dp 2), 12 steps")
+        Nodes(out, "exclude-reference", write_config(os.path.join(out, "exclude-reference.yaml"), reference,
+                                                     shards.url, hang_timeout), 1, 2).wait(600)
     run = os.path.join(out, "exclude")
     config = write_config(os.path.join(out, "exclude.yaml"), run, shards.url, hang_timeout)
     say("fleet.exclude: 4 ranks as 2 nodes of 2, rank 2 (node 1) slowed 3× from step 1; fleet.exclude=true")
@@ -153,19 +158,23 @@ def exclude_slow_node(out: str, shards: Shards, hang_timeout: float) -> dict[str
         if line.startswith(("fleet.exclude", "node node1 leaves", "error:")) or "converting" in line:
             print(f"    {line[:300]}")
     said = [line for line in lines if line.startswith("fleet.exclude: node node1 leaves")]
-    ids, ref_ids = ids_by_step(run, range(4)), ids_by_step(reference, range(2))
+    steps = range(1, 13)   # (the first run goes on to step 16 in the data-error claim)
+    ids = ids_by_step(run, range(4))
+    ref_ids = {s: batch for s, batch in ids_by_step(reference, range(ranks)).items() if s in steps}
     stops = {k: max((r["step"] for r in jsonl(os.path.join(run, "sample_ids", f"rank{k}.jsonl"))), default=0)
              for k in range(4)}
     every = [i for step in sorted(ids) for i in ids[step]]
     mine, theirs = losses(run), losses(reference)
-    worst = max((abs(mine[s] - theirs[s]) / abs(theirs[s]) for s in theirs if s in mine), default=float("nan"))
+    worst = max((abs(mine[s] - theirs[s]) / abs(theirs[s]) for s in steps if s in mine and s in theirs),
+                default=float("nan"))
     kept = open(os.path.join(run, "fleet", "excluded_nodes")).read() if \
         os.path.exists(os.path.join(run, "fleet", "excluded_nodes")) else ""
-    ok = (ref_codes == [0] and codes == [0, 0] and bool(said) and kept.startswith("node1  # ") and
-          sorted(ids) == list(range(1, 13)) and ids == ref_ids and len(every) == len(set(every)) and
+    ok = (codes == [0, 0] and bool(said) and kept.startswith("node1  # ") and
+          sorted(ids) == list(steps) and ids == ref_ids and len(every) == len(set(every)) and
           stops[0] == stops[1] == 12 and stops[2] == stops[3] < 12 and worst <= 1e-4)
     return {"a slow node → excluded, the job finishes on the other at dp 2 with the same global batches": (
         ok, f"exit statuses {codes}; {said[0][:150] if said else 'no line named node1'}…; ranks 2-3 stopped after "
-            f"step {stops[2]}, ranks 0-1 trained to step {stops[0]}; steps 1-12 read the reference's global batches: "
-            f"{ids == ref_ids}, {len(every)} samples, {len(every) - len(set(every))} read twice; losses within "
-            f"{worst:.1e} (relative) of the dp-2 run's; excluded_nodes: {kept.split('#')[0].strip() or '-'}")}
+            f"step {stops[2]}, ranks 0-1 trained to step {stops[0]}; steps 1-12 read the global batches of a run of "
+            f"{ranks} ranks that never had it: {ids == ref_ids}, {len(every)} samples, {len(every) - len(set(every))} "
+            f"read twice; losses within {worst:.1e} (relative) of that run's; excluded_nodes: "
+            f"{kept.split('#')[0].strip() or '-'}")}

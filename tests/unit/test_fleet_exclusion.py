@@ -56,14 +56,15 @@ def test_an_excluded_node_stays_out_of_later_launches_until_its_line_is_deleted(
     assert hosts_for_launch(run, HOSTS) == ["n1", "n2", "n3"]
 
 
-def test_fleet_exclude_true_is_refused_in_one_line_until_the_supervisor_acts_on_it():
+def test_fleet_exclude_true_is_accepted_and_the_fleet_keys_are_checked():
     import pytest
 
     from model.config import ConfigError
     from pretrain.config import FleetSection
 
-    with pytest.raises(ConfigError, match=r"^fleet.exclude=true is not available yet: .* set fleet.exclude=false"):
-        FleetSection(exclude=True)
+    assert FleetSection(exclude=True, exclude_after_s=60).exclude
+    with pytest.raises(ConfigError, match=r"^fleet.exclude_after_s=-1.0 is out of range"):
+        FleetSection(exclude=True, exclude_after_s=-1)
     with pytest.raises(ConfigError, match=r"^fleet.slow_factor=1.0 is out of range"):
         FleetSection(slow_factor=1.0)
     assert FleetSection().window_steps(0.5) == 40 and FleetSection().window_steps(None) == 100

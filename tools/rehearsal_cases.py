@@ -151,7 +151,7 @@ def exclude_slow_node(out: str, shards: Shards, hang_timeout: float, reference: 
     config = write_config(os.path.join(out, "exclude.yaml"), run, shards.url, hang_timeout)
     say("fleet.exclude: 4 ranks as 2 nodes of 2, rank 2 (node 1) slowed 3× from step 1; fleet.exclude=true")
     job = Nodes(out, "exclude", config, 2, 2, "fleet.exclude=true", "fleet.every=2", "fleet.windows=2",
-                "fleet.exclude_after_s=0", env={"SYNTHFORMER_FAULTS": "slow@1@2"})
+                "fleet.exclude_after_s=0", env={"SYNTHFORMER_FAULTS": "slow@1@2"}, named=True)
     codes = job.wait(600)
     lines = job.stderr()
     for line in lines:

@@ -89,8 +89,9 @@ class Memory:
 class Nodes:
     """The launchers of a job: one launch/pretrain.sh a node, each in its own session, its stderr kept."""
 
-    def __init__(self, out: str, name: str, config: str, nodes: int, per_node: int, *args, env=None):
-        """args: the launcher's options (--max-restarts N) and the config's overrides (key=value), in any order."""
+    def __init__(self, out: str, name: str, config: str, nodes: int, per_node: int, *args, env=None, named=False):
+        """args: the launcher's options (--max-restarts N) and the config's overrides (key=value), in any order.
+        named: each node's ranks and supervisor go by the name node<i> (SYNTHFORMER_NODE), not the machine's."""
         options = [a for a in args if "=" not in a or a.startswith("-")]
         overrides = [a for a in args if "=" in a and not a.startswith("-")]
         port = free_port()
@@ -100,8 +101,8 @@ class Nodes:
             log = open(os.path.join(out, f"{name}.node{node}.out"), "w")
             environ = {**os.environ, "PYTHON": PY, "NNODES": str(nodes), "NODE_RANK": str(node),
                        "NPROC": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RESTART_BACKOFF": "1", "OMP_NUM_THREADS": "1",
-                       "SYNTHFORMER_NODE": f"node{node}", **(env or {})}   # the node's name (pretrain/node.py)
+                       "RESTART_BACKOFF": "1", "OMP_NUM_THREADS": "1", **(env or {}),
+                       **({"SYNTHFORMER_NODE": f"node{node}"} if named else {})}   # its name: pretrain/node.py
             self.procs.append(subprocess.Popen([os.path.join(ROOT, "launch", "pretrain.sh"), *options, config,
                                                *overrides],
                                                cwd=ROOT, env=environ, stdout=log, stderr=err, text=True,

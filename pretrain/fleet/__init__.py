@@ -6,7 +6,8 @@
                    (<run_dir>/fleet/windows.jsonl, TensorBoard fleet/*)
     preflight.py   the check before launch (`python -m pretrain.fleet CONFIG`, or fleet.preflight: true): a fixed
                    GEMM on every rank, a two-way exchange over every node pair; slow ones named with their figures
-    exclusion.py   fleet.exclude: which node leaves, the data-parallel size without it, <run_dir>/fleet/excluded_nodes
+    exclusion.py   fleet.exclude: which node leaves, the data-parallel size without it, <run_dir>/fleet/excluded_nodes,
+                   the trainer's request to the supervisor (pretrain/supervision/exclude.py acts on it)
 """
 from pretrain.fleet.detector import JUDGED, PHASES, Detector, Place, Straggler, places, slowest
 

@@ -29,6 +29,9 @@ the others' launches to end, and all judge the same records and relaunch togethe
 directory is found from the trainer's arguments in the command; a command without them (not a launch of
 pretrain.train) is judged by its exit status alone (0 done, 2 config or data error, 3 hang, 4 training stopped, else
 relaunched), with no crash-loop check.
+
+A launch whose ranks stopped to move off a slow node (the class `exclude`: fleet.exclude) is relaunched without that
+node at once, by exclude.py, whatever --max-restarts says: it is no failure.
 """
 from __future__ import annotations
 

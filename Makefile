@@ -63,7 +63,7 @@ demo: setup $(DEMO)/shards/manifest.json
 
 # ---- a cluster in miniature on this machine (not in CI): 8 gloo ranks as 2 nodes of 4, a kill -9, a hang, the same
 # hang twice, a relayout from 8 to 4 ranks, a preemption, an error on one rank, an outage of the shard server, a data
-# error; each claim PASS or FAIL, the time and the peak memory (tools/rehearsal.py)
+# error, a slow node moved off (fleet.exclude); each claim PASS or FAIL, the time and the peak memory (tools/rehearsal.py)
 rehearsal: setup
 	$(VPY) tools/rehearsal.py
 

@@ -79,6 +79,10 @@ class TrainConfig:
         """The global batch of every step (train.batch_ramp; constant without one): tokendata/ramp.py."""
         return ramp_of(self.train, self.model.max_seq_len)
 
+    def tokens_before(self, step: int) -> int:
+        """The tokens of the run's steps 0 … step − 1 (of the ramp's batches)."""
+        return self.batch_ramp().samples_before(step) * self.model.max_seq_len
+
     def total_steps(self) -> int:
         """Optimizer steps of the run: train.max_steps, or fewer when train.max_tokens is reached first (along the
         ramp's batches)."""

@@ -186,12 +186,13 @@ def accumulation(engine, global_batch: int) -> Iterator[int]:
     is handed out with DeepSpeed told whether micro-batch k ends the step. Along a ramp (train.batch_ramp) the count
     changes from step to step: `set_train_batch_size` sets DeepSpeed's gradient_accumulation_steps (the 1/m it scales
     each loss by), and the boundary is set explicitly because DeepSpeed's own, (micro_steps + 1) mod m, counts from
-    the run's first micro-batch and would fall mid-step once m changed."""
+    the run's first micro-batch and would fall mid-step once m changed; it is handed back after the step."""
     engine.set_train_batch_size(global_batch)
     m = engine.gradient_accumulation_steps()
     for k in range(m):
         engine.set_gradient_accumulation_boundary(k == m - 1)
         yield k
+    engine.set_gradient_accumulation_boundary(None)   # DeepSpeed's own count again (None: its initial state)
 
 
 def counted_elsewhere(optimizer: GuardedAdamW, lay) -> dict:

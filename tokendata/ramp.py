@@ -19,15 +19,23 @@ import bisect
 
 class BatchRamp:
     """The global batch of every step. `start`, `increment`: b₀, δ; `samples`: R; `full`: G. G − b₀ must be a
-    multiple of δ (checked by the config: train.batch_ramp)."""
+    multiple of δ (checked by the config: train.batch_ramp). Kept as the ramp's phases, one per size: size b holds
+    while ⌊P·k/R⌋ stays, up to the first P with ⌊P·k/R⌋ one more, E = ⌈R(j + 1)/k⌉, so its steps are ⌈(E − P)/b⌉
+    (at most k phases, however many steps)."""
 
     def __init__(self, start: int, increment: int, samples: int, full: int):
         self.start, self.increment, self.samples, self.full = start, increment, samples, full
-        self.increments = (full - start) // increment if increment else 0
-        self.firsts = [0]   # P_s of each step s of the ramp, and the first sample at the full batch after them
-        while self.firsts[-1] < samples and self.increments:
-            self.firsts.append(self.firsts[-1] + self.size_at(self.firsts[-1]))
-        self.ramp_steps = len(self.firsts) - 1
+        self.increments = k = (full - start) // increment if increment else 0
+        self.firsts, self.befores, self.sizes = [0], [0], []   # each phase's first step, its P there, its size
+        while self.befores[-1] < samples and k:
+            P = self.befores[-1]
+            size, E = self.size_at(P), -(-samples * (P * k // samples + 1) // k)
+            steps = -(-(min(E, samples) - P) // size)
+            self.sizes.append(size)
+            self.firsts.append(self.firsts[-1] + steps)
+            self.befores.append(P + steps * size)
+        self.sizes.append(full)   # the last phase, from the ramp's end on
+        self.ramp_steps = self.firsts[-1]
 
     @classmethod
     def constant(cls, full: int) -> "BatchRamp":
@@ -50,19 +58,17 @@ class BatchRamp:
 
     def samples_before(self, step: int) -> int:
         """P_s: the picks of steps 0 … s − 1."""
-        if step <= self.ramp_steps:
-            return self.firsts[step]
-        return self.firsts[-1] + (step - self.ramp_steps) * self.full
+        i = bisect.bisect_right(self.firsts, step) - 1
+        return self.befores[i] + (step - self.firsts[i]) * self.sizes[i]
 
     def size(self, step: int) -> int:
         """The global batch of step s (from 0; the trainer's step s + 1)."""
-        return self.size_at(self.samples_before(step))
+        return self.sizes[bisect.bisect_right(self.firsts, step) - 1]
 
     def steps_for(self, samples: int) -> int:
         """The fewest steps whose batches hold at least `samples` picks."""
-        if samples <= self.firsts[-1]:
-            return bisect.bisect_left(self.firsts, samples)
-        return self.ramp_steps + -(-(samples - self.firsts[-1]) // self.full)
+        i = max(0, bisect.bisect_left(self.befores, samples) - 1)
+        return self.firsts[i] + -(-(samples - self.befores[i]) // self.sizes[i]) if samples > 0 else 0
 
     def full_batches(self, step: int) -> float:
         """P_s / G: the run's progress in steps of the full batch (s itself without a ramp)."""
@@ -70,11 +76,4 @@ class BatchRamp:
 
     def phases(self) -> list[tuple[int, int, int]]:
         """[(first step, global batch, steps)] of the ramp, one row per size; then the full batch from the next step."""
-        rows = []
-        for s in range(self.ramp_steps):
-            size = self.size(s)
-            if rows and rows[-1][1] == size:
-                rows[-1] = (rows[-1][0], size, rows[-1][2] + 1)
-            else:
-                rows.append((s, size, 1))
-        return rows
+        return [(first, size, after - first) for first, after, size in zip(self.firsts, self.firsts[1:], self.sizes)]

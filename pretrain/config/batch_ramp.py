@@ -55,13 +55,22 @@ def ramp_of(train, seq_len: int) -> BatchRamp:
     return BatchRamp(r["start"], r["increment"], math.ceil(tokens_of(r["tokens"]) / seq_len), train.global_batch_size)
 
 
+def sizes(ramp: BatchRamp) -> list[int]:
+    """The global batches of the ramp's steps, smallest first (none without a ramp)."""
+    return sorted({size for _, size, _ in ramp.phases()})
+
+
+def splits(ramp: BatchRamp, per_step: int) -> bool:
+    """Whether every global batch along the ramp is a multiple of micro-batch × dp = `per_step`."""
+    return all(size % per_step == 0 for size in sizes(ramp))
+
+
 def check_layout(ramp: BatchRamp, micro: int, dp: int) -> None:
     """Every global batch along the ramp must split into micro-batches over the data-parallel ranks."""
     per_step = micro * dp
-    sizes = sorted({size for _, size, _ in ramp.phases()})
-    bad = [size for size in sizes if size % per_step]
+    bad = [size for size in sizes(ramp) if size % per_step]
     if bad:
-        raise ConfigError(f"{KEY}: its global batch {bad[0]} (of {', '.join(map(str, sizes))}) is not divisible by "
+        raise ConfigError(f"{KEY}: its global batch {bad[0]} (of {', '.join(map(str, sizes(ramp)))}) is not divisible by "
                           f"train.micro_batch_size × data-parallel size = {micro} × {dp} = {per_step}; choose start "
                           f"and increment as multiples of {per_step}")
 

@@ -11,7 +11,9 @@ import pytest
 from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.engine import lr_lambda
-from pretrain.plan.memory import report
+from pretrain.plan import load_cluster
+from pretrain.plan.memory import layout_of, plan as memory_plan
+from pretrain.plan.search import candidates
 from pretrain.prelaunch import main as config_main
 from tokendata.ramp import BatchRamp
 from tokendata.sources import Source
@@ -131,11 +133,22 @@ def ramp_config(tmp_path, **train):
 
 
 def test_the_plans_use_the_largest_batch(tmp_path):
-    """pretrain/plan/ reads train.global_batch_size (memory.py grad_accum, step.py tokens_per_step): the full batch."""
+    """pretrain/plan/ reads train.global_batch_size (memory.py grad_accum, step.py tokens_per_step): the full batch.
+    `--plan` prices the layouts of the unramped run that can run the ramp (pp 1, micro-batch × dp splitting every
+    size along it), each as the unramped run's."""
     plain = load_config(ramp_config(tmp_path))
     ramped = load_config(ramp_config(tmp_path, batch_ramp={"start": 4, "increment": 4, "tokens": "2e6"}))
     assert ramped.batch_ramp().ramped and ramped.tokens_per_step == plain.tokens_per_step == G * SEQ
-    assert report(ramped, 2, device="cpu") == report(plain, 2, device="cpu")
+    assert memory_plan(ramped, layout_of(ramped, 2), 2, "cpu").peak == memory_plan(plain, layout_of(plain, 2), 2,
+                                                                                     "cpu").peak
+    cluster = load_cluster("h100")
+    everything = {tuple(c.overrides): c.prediction.step_s for c in candidates(plain, 2, cluster)[0]}
+    kept = {tuple(c.overrides): c.prediction.step_s for c in candidates(ramped, 2, cluster)[0]}
+    dp = lambda overrides: 2 // math.prod(int(o.split("=")[1]) for o in overrides if o.startswith(("parallel.tp",  # noqa
+                                                                                                   "parallel.pp")))
+    micro = lambda overrides: int(overrides[-1].split("=")[1])   # noqa: E731
+    assert kept and kept == {k: s for k, s in everything.items()   # no pipeline with a ramp; 4, 8, 12 must split
+                             if "parallel.pp=1" in k and 4 % (micro(k) * dp(k)) == 0}
 
 
 def test_python_m_pretrain_config_prints_the_ramp(tmp_path, capsys):

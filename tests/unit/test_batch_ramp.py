@@ -125,6 +125,8 @@ def test_lr_schedule_runs_in_tokens_along_the_ramp(tmp_path):
         assert f(s) == pytest.approx(want if x < T else 0.1), s
     assert f(3) == pytest.approx(12 / 64) and plain(3) == pytest.approx(3 / 4)   # 12 samples in: 12/64 of warmup
     assert lr_lambda(cfg.train, 30, BatchRamp.constant(G).full_batches)(17) == plain(17)   # no ramp: in steps
+    cfg.train.max_tokens = 100 * SEQ   # 100 samples: P_10 = 88 < 100 ≤ P_11 = 104
+    assert cfg.total_steps() == 11
 
 
 def ramp_config(tmp_path, **train):

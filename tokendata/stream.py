@@ -324,6 +324,8 @@ class TokenStream:
     def load_state_dict(self, sd):
         self._live += 1  # an iterator made before this no longer matches the position
         self._v1 = None
+        need(sd.get("batch_ramp") == self.ramp.key(), f"cannot resume the data stream: its steps' global batches "
+             f"follow train.batch_ramp={sd.get('batch_ramp')}, this run's {self.ramp.key()} (in samples); set it back")
         if rank_order.is_legacy(sd):
             self.train = self._started_with()[0]
             self._legacy, bad = rank_order.check_state(self, sd)
@@ -343,8 +345,6 @@ class TokenStream:
         need(theirs == ours, f"cannot resume the data stream: it read {describe(theirs)}, this run reads "
                              f"{describe(ours)}; a blend cannot change within a run: set data.sources back, or start "
                              f"a new run from a release of this one (train.init_from)")
-        need(sd.get("batch_ramp") == self.ramp.key(), f"cannot resume the data stream: its steps' global batches "
-             f"follow train.batch_ramp={sd.get('batch_ramp')}, this run's {self.ramp.key()} (in samples); set it back")
         if sd["micro_batches"]:
             need(sd["layout"] == self.state_dict()["layout"],
                  f"cannot resume the data stream: it stopped inside a global batch, in the layout {sd['layout']}; "

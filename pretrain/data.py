@@ -27,21 +27,22 @@ def train_stream(cfg: TrainConfig, lay: Layout, sources: tuple = ()) -> TokenStr
                        global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.data.canonical_streams,
                        verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads,
                        preempt_signals=[getattr(signal, name) for name in cfg.train.preempt_signals],
-                       stages=as_stages(cfg.data.stages, [s["name"] for s in cfg.data.sources or [{"name": None}]]))
+                       stages=as_stages(cfg.data.stages, [s["name"] for s in cfg.data.sources or [{"name": None}]]),
+                       ramp=cfg.batch_ramp())
 
 
 def stage_lines(cfg: TrainConfig) -> list[str]:
     """data.stages, one line each: its steps and the samples and tokens each source gives in it (the order's own
     arithmetic, tokendata/order.py `Staged`; to train.max_steps). None without stages."""
     names = [s["name"] for s in cfg.data.sources or [{"name": None}]]
-    stages, G = as_stages(cfg.data.stages, names), cfg.train.global_batch_size
+    stages, P = as_stages(cfg.data.stages, names), cfg.batch_ramp().samples_before   # P(step): picks before it
     if not stages:
         return []
-    blend = blend_of([s["weight"] for s in cfg.data.sources], [(step * G, w) for step, w in stages])
+    blend = blend_of([s["weight"] for s in cfg.data.sources], [(P(step), w) for step, w in stages])
     ends, pos, lines = [step for step, _ in stages] + [max(cfg.train.max_steps, stages[-1][0])], blend.start(), []
     for k, (first, last) in enumerate(zip([0] + ends[:-1], ends)):
         before = list(pos.counts)
-        blend.picks(pos, (last - first) * G)
+        blend.picks(pos, P(last) - P(first))
         gives = ", ".join(f"{name} {c - b} samples ({(c - b) * cfg.model.max_seq_len:,} tokens)"
                           for name, c, b in zip(names, pos.counts, before))
         lines.append(f"data stage {k}: steps {first}–{last}: {gives}")

@@ -8,6 +8,7 @@ module; the planner and the checks before a launch read the DeepSpeed config fro
     build_optimizer(cfg, ...)   torch's fused AdamW, or GuardedAdamW where the trainer drops non-finite steps
     lr_lambda(train, T)         the LR schedule
     compile_model, checkpoint_activations   the wrappers build_engine applies from outside the model
+    accumulation(engine, G_s)   the micro-batches of one optimizer step of G_s sequences (train.batch_ramp)
 
 The optimizer is always torch's fused AdamW, handed to DeepSpeed as a client optimizer, on CUDA as on CPU: its
 kernel ships with torch, so nothing is JIT-compiled on the training path. (DeepSpeed's own FusedAdam needs nvcc on
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -59,7 +60,8 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict], lay: distributed.Layou
     return torch.optim.AdamW(groups, fused=lay.device.type in ("cpu", "cuda"), **adamw)
 
 
-def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[int], float]:
+def lr_lambda(train: TrainSection, total_steps: int | None = None,
+              progress: Callable[[int], float] | None = None) -> Callable[[int], float]:
     """The LR multiplier of optimizer step s (LambdaLR multiplies train.lr by it), with W = warmup_steps,
     T = total_steps (default train.max_steps; pass TrainConfig.total_steps() when max_tokens may end the run first)
     and f = min_lr/lr:
@@ -71,13 +73,18 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None) -> Callable[[
         S ≤ s < T:  f + (1 - f)·g(p), p = (s - S)/D         g(p) = 1 - p, ½(1 + cos πp) or 1 - √p (train.decay_shape)
         s ≥ T:      f
     A decay branch (tools/branch.py) from the checkpoint of step k sets T = k + D: its decay starts at S = k, where
-    the parent's stable phase had the multiplier 1 too."""
-    T = train.max_steps if total_steps is None else total_steps
+    the parent's stable phase had the multiplier 1 too.
+    In tokens along a batch ramp (train.batch_ramp): `progress(s)` = P_s / G, the tokens before step s in steps of
+    the full batch (tokendata/ramp.py `full_batches`), stands for s everywhere above, T included; W and D count
+    steps of the full batch. Without a ramp progress(s) = s."""
+    progress = progress or float
+    T = progress(train.max_steps if total_steps is None else total_steps)
     W, floor, decay = min(train.warmup_steps, T), train.min_lr / train.lr, train.decay
     S = T - decay_length(train, T) if decay == "wsd" else W   # where the decay starts
     shape = DECAY_SHAPES["cosine" if decay == "cosine" else "linear" if decay == "linear" else train.decay_shape]
 
-    def factor(step: int) -> float:
+    def factor(s: int) -> float:
+        step = progress(s)
         if step < W:
             return step / W
         if decay == "constant" or step < S:
@@ -158,7 +165,7 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_uni
     import deepspeed
 
     device_clip = clips_on_device(cfg) if device_clip is None else device_clip
-    schedule = lr_lambda(cfg.train, cfg.total_steps())
+    schedule = lr_lambda(cfg.train, cfg.total_steps(), cfg.batch_ramp().full_batches)   # in tokens along a ramp
     groups = param_groups(model, cfg.train.weight_decay)
     optimizer = build_optimizer(cfg, groups, lay, device_clip)
     engine, *_ = deepspeed.initialize(
@@ -172,6 +179,20 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_uni
     elif isinstance(optimizer, GuardedAdamW):   # ZeRO-1/2's norm of the step, set before it steps any group
         optimizer.take_norm_from(lambda: engine.optimizer._global_grad_norm)
     return engine
+
+
+def accumulation(engine, global_batch: int) -> Iterator[int]:
+    """The micro-batches of one optimizer step of `global_batch` sequences, for the plain loop (pp = 1): each index k
+    is handed out with DeepSpeed told whether micro-batch k ends the step. Along a ramp (train.batch_ramp) the count
+    changes from step to step: `set_train_batch_size` sets DeepSpeed's gradient_accumulation_steps (the 1/m it scales
+    each loss by), and the boundary is set explicitly because DeepSpeed's own, (micro_steps + 1) mod m, counts from
+    the run's first micro-batch and would fall mid-step once m changed; it is handed back after the step."""
+    engine.set_train_batch_size(global_batch)
+    m = engine.gradient_accumulation_steps()
+    for k in range(m):
+        engine.set_gradient_accumulation_boundary(k == m - 1)
+        yield k
+    engine.set_gradient_accumulation_boundary(None)   # DeepSpeed's own count again (None: its initial state)
 
 
 def counted_elsewhere(optimizer: GuardedAdamW, lay) -> dict:

@@ -24,6 +24,7 @@ from pretrain.checkpoints.resume import architecture_problem, data_problem, layo
 from pretrain.config import Runtime, TrainConfig, load_config, reference
 from pretrain.config.deepspeed_dict import deepspeed_config
 from pretrain.data import stage_lines
+from pretrain.config.batch_ramp import ramp_lines
 from pretrain.plan.memory import parse_size, report
 from pretrain.observe.monitor import requirements
 from pretrain.plan import load_cluster, run_prediction, search
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(stage_lines(cfg)), file=sys.stderr, end="\n" if cfg.data.stages else "")
             print(run_prediction.StepCheck.for_run(cfg, args.world_size, run_prediction.device_cluster_name(), args.cluster).line,
                   file=sys.stderr)
+        print("\n".join(ramp_lines(cfg.batch_ramp(), cfg.model.max_seq_len)), file=sys.stderr,
+              end="\n" if cfg.train.batch_ramp else "")   # train.batch_ramp: each size's steps and tokens
         if args.run_dir:
             print(cfg.train.run_dir)
         elif args.print or not args.deepspeed:

@@ -29,7 +29,7 @@ from pretrain.checkpoints.resume import deepspeed_clipped, is_universal
 from pretrain.config import TrainConfig, load_config
 from pretrain.data import DataLog, data_words, train_stream, validation
 from pretrain.config.deepspeed_dict import clips_on_device
-from pretrain.engine import build_engine
+from pretrain.engine import accumulation, build_engine
 from pretrain.observe.device_peaks import device_name, peak_tflops
 from pretrain.faults import Faults
 from pretrain.fleet.watch import FleetWatch
@@ -48,7 +48,7 @@ OPENING_TOKENS = 12   # the default text sample's prompt: the opening of a valid
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
+        self.cfg, self.ramp = cfg, cfg.batch_ramp()   # the global batch of each step (train.batch_ramp)
         checked = check_launch(cfg, distributed.world_size())   # config, manifests, checkpoint: before any group
         self.layout = lay = distributed.init(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -168,7 +168,7 @@ class Trainer:
             if note:
                 self.log.scalars(self.step, {"train/skipped_steps": self.guard.total})
                 self.log.info(note)
-            window_tokens += cfg.tokens_per_step
+            window_tokens += self.ramp.size(self.step - 1) * cfg.model.max_seq_len   # the step just taken
             if self.step % cfg.logging.every == 0 or self.step == total:
                 self.log_step(loss, window_tokens / (time.time() - window_t))
                 window_t, window_tokens = time.time(), 0
@@ -227,10 +227,10 @@ class Trainer:
         return loss, "non-finite loss or gradient" if skipped else None, preempted
 
     def plain_forward_backward(self, micro_batches) -> tuple[torch.Tensor, bool]:
-        """grad_accum micro-batches through the engine: (their mean loss on this rank, on the device; whether one
-        was a loss spike, which is turned into a non-finite gradient so that the step is dropped)."""
+        """The step's micro-batches through the engine: (their mean loss on this rank, on the device; whether one was a
+        loss spike, which is turned into a non-finite gradient so that the step is dropped)."""
         losses, spike = [], False
-        for _ in range(self.layout.grad_accum):
+        for _ in accumulation(self.engine, self.ramp.size(self.step)):   # train.batch_ramp: the count grows
             inputs, targets = next(micro_batches)
             self.times.lap("data_wait")
             loss = self.faults.loss(self.engine(inputs, targets), self.step + 1)
@@ -320,8 +320,8 @@ class Trainer:
         tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
         values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
                   "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
-                  "progress/samples_seen": self.step * cfg.train.global_batch_size,
-                  "progress/tokens_seen": self.step * cfg.tokens_per_step,
+                  "progress/samples_seen": self.ramp.samples_before(self.step),
+                  "progress/tokens_seen": self.ramp.samples_before(self.step) * cfg.model.max_seq_len,
                   "memory/peak_mb": memory_mb(lay.device), "train/skipped_steps": self.guard.total,
                   **self.times.values(),   # where the steps' time went (pretrain/observe/step_times.py)
                   **dict(zip(("data/skipped_shards", "data/retries"), self.data_faults())), **self.data_log.values()}

@@ -35,6 +35,9 @@ no other draw moves, so the batches depend on which shards are bad, not on which
 Stages (data.stages, `Staged`): from a stage's first pick on, Tijdeman's rule runs over that stage's weights, counted
 from the stage's start; draws (so epochs) of each source carry on across the boundary.
 
+Batch ramps (train.batch_ramp, tokendata/ramp.py): step s's global batch is picks P_s … P_s + G_s − 1 instead, laid
+out as above with G_s for G; the picks, and so the samples, are those of a run without the ramp.
+
 A position (`Position`) is the picks so far and each source's count: the same on every rank.
 """
 from __future__ import annotations

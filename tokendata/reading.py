@@ -27,6 +27,7 @@ import torch
 
 from tokendata.lengths import Lengths
 from tokendata.order import Blend, Position, SourceOrder, layout, rank_slice
+from tokendata.ramp import BatchRamp
 from tokendata.shard_files import ShardFiles, fix
 from tokendata.shard_pool import ShardPool
 from tokendata.remote import FetchFailed
@@ -93,6 +94,19 @@ def collate(samples, dtype, member):
             "retries": sum(s.get("__retries__", 0) for s in samples)}
 
 
+def join_pieces(pieces, n: int, seq_len: int) -> dict:
+    """This rank's share of one global batch (n samples of seq_len + 1 tokens), in position order, from one piece of
+    each worker."""
+    tokens, ids = np.zeros((n, seq_len + 1), dtype=np.int64), [None] * n
+    for piece in pieces:
+        if piece["positions"]:
+            tokens[piece["positions"]] = piece["tokens"]
+            for i, key in zip(piece["positions"], piece["ids"]):
+                ids[i] = key
+    return {"tokens": tokens, "ids": ids, "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
+            "retries": sum(piece["retries"] for piece in pieces)}
+
+
 def as_is(batch):
     """The DataLoader's collate_fn: its default would turn the numpy tokens into a tensor inside the worker."""
     return batch
@@ -113,12 +127,12 @@ class Part:
 @dataclasses.dataclass
 class Plan:
     """What one rank's readers read, from a position on: its positions [lo, hi) of the global batches of
-    `global_batch` samples that `blend` and the C `streams` make from `position` on; `fmt`: (member, bytes) of a
+    sizes `ramp` gives (tokendata/ramp.py) that `blend` and the C `streams` make from `position` on; `fmt`: (member, bytes) of a
     file sample; `lengths`: how file samples make the model's (tokendata/lengths.py)."""
     parts: list[Part]
     blend: Blend
     streams: int
-    global_batch: int
+    ramp: BatchRamp
     dp_rank: int
     dp_world: int
     position: Position
@@ -216,10 +230,11 @@ class RankPieces(torch.utils.data.IterableDataset):
         p = self.plan
         worker, workers = worker_info()
         reader = Reader(p, max(1, p.fetch_threads // workers))
-        lo, hi = rank_slice(p.global_batch, p.dp_rank, p.dp_world)
         position = p.position.copy()
         while True:
-            lay = layout(p.blend, position, p.global_batch, p.streams)
+            G = p.ramp.size_at(position.samples)   # of this global batch (it grows along a ramp)
+            lo, hi = rank_slice(G, p.dp_rank, p.dp_world)
+            lay = layout(p.blend, position, G, p.streams)
             mine = [i for i in range(lo, hi) if lay.streams[i] % workers == worker]
             samples = [reader.sample(int(lay.sources[i]), int(lay.streams[i]), int(lay.draws[i])) for i in mine]
             reader.pool.sweep()

@@ -4,19 +4,20 @@ or several blended by weight.
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
-                canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=())
+                canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None)
                             sources: a shard location (data.shard_dir), a list of Source / {"name", "path",
-                            "weight"} (data.sources, tokendata/sources.py), or of Opened (read by the launch check); global_batch_size: G, the samples of one
-                            optimizer step over all ranks (default micro_batch_size × dp_world); canonical_streams: C
-                            (None: a checkpoint's, else tokendata.order.default_streams(G)); fetch_threads: shards a
-                            rank fetches at once (its bound on shards in memory); decide(fn): fn's result as one rank
-                            computed it, on every rank (the trainer's pretrain.distributed.from_rank0: the size check
-                            an older checkpoint's order needs); preempt_signals: the rank's, which its DataLoader
-                            workers ignore (tokendata/reading.py start)
+                            "weight"} (data.sources, tokendata/sources.py), or of Opened (read by the launch
+                            check); global_batch_size: G, the samples of a full optimizer step over all ranks (default
+                            micro_batch_size × dp_world); canonical_streams: C (None: a checkpoint's, else
+                            tokendata.order.default_streams(G)); fetch_threads: shards a rank fetches at once (its
+                            bound on shards in memory); decide(fn): fn's result as one rank computed it, on every rank
+                            (the trainer's pretrain.distributed.from_rank0: the size check an older checkpoint's order
+                            needs); preempt_signals: the rank's, which its DataLoader workers ignore; stages:
+                            [(step, weights)] (data.stages); ramp: each step's G_s (tokendata/ramp.py; None: G)
         iter(stream)        endless train micro-batches {"tokens": LongTensor (B, n+1), "ids": [B sample ids,
                             "<source name>/<key>" for a named source], "skipped_shards": [URLs of shards found bad
                             while this batch was read; usually []], "retries": fetches retried (network faults)}; each
-                            G / (B × dp_world) of them in a row are this rank's share of one global batch
+                            G_s / (B × dp_world) of them in a row are this rank's share of step s's global batch
         skipped_shards      [(URL, reason)]: shards dropped before reading (only an older checkpoint's order does)
         bad_found()         the URLs of the shards found bad while reading, before a resume too
         retries             fetches retried in this process (validation); the workers' ride on batches
@@ -64,9 +65,10 @@ import torch
 
 from tokendata import rank_order, shard_stream_order
 from tokendata.order import Position, blend_of, SourceOrder, check_streams, default_streams, layout, rank_slice
-from tokendata.reading import Part, Plan, RankPieces, as_is, collate, start
+from tokendata.reading import Part, Plan, RankPieces, as_is, collate, join_pieces, start
 from tokendata.shard_files import ShardReader
 from tokendata.lengths import fit
+from tokendata.ramp import BatchRamp
 from tokendata.shards import DTYPES, MAKE, DataError, need
 from tokendata.sources import Opened, as_sources, good_shards, open_sources
 
@@ -96,8 +98,8 @@ class TokenStream:
     """Endless, resumable train batches for one data-parallel rank, plus its deterministic validation batches."""
 
     def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
-                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None,
-                 global_batch_size=None, canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=()):
+                 mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
+                 canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -128,9 +130,9 @@ class TokenStream:
                         for split, info in p.manifest["splits"].items()} for p in self.parts]
         self.skipped_shards = []
         self.train = self.shards[0]["train"]
-        self.blend = blend_of([p.source.weight for p in self.parts], [(step * G, w) for step, w in stages])  # data.stages
-        self.lo, self.hi = rank_slice(G, dp_rank, dp_world)
-        self.grad_accum = G // (micro_batch_size * dp_world)
+        self.ramp = ramp or BatchRamp.constant(G)   # the global batch of each step (train.batch_ramp); data.stages:
+        self.blend = blend_of([p.source.weight for p in self.parts], [(self.ramp.samples_before(k), w) for k, w in stages])
+        self.lo, self.hi, self.grad_accum = *rank_slice(G, dp_rank, dp_world), G // (micro_batch_size * dp_world)
         self._order(C)
         self.notes = [f"data.num_workers={num_workers}, but the order has {C} canonical streams (data.canonical_"
                       f"streams) and a worker reads whole streams: {self.workers} workers read them"
@@ -185,11 +187,12 @@ class TokenStream:
                 loader = torch.utils.data.DataLoader(RankPieces(self._plan()), batch_size=None, collate_fn=as_is,
                                                      num_workers=self.workers,
                                                      prefetch_factor=2 if self.workers else None)
-                share, workers = self._share, self.workers
+                share, workers = lambda got: join_pieces(got, self._batch() // self.dp_world, self.seq_len), self.workers
             pieces, B, skip = start(loader, self.preempt_signals), self.micro_batch_size, self._into
             while True:
+                accum = self._batch() // (B * self.dp_world)   # of this global batch (it grows along a ramp)
                 got = share([next(pieces) for _ in range(max(1, workers))])
-                for k in range(skip, self.grad_accum):
+                for k in range(skip, accum):
                     self._check_live(me)
                     first = k == skip   # what the readers learned rides on the step's first micro-batch
                     batch = {"tokens": got["tokens"][k * B:(k + 1) * B], "ids": got["ids"][k * B:(k + 1) * B],
@@ -200,7 +203,7 @@ class TokenStream:
                             source, name = self._urls[url]
                             self._bad[source].add(name)
                     self._into = k + 1   # counted when handed over, so prefetched batches are not part of the position
-                    if self._into == self.grad_accum:
+                    if self._into == accum:
                         self._advance()
                         self._into = 0
                     yield self._as_tensors(batch)
@@ -213,7 +216,11 @@ class TokenStream:
         if self._v1 is not None:
             self._v1.advance()
         else:
-            self.blend.picks(self._pos, self.global_batch_size)
+            self.blend.picks(self._pos, self.ramp.size_at(self._pos.samples))
+
+    def _batch(self) -> int:
+        """G_s, the samples of the next global batch (step s's of train.batch_ramp), over all ranks."""
+        return self.global_batch_size if self._v1 is not None else self.ramp.size_at(self._pos.samples)
 
     def _legacy_batches(self, me):
         for batch in start(rank_order.loader(self, self._legacy, self._bad[0]), self.preempt_signals):
@@ -229,20 +236,9 @@ class TokenStream:
     def _plan(self) -> Plan:
         parts = [Part(order, p.files, dict(shards["train"]), p.source.name, frozenset(bad))
                  for order, p, shards, bad in zip(self.orders, self.parts, self.shards, self._bad)]
-        return Plan(parts, self.blend, self.canonical_streams, self.global_batch_size, self.dp_rank, self.dp_world,
+        return Plan(parts, self.blend, self.canonical_streams, self.ramp, self.dp_rank, self.dp_world,
                     self._pos.copy(), self.fmt, self.dtype, self.member, self.bad_shards, self.fetch_threads,
                     self.parts[0].files.cache_dir, self.lengths)
-
-    def _share(self, pieces):
-        """This rank's share of one global batch, in position order, from one piece of each worker."""
-        tokens, ids = np.zeros((self.hi - self.lo, self.seq_len + 1), dtype=np.int64), [None] * (self.hi - self.lo)
-        for piece in pieces:
-            if piece["positions"]:
-                tokens[piece["positions"]] = piece["tokens"]
-                for i, key in zip(piece["positions"], piece["ids"]):
-                    ids[i] = key
-        return {"tokens": tokens, "ids": ids, "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
-                "retries": sum(piece["retries"] for piece in pieces)}
 
     def collate(self, samples):
         return collate(samples, self.dtype, self.member)
@@ -266,17 +262,18 @@ class TokenStream:
         if self._v1 is not None:
             return (f"{self._v1.C} canonical streams dealt by shard (the order of this run's checkpoints): the same "
                     f"global batches on any data-parallel size dividing {self._v1.C}")
-        return (f"{C} canonical streams (data.canonical_streams), samples {self.lo}-{self.hi - 1} of each global batch "
-                f"on this rank: the same global batches on any data-parallel size dividing {G}")
+        return (f"{C} canonical streams (data.canonical_streams), samples {self.lo}-{self.hi - 1} of each full global "
+                f"batch on this rank: the same global batches on any data-parallel size dividing {G}")
 
     def upcoming_shards(self, worker=0, source=0):
         """The shards of `source` that the draws of DataLoader worker `worker` of this rank read first (in the next
         global batch), in the order of those draws: the ones it waits for first."""
         if self._v1 is not None:
             return self._v1.upcoming(worker, source, self._bad[source])
-        lay, order, out = layout(self.blend, self._pos.copy(), self.global_batch_size, self.canonical_streams), \
+        lay, order, out = layout(self.blend, self._pos.copy(), self._batch(), self.canonical_streams), \
             self.orders[source], []
-        for i in range(self.lo, self.hi):
+        lo, hi = rank_slice(self._batch(), self.dp_rank, self.dp_world)
+        for i in range(lo, hi):
             c = int(lay.streams[i])
             if lay.sources[i] == source and c % max(1, self.workers) == worker:
                 name = order.draw(c, int(lay.draws[i]), lambda shard: shard in self._bad[source])[0]
@@ -309,6 +306,7 @@ class TokenStream:
                 "sources": self._fingerprint(), "bad_read": [sorted(bad) for bad in self._bad],
                 "layout": {"dp_rank": self.dp_rank, "dp_world": self.dp_world,
                            "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size},
+                "batch_ramp": self.ramp.key(),
                 "position": self.progress()}   # for people reading a checkpoint
 
     def _fingerprint(self):
@@ -326,6 +324,8 @@ class TokenStream:
     def load_state_dict(self, sd):
         self._live += 1  # an iterator made before this no longer matches the position
         self._v1 = None
+        need(sd.get("batch_ramp") == self.ramp.key(), f"cannot resume the data stream: its steps' global batches "
+             f"follow train.batch_ramp={sd.get('batch_ramp')}, this run's {self.ramp.key()} (in samples); set it back")
         if rank_order.is_legacy(sd):
             self.train = self._started_with()[0]
             self._legacy, bad = rank_order.check_state(self, sd)
@@ -357,9 +357,9 @@ class TokenStream:
         self._bad, self._legacy = [set(bad) for bad in sd["bad_read"]], None
 
     def start_at(self, step):
-        """The position after `step` global batches of this global batch size, from the start."""
-        self._live += 1
-        self._pos, self._into, self._legacy, self._v1 = self.blend.position_at(step, self.global_batch_size), 0, \
+        """The position after `step` global batches (of the ramp's sizes), from the start."""
+        self._live += 1   # (position_at(1, P): after the first P picks)
+        self._pos, self._into, self._legacy, self._v1 = self.blend.position_at(1, self.ramp.samples_before(step)), 0, \
             None, None
         self._bad = [set() for _ in self.parts]
 

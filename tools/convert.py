@@ -51,7 +51,7 @@ def to_release(args) -> str:
     cfg, tensors = ds_checkpoint.read_weights(tag_dir, progress=lambda r: tqdm(r, desc="model-parallel ranks",
                                                                                  disable=args.quiet))
     step = ds_checkpoint.step_of(tag_dir)
-    training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir),
+    training = {"step": step, "tokens": cfg.tokens_before(step), "source": os.path.abspath(tag_dir),
                 "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "zero_stage": cfg.parallel.zero_stage}}
     release.save_release(args.out, cfg.model, tensors, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
                          tokenizer=release.find_tokenizer(tag_dir),
@@ -156,7 +156,7 @@ def read_any(source: str):
     print(f"reading {tag_dir}")
     cfg, tensors = ds_checkpoint.read_weights(tag_dir)
     step = ds_checkpoint.step_of(tag_dir)
-    training = {"step": step, "tokens": step * cfg.tokens_per_step, "source": os.path.abspath(tag_dir)}
+    training = {"step": step, "tokens": cfg.tokens_before(step), "source": os.path.abspath(tag_dir)}
     return cfg.model, tensors, training, release.find_tokenizer(tag_dir), os.path.join(tag_dir, "config.yaml")
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from model.fields import check_types, described, need
+from pretrain.config.batch_ramp import check_ramp
 from pretrain.config.schedule import check_decay
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
@@ -169,6 +170,12 @@ class TrainSection:
     global_batch_size: int = described("sequences per optimizer step summed over all data-parallel ranks")
     micro_batch_size: int = described("sequences per rank per forward/backward pass")
     max_steps: int = described("optimizer steps of the run (the cosine reaches min_lr here)")
+    batch_ramp: dict | None = described("{start, increment, tokens}: the global batch starts at `start` and grows by "
+                                        "`increment` in equal parts of the first `tokens` to global_batch_size "
+                                        "(Megatron-LM's --rampup-batch-size); each size must divide by micro_batch_size "
+                                        "× dp; not with pp > 1. The LR schedule then runs in tokens: warmup_steps and "
+                                        "decay_steps count steps of the full batch (docs/recipes.md). null: no ramp",
+                                        None)
     max_tokens: int | None = described("optional token budget (global_batch_size × max_seq_len per step); the run stops "
                                 "at whichever of max_steps / max_tokens comes first", None)
     precision: str = described("'fp32', 'bf16' (mixed, fp32 master weights) or 'fp16' (CUDA only, dynamic loss scale)",
@@ -234,6 +241,7 @@ class TrainSection:
         need(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", self.warmup_steps,
               f"0 ≤ warmup_steps ≤ train.max_steps={self.max_steps}")
         check_decay(self)   # train.decay and its wsd keys (pretrain/config/schedule.py)
+        check_ramp(self)    # train.batch_ramp (pretrain/config/batch_ramp.py)
         need(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "≥ 0")
         need(all(0 <= b < 1 for b in self.betas), "train.betas", list(self.betas), "each in [0, 1)")
         need(self.eps > 0, "train.eps", self.eps, "> 0")

@@ -20,9 +20,11 @@ from model.release import FORMAT, is_release
 from pretrain.config import files
 from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.fleet_section import FleetSection
+from pretrain.config.batch_ramp import check_layout, ramp_of
 from pretrain.config.checkpoint_section import CheckpointSection
 from pretrain.config.sections import DataSection, LoggingSection, ParallelSection, TrainSection
 from tokendata.order import check_streams, default_streams
+from tokendata.ramp import BatchRamp
 from tokendata.shards import DataError
 
 
@@ -69,14 +71,25 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens per optimizer step (sequences are packed to max_seq_len)."""
+        """Tokens per optimizer step of the full global batch (sequences are packed to max_seq_len); along a
+        train.batch_ramp, step s has `batch_ramp().size(s)` sequences."""
         return self.train.global_batch_size * self.model.max_seq_len
 
+    def batch_ramp(self) -> BatchRamp:
+        """The global batch of every step (train.batch_ramp; constant without one): tokendata/ramp.py."""
+        return ramp_of(self.train, self.model.max_seq_len)
+
+    def tokens_before(self, step: int) -> int:
+        """The tokens of the run's steps 0 … step − 1 (of the ramp's batches)."""
+        return self.batch_ramp().samples_before(step) * self.model.max_seq_len
+
     def total_steps(self) -> int:
-        """Optimizer steps of the run: train.max_steps, or fewer when train.max_tokens is reached first."""
+        """Optimizer steps of the run: train.max_steps, or fewer when train.max_tokens is reached first (along the
+        ramp's batches)."""
         if self.train.max_tokens is None:
             return self.train.max_steps
-        return min(self.train.max_steps, math.ceil(self.train.max_tokens / self.tokens_per_step))
+        return min(self.train.max_steps, self.batch_ramp().steps_for(math.ceil(self.train.max_tokens /
+                                                                                self.model.max_seq_len)))
 
     def canonical_streams(self) -> int:
         """data.canonical_streams, or its default for this global batch (tokendata/order.py; a resumed run keeps its
@@ -119,7 +132,12 @@ class TrainConfig:
         if self.train.fp8 is not None and (p.tp != 1 or p.pp != 1):   # torchao swaps nn.Linear: the TP=1 linears
             raise ConfigError(f"train.fp8={self.train.fp8!r} needs parallel.tp=1 and parallel.pp=1 (they are {p.tp}, "
                               f"{p.pp}): FP8 swaps the plain linears of one whole model; set train.fp8=null")
-        grad_accum = self.train.grad_accum(dp)
+        grad_accum = self.train.grad_accum(dp)   # of the full global batch
+        if self.train.batch_ramp is not None and p.pp > 1:
+            raise ConfigError(f"train.batch_ramp needs parallel.pp=1 (it is {p.pp}): DeepSpeed's pipeline engine runs a "
+                              f"fixed number of micro-batches a step; set train.batch_ramp=null or parallel.pp=1")
+        if self.train.batch_ramp is not None:
+            check_layout(self.batch_ramp(), self.train.micro_batch_size, dp)
         try:
             check_streams(self.canonical_streams(), self.train.global_batch_size)
         except DataError as e:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError
 from pretrain.config import TrainConfig
+from pretrain.config.batch_ramp import splits
 from pretrain.config.deepspeed_dict import deepspeed_config
 from pretrain.plan.memory import GIB, Layout, layout_of, layouts, plan as memory_plan
 from pretrain.plan.calibration import calibrated
@@ -73,12 +74,14 @@ def candidates(cfg: TrainConfig, world: int, cluster: Cluster) -> tuple[list[Can
     the micro-batches rise until one does not fit: a larger one holds more."""
     eff = calibrated(cluster.family).efficiency(cluster.family, cfg.train.compile)
     gpu_bytes, device = int(cluster.gpu.memory_gib * GIB), cluster.device
-    G, fitting, priced = cfg.train.global_batch_size, [], 0
+    G, fitting, priced, ramp = cfg.train.global_batch_size, [], 0, cfg.batch_ramp()   # planned at the full batch G
     for lay in layouts(with_overrides(cfg, ["train.micro_batch_size=1"]), world):   # any micro-batch that divides
         streams = []
         if cfg.data.canonical_streams is None and default_streams(G) % lay.dp and G % lay.dp == 0:
             streams = [f"data.canonical_streams={lay.dp}"]
-        micros = [b for b in range(1, G // lay.dp + 1) if G % (b * lay.dp) == 0]
+        micros = [b for b in range(1, G // lay.dp + 1) if G % (b * lay.dp) == 0 and splits(ramp, b * lay.dp)]
+        if not micros:   # train.batch_ramp: a size along the ramp that no micro-batch splits over these ranks
+            continue
         for ckpt in dict.fromkeys([cfg.parallel.activation_checkpointing, 0, 1]):
             base = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.zero_stage={lay.zero}",
                     f"parallel.activation_checkpointing={ckpt}"] + streams

@@ -86,6 +86,8 @@ def branch_config(parent: TrainConfig, step: int, out: str, decay_steps: int | N
         "train": {"run_dir": out, "decay": "wsd", "decay_steps": D, "max_steps": step + D, "max_tokens": None,
                   "stop_after_steps": None, "init_from": None},
         "checkpoint": {"dir": None, "resume": "auto"}, "logging": {"tensorboard_dir": None}})
+    stages = tree["data"].get("stages") or []   # the branch's decay is its own: a parent's decay stage keeps its mix
+    tree["data"]["stages"] = [{k: v for k, v in stage.items() if k != "decay"} for stage in stages] or None
     if changes:
         try:
             with open(changes) as f:

@@ -13,6 +13,7 @@ from tokendata.order import Blend, Position, Staged, blend_of, layout, rank_slic
 from tokendata.sources import Source
 from tokendata.stream import merged_state
 from tests.unit import test_order as through
+from tools.branch import branch_config
 
 G = 4
 STAGED = [(2 * G, [3.0, 1.0, 0.0]), (4 * G, [0.0, 0.0, 1.0])]   # stage 1 from step 2, stage 2 from step 4
@@ -114,6 +115,7 @@ def test_a_decay_stage_starts_the_wsd_decay_at_its_step():
     assert cfg.train.decay_steps == 20 and [got(s) for s in range(101)] == [want(s) for s in range(101)]
     assert got(80) == 1.0 > got(81) and got(100) == cfg.train.min_lr / cfg.train.lr
     assert type(cfg).from_dict(cfg.to_dict()).train.decay_steps == 20
+    assert stage_lines(cfg)[1].startswith("data stage 1: steps 80–100 (the LR decays: train.decay=wsd): web 0 samples")
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -162,3 +164,13 @@ def test_a_staged_stream_resumes_mid_stage_in_another_layout(blend, dp, c_weight
     a = [i for batch in straight for i in batch if i.startswith("a/")]
     n = later[0].parts[0].manifest["splits"]["train"]["samples"]
     assert len(a) < n and len(set(a)) == len(a)   # one epoch of a, never restarted at the boundaries
+
+
+def test_a_branch_of_a_run_with_a_decay_stage_decays_from_its_own_step(tmp_path):
+    """tools/branch.py from step 40 of a parent whose stage of step 80 has decay: true: the branch decays over the
+    parent's 20 decay steps from 40, and keeps the stage's mix (its decay flag dropped)."""
+    parent = load_config("configs/demo-cpu.yaml", [*ANNEAL, "data.stages=[{step: 80, weights: {hq: 1}, decay: true}]",
+                                                   f"train.run_dir={tmp_path / 'parent'}"])
+    cfg = branch_config(parent, 40, str(tmp_path / "branch"), None, None, [])
+    assert (cfg.train.max_steps, cfg.train.decay_steps) == (60, 20)
+    assert cfg.data.stages == [{"step": 80, "weights": {"hq": 1}}]

@@ -3,7 +3,6 @@ the middle of a checkpoint save at a random phase (shards on disk). Each time th
 the end every loss the run ever logged (before and after each crash) and every sample id it read equal those of a run
 that was never interrupted and read the local directory, bit for bit. And a blend with data.stages killed (kill -9) one
 step before its stage boundary and one step after: the same, and a source is not restarted at the boundary."""
-import json
 import os
 import random
 import shutil
@@ -15,8 +14,8 @@ import pytest
 from pretrain.checkpoints.resume import newest_complete
 from pretrain.faults import SAVE_PHASES
 from tests.support.http_shards import ShardServer
-from tests.support.runs import (blend_sources, finish, free_local_port, launch, logged_step, output, record,
-                                reference_config, start, trainer_ranks)
+from tests.support.runs import (blend_sources, finish, free_local_port, launch, logged_step, metric_rows, output,
+                                record, reference_config, start, trainer_ranks)
 
 pytestmark = pytest.mark.slow
 # SYNTHFORMER_KILL_TRIALS=N: N random trials of each kind (10 for a thorough run); by default 3 kill -9 trials, and
@@ -129,13 +128,15 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp
 
 
 def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_path):
-    """Stage 1 from step 6 (a and c 1:3, b left out), 10 steps, a checkpoint every 2. Rank 1 is killed (SIGKILL,
-    from itself) in step 5, the relaunch resumes at 4 and crosses the boundary, rank 0 is killed in step 7, the next
-    resumes at 6 (in stage 1) and ends: every loss and sample id equal an uninterrupted run's; source c, drawn in both
-    stages, gives each of its samples once before any twice (its epoch carries over the boundary)."""
-    data = {"shard_dir": None, "sources": blend_sources(blend), "stages": [{"step": 6, "weights": {"a": 1, "c": 3}}]}
-    config = lambda name: reference_config(tmp_path, None, name, data=data, train={"max_steps": 10},  # noqa: E731
-                                           checkpoint={"every": 2})
+    """An annealing stage at the decay: a and b (c of weight 0: it joins at the stage), then from step 6 a and c 1:3
+    with decay: true (train.decay=wsd decays over steps 6-10); a checkpoint every 2. Rank 1 is killed (SIGKILL, from
+    itself) in step 5, the relaunch resumes at 4 and crosses the boundary, rank 0 is killed in step 7, the next
+    resumes at 6 (in the stage) and ends: every loss and sample id equal an uninterrupted run's; source a, drawn in
+    both stages, gives no sample twice (its epoch carries over the boundary); the LR decays from the stage on."""
+    sources = [{**s, "weight": 0 if s["name"] == "c" else s["weight"]} for s in blend_sources(blend)]
+    data = {"shard_dir": None, "sources": sources, "stages": [{"step": 6, "weights": {"a": 1, "c": 3}, "decay": True}]}
+    config = lambda name: reference_config(tmp_path, None, name, data=data,  # noqa: E731
+                                           train={"max_steps": 10, "decay": "wsd"}, checkpoint={"every": 2})
     launch(config("straight"), 2)
     chain, faults = config("chain"), {"SYNTHFORMER_FAULTS": "kill@5@1,kill@7@0"}   # each fires once (its marker)
     for resumed in (0, 4):
@@ -145,6 +146,9 @@ def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_
     check_resumed(launch(chain, 2, env=faults).stdout, 6)
     (loss, ids), (want_loss, want_ids) = record(tmp_path / "chain"), record(tmp_path / "straight")
     assert sorted(loss) == list(range(1, 11)) and loss == want_loss and ids == want_ids
-    c = [i for step in sorted(ids[0]) for rank in (0, 1) for i in ids[rank][step] if i.startswith("c/")]
-    n = json.load(open(os.path.join(blend["c"], "manifest.json")))["splits"]["train"]["samples"]
-    assert len(c) > 20 and len(set(c[:n])) == len(c[:n])
+    drawn = [i for step in sorted(ids[0]) for rank in (0, 1) for i in ids[rank][step]]
+    first_c = next(k for k, i in enumerate(drawn) if i.startswith("c/"))
+    a = [i for i in drawn if i.startswith("a/")]
+    assert first_c == 6 * 8 and len(a) > 30 and len(set(a)) == len(a)
+    lr = {row["step"]: row["train/lr"] for row in metric_rows(tmp_path / "chain") if "train/lr" in row}
+    assert lr[4] == lr[6] == 3e-3 > lr[8] > lr[10]

@@ -5,6 +5,7 @@ with its manifest, where its files are, and which of its shards are good; and th
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
     as_stages(spec, names)                data.stages: [(first step, [weight of each source])], checked
     decay_stage(spec)                     the step of the stage that starts train.decay=wsd's decay, or None
+    check_joined(sources, stages)         a source of weight 0 is weighed by a stage (it joins there)
     open_sources(sources, cache_dir, verify)  [Opened]: manifests read (once: Opened ones are taken as they are),
                                           checked against each other (`check_agree`)
     good_shards(opened, bad_shards)       the size check of every source's shards at once (the orders of older

@@ -45,7 +45,8 @@ def stage_lines(cfg: TrainConfig) -> list[str]:
         blend.picks(pos, P(last) - P(first))
         gives = ", ".join(f"{name} {c - b} samples ({(c - b) * cfg.model.max_seq_len:,} tokens)"
                           for name, c, b in zip(names, pos.counts, before))
-        lines.append(f"data stage {k}: steps {first}–{last}: {gives}")
+        decay = " (the LR decays: train.decay=wsd)" if k and cfg.data.stages[k - 1].get("decay") else ""
+        lines.append(f"data stage {k}: steps {first}–{last}{decay}: {gives}")
     return lines
 
 

@@ -2,6 +2,7 @@
 does nothing unless the environment variable SYNTHFORMER_FAULTS names faults.
 
 SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults to 0):
+    kill@7@1              rank 1 kills itself (SIGKILL, as `kill -9`) in step 7, after its forward pass
     nan@7                 the loss of step 7 on that rank is NaN (as an overflow would make it), before backward
     term@20               that rank gets SIGTERM during step 20, from itself (as from a scheduler that preempts the
                           job): every rank stops after that step, with a checkpoint
@@ -81,7 +82,9 @@ class Faults:
 
     def loss(self, loss, step: int):
         """The loss of `step`, or NaN times it where a `nan` fault is armed; SIGTERM where a `term` fault is; never
-        returns where a `hang` is."""
+        returns where a `hang` is; dies as kill -9 would where a `kill` is."""
+        if self.fires("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.fires("term", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.fires("hang", step):
@@ -108,7 +111,6 @@ class Faults:
         """Dies here, as kill -9 would, where a `kill-save-<phase>` fault is armed for this step."""
         if self.fires(f"kill-save-{phase}", step):
             os.kill(os.getpid(), signal.SIGKILL)
-
 
     def uploading(self, step: int) -> None:
         """Raises PermissionError (a denied upload: not retried) where an `upload-fail` fault is armed for this step."""

@@ -191,8 +191,9 @@ class Staged(Blend):
 
 
 def blend_of(weights: list[float], stages=()) -> Blend:
-    """The run's picks: a `Blend` of the weights, or `Staged` where stages [(first sample, weights)] are given."""
-    return Staged(weights, list(stages)) if stages else Blend(weights)
+    """The run's picks: a `Blend` of the weights, or `Staged` where stages [(first sample, weights)] are given or a
+    source has weight 0 (it joins in a later stage)."""
+    return Staged(weights, list(stages)) if stages or 0 in weights else Blend(weights)
 
 
 @dataclasses.dataclass

@@ -4,6 +4,8 @@ with its manifest, where its files are, and which of its shards are good; and th
     Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
     as_stages(spec, names)                data.stages: [(first step, [weight of each source])], checked
+    decay_stage(spec)                     the step of the stage that starts train.decay=wsd's decay, or None
+    check_joined(sources, stages)         a source of weight 0 is weighed by a stage (it joins there)
     open_sources(sources, cache_dir, verify)  [Opened]: manifests read (once: Opened ones are taken as they are),
                                           checked against each other (`check_agree`)
     good_shards(opened, bad_shards)       the size check of every source's shards at once (the orders of older
@@ -24,6 +26,7 @@ SHARED = (("tokenizer_sha256", "tokenizer"), ("vocab_size", "vocabulary size"), 
           ("eos_id", "eos id"), ("dtype", "token dtype"))
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # it names metrics (val/<name>/loss) and prefixes sample ids
 SOURCE_KEYS = ("name", "path", "weight")
+STAGE_KEYS = ("step", "weights", "decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +63,13 @@ def as_sources(spec) -> list[Source]:
              f"{where}.name={entry.name!r} must be letters, digits, '_', '-' or '.' (it names val/<name>/loss)")
         need(isinstance(entry.path, str) and bool(entry.path), f"{where}.path={entry.path!r} must be a shard "
                                                                f"directory or URL")
-        need(isinstance(entry.weight, (int, float)) and not isinstance(entry.weight, bool) and entry.weight > 0,
-             f"{where}.weight={entry.weight!r} must be a number > 0 (weights are proportions: 0.5, 0.3, 0.2 or 5, "
-             f"3, 2)")
+        need(isinstance(entry.weight, (int, float)) and not isinstance(entry.weight, bool) and entry.weight >= 0,
+             f"{where}.weight={entry.weight!r} must be a number ≥ 0 (weights are proportions: 0.5, 0.3, 0.2 or 5, "
+             f"3, 2; 0: the source joins in a data.stages entry that weighs it)")
         need(entry.name not in [s.name for s in out], f"{where}.name={entry.name!r} is used twice: names must differ")
         out.append(Source(entry.path, float(entry.weight), entry.name))
+    need(sum(s.weight for s in out) > 0, "data.sources' weights are all 0: give a source of the first stage (from "
+                                         "step 0) a weight > 0")
     return out
 
 
@@ -77,8 +82,12 @@ def as_stages(spec, names: list) -> list[tuple[int, list[float]]]:
     out, last = [], 0
     for i, entry in enumerate(spec):
         where = f"data.stages[{i}]"
-        need(isinstance(entry, dict) and set(entry) == {"step", "weights"}, f"{where} must be a mapping {{step, "
-             f"weights}} (e.g. {{step: 1000, weights: {{{names[0]}: 1}}}}), got {entry!r}")
+        need(not isinstance(entry, dict) or "seq_len" not in entry, f"{where}.seq_len: a stage's own sequence "
+             f"length is not supported (every stage trains at model.max_seq_len): remove it")
+        need(isinstance(entry, dict) and {"step", "weights"} <= set(entry) <= set(STAGE_KEYS), f"{where} must be a "
+             f"mapping {{step, weights[, decay]}} (e.g. {{step: 1000, weights: {{{names[0]}: 1}}}}), got {entry!r}")
+        need(isinstance(entry.get("decay", False), bool), f"{where}.decay={entry.get('decay')!r} must be true (the "
+             f"train.decay=wsd decay starts at this stage) or false")
         step, weights = entry["step"], entry["weights"]
         need(isinstance(step, int) and not isinstance(step, bool) and step > last, f"{where}.step={step!r} must be "
              f"an integer > {last}: stages start at increasing steps (stage 0, data.sources' weights, at step 0)")
@@ -92,7 +101,22 @@ def as_stages(spec, names: list) -> list[tuple[int, list[float]]]:
         need(sum(weights.values()) > 0, f"{where}.weights are all 0: give a source a weight > 0")
         out.append((step, [float(weights.get(name, 0)) for name in names]))
         last = step
+    need(sum(bool(entry.get("decay")) for entry in spec) <= 1, "data.stages: decay=true on more than one stage: "
+                                                                "the decay starts once (keep it on one)")
     return out
+
+
+def decay_stage(spec) -> int | None:
+    """The first step of the stage of data.stages (checked by `as_stages`) with decay: true, or None."""
+    return next((entry["step"] for entry in spec or [] if entry.get("decay")), None)
+
+
+def check_joined(sources: list[dict], stages: list[tuple[int, list[float]]]) -> None:
+    """A source of weight 0 in data.sources must have a weight > 0 in a stage (else it is never read)."""
+    for i, s in enumerate(sources):
+        need(s["weight"] > 0 or any(weights[i] > 0 for _, weights in stages), f"data.sources[{i}].weight=0 "
+             f"(source {s['name']!r}) and no data.stages entry gives it a weight > 0: it would never be read; give "
+             f"it a weight, or remove it")
 
 
 @dataclasses.dataclass

@@ -10,8 +10,9 @@ PARENT is the parent's run directory (or its checkpoint directory); its checkpoi
 or copies across file systems) into BRANCH/checkpoints, so the branch resumes with the parent's weights, AdamW
 state, RNG streams and data position. Its config is the parent's with train.decay=wsd, train.decay_steps=D and
 train.max_steps=K+D: its decay starts at step K (lr_lambda), where the parent's LR was still the stable phase's. D
-defaults to the parent's own decay length (train.decay_steps, or decay_fraction of its steps). A relaunch of the
-branch resumes its own newest checkpoint, as any run does.
+defaults to the parent's own decay length (train.decay_steps, or decay_fraction of its steps). The parent's
+data.stages are kept without a `decay: true` (the branch's decay is its own, from K). A relaunch of the branch resumes
+its own newest checkpoint, as any run does.
 
 Another data blend for the decay (an annealing mix): `--set data.sources=[...]` or a YAML file of changes
 (--config, merged over the parent's config, e.g. `data: {sources: [...]}`). A blend cannot continue the parent's
@@ -86,6 +87,8 @@ def branch_config(parent: TrainConfig, step: int, out: str, decay_steps: int | N
         "train": {"run_dir": out, "decay": "wsd", "decay_steps": D, "max_steps": step + D, "max_tokens": None,
                   "stop_after_steps": None, "init_from": None},
         "checkpoint": {"dir": None, "resume": "auto"}, "logging": {"tensorboard_dir": None}})
+    stages = tree["data"].get("stages") or []   # the branch's decay is its own: a parent's decay stage keeps its mix
+    tree["data"]["stages"] = [{k: v for k, v in stage.items() if k != "decay"} for stage in stages] or None
     if changes:
         try:
             with open(changes) as f:

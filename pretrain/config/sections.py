@@ -11,7 +11,7 @@ from pretrain.config.batch_ramp import check_ramp
 from pretrain.config.schedule import check_decay
 from pretrain.timeouts import MARGIN_S, MIN_MARGIN_S, WITHOUT_WATCHDOG_S
 from tokendata.shards import DataError
-from tokendata.sources import Source, as_sources, as_stages
+from tokendata.sources import Source, as_sources, as_stages, check_joined
 
 
 @dataclass(kw_only=True)
@@ -22,10 +22,12 @@ class DataSection:
                         "name (pipe:aws s3 cp s3://bucket/shards/{} -), or an fsspec URL (s3://, gs://…, with its "
                         "backend installed); the one source of a run (or data.sources)", None)
     sources: list | None = described("several shard sets blended by weight, instead of shard_dir: a list of {name, "
-                        "path, weight}; path: as shard_dir; weight: a proportion > 0 (0.5, 0.3, 0.2, or 5, 3, 2); "
+                        "path, weight}; path: as shard_dir; weight: a proportion ≥ 0 (0.5, 0.3, 0.2, or 5, 3, 2; 0: read only in "
+                        "the data.stages that weigh it); "
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
                         "one tokenizer, vocabulary, seq_len and eos", None)
-    stages: list | None = described("[{step, weights: {source: weight}}]: new weights from a step on (docs/data.md)", None)
+    stages: list | None = described("[{step, weights: {source: weight}, decay}]: new weights from a step on; decay: "
+                                    "true starts train.decay=wsd's decay at that step (docs/data.md)", None)
     canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
                         "global batch g holds the same samples, in the same order, on every data-parallel size that "
                         "divides the global batch, any worker count and micro-batch. 1 ≤ C ≤ train.global_batch_size; "
@@ -73,7 +75,8 @@ class DataSection:
         try:
             if self.sources is not None:
                 self.sources = [{"name": s.name, "path": s.path, "weight": s.weight} for s in as_sources(self.sources)]
-            as_stages(self.stages, [s["name"] for s in self.sources or [{"name": None}]])
+            stages = as_stages(self.stages, [s["name"] for s in self.sources or [{"name": None}]])
+            check_joined(self.sources or [], stages)
         except DataError as e:
             raise ConfigError(str(e)) from None
         need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",

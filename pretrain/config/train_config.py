@@ -21,11 +21,13 @@ from pretrain.config import files
 from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.fleet_section import FleetSection
 from pretrain.config.batch_ramp import check_layout, ramp_of
+from pretrain.config.schedule import stage_decay
 from pretrain.config.checkpoint_section import CheckpointSection
 from pretrain.config.sections import DataSection, LoggingSection, ParallelSection, TrainSection
 from tokendata.order import check_streams, default_streams
 from tokendata.ramp import BatchRamp
 from tokendata.shards import DataError
+from tokendata.sources import decay_stage
 
 
 class Runtime(NamedTuple):
@@ -68,6 +70,8 @@ class TrainConfig:
                               f"background; set checkpoint.async_save=false")
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
+        if decay_stage(self.data.stages) is not None:   # an annealing stage at the decay: its length from the stage
+            self.train.decay_steps = stage_decay(self.train, decay_stage(self.data.stages), self.total_steps())
 
     @property
     def tokens_per_step(self) -> int:

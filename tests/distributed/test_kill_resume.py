@@ -1,7 +1,8 @@
 """Crashes at random moments: `kill -9` of one rank at a random step (its shards streamed over HTTP), and death in
 the middle of a checkpoint save at a random phase (shards on disk). Each time the same command is launched again; at
 the end every loss the run ever logged (before and after each crash) and every sample id it read equal those of a run
-that was never interrupted and read the local directory, bit for bit."""
+that was never interrupted and read the local directory, bit for bit. And a blend with data.stages killed (kill -9) one
+step before its stage boundary and one step after: the same, and a source is not restarted at the boundary."""
 import os
 import random
 import shutil
@@ -13,8 +14,8 @@ import pytest
 from pretrain.checkpoints.resume import newest_complete
 from pretrain.faults import SAVE_PHASES
 from tests.support.http_shards import ShardServer
-from tests.support.runs import (finish, free_local_port, launch, logged_step, output, record, reference_config, start,
-                                trainer_ranks)
+from tests.support.runs import (blend_sources, finish, free_local_port, launch, logged_step, metric_rows, output,
+                                record, reference_config, start, trainer_ranks)
 
 pytestmark = pytest.mark.slow
 # SYNTHFORMER_KILL_TRIALS=N: N random trials of each kind (10 for a thorough run); by default 3 kill -9 trials, and
@@ -124,3 +125,30 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp
     print(f"killed in the save of (step, phase, rank): {kills}")
     loss, ids = record(run)
     assert loss == reference[0] and ids == reference[1]
+
+
+def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_path):
+    """An annealing stage at the decay: a and b (c of weight 0: it joins at the stage), then from step 6 a and c 1:3
+    with decay: true (train.decay=wsd decays over steps 6-10); a checkpoint every 2. Rank 1 is killed (SIGKILL, from
+    itself) in step 5, the relaunch resumes at 4 and crosses the boundary, rank 0 is killed in step 7, the next
+    resumes at 6 (in the stage) and ends: every loss and sample id equal an uninterrupted run's; source a, drawn in
+    both stages, gives no sample twice (its epoch carries over the boundary); the LR decays from the stage on."""
+    sources = [{**s, "weight": 0 if s["name"] == "c" else s["weight"]} for s in blend_sources(blend)]
+    data = {"shard_dir": None, "sources": sources, "stages": [{"step": 6, "weights": {"a": 1, "c": 3}, "decay": True}]}
+    config = lambda name: reference_config(tmp_path, None, name, data=data,  # noqa: E731
+                                           train={"max_steps": 10, "decay": "wsd"}, checkpoint={"every": 2})
+    launch(config("straight"), 2)
+    chain, faults = config("chain"), {"SYNTHFORMER_FAULTS": "kill@5@1,kill@7@0"}   # each fires once (its marker)
+    for resumed in (0, 4):
+        r = launch(chain, 2, check=False, env=faults)
+        assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+        check_resumed(r.stdout, resumed)
+    check_resumed(launch(chain, 2, env=faults).stdout, 6)
+    (loss, ids), (want_loss, want_ids) = record(tmp_path / "chain"), record(tmp_path / "straight")
+    assert sorted(loss) == list(range(1, 11)) and loss == want_loss and ids == want_ids
+    drawn = [i for step in sorted(ids[0]) for rank in (0, 1) for i in ids[rank][step]]
+    first_c = next(k for k, i in enumerate(drawn) if i.startswith("c/"))
+    a = [i for i in drawn if i.startswith("a/")]
+    assert first_c == 6 * 8 and len(a) > 30 and len(set(a)) == len(a)
+    lr = {row["step"]: row["train/lr"] for row in metric_rows(tmp_path / "chain") if "train/lr" in row}
+    assert lr[4] == lr[6] == 3e-3 > lr[8] > lr[10]

@@ -171,8 +171,10 @@ def test_sources_must_share_tokenizer_vocabulary_seq_len_and_eos(blend, tmp_path
 
 
 @pytest.mark.parametrize("sources,words", [
-    ("[{name: a, path: x, weight: 0}]", "data.sources[0].weight=0 must be a number > 0"),
-    ("[{name: a, path: x, weight: -1}]", "data.sources[0].weight=-1 must be a number > 0"),
+    ("[{name: a, path: x, weight: 0}]", "data.sources' weights are all 0"),
+    ("[{name: a, path: x, weight: 1}, {name: b, path: y, weight: 0}]",
+     "data.sources[1].weight=0 (source 'b') and no data.stages entry gives it a weight > 0"),
+    ("[{name: a, path: x, weight: -1}]", "data.sources[0].weight=-1 must be a number ≥ 0"),
     ("[{name: a, path: x, weight: 1}, {name: b, path: y, wieght: 1}]",
      "unknown config key 'data.sources[1].wieght'; did you mean 'data.sources[1].weight'?"),
     ("[{name: a, path: x}]", "data.sources[0] has no 'weight'"),

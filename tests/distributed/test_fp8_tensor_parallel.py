@@ -1,0 +1,124 @@
+"""train.fp8 under tensor parallelism (pretrain/float8.py `float8_parallel_linear`) on two real gloo processes: every
+column- and row-parallel linear runs its three GEMMs in FP8 (counted: torchao's `_scaled_mm`, three a linear), names
+and state-dict keys unchanged, and the loss and gradients equal a reference computed another way, on one process: the
+TP = 1 model whose linears run torchao's float8 matmul on the TP shards of their weights (a column linear's output
+rows, a row linear's input columns) and concatenate or sum the results. FP8 scales are per shard (each rank scales
+its own shard, x slice and ∂y slice), so TP = 2 with FP8 is that reference, not the TP = 1 FP8 model; against the
+latter it differs by FP8 rounding only (bounded below). With sequence parallelism (the row linears' sequence
+reduce-scatter) the numbers are the same."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, build_model
+from model import parallel as tp
+from pretrain import float8
+from tests.support.distributed import run_distributed
+
+torchao = pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'synthformer[fp8]')")
+
+TP = 2
+# widths FP8 takes on each shard: q, k, v and the MLP's fc (64 → 32 and 256 → 128 a rank), out and proj (32, 128 → 64)
+CFG = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=16, init_std=0.2, seed=7,
+                  mixer="dot")
+LINEARS = 12   # per block: q, k, v, out, fc, proj
+
+
+def batch():
+    return torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def gemm_count(prof) -> int:
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+
+
+def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly TP-sharded) parameter or its gradient."""
+    if not tp.is_sharded(param):
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(tp.tp_world())]
+    dist.all_gather(parts, t.detach().contiguous(), group=tp.tp_group())
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def fp8_worker(rank, world, sequence_parallel):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp.set_sequence_parallel(sequence_parallel)
+    try:
+        model = build_model(CFG)
+        keys = list(model.state_dict())
+        converted = float8.convert(model, "tensorwise")
+        tokens = batch()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+        return {"converted": converted, "keys": keys, "keys_after": list(model.state_dict()), "gemms": gemm_count(prof),
+                "fp8_classes": sorted({type(m).__name__ for m in model.modules() if type(m) in float8.FLOAT8_PARALLEL}),
+                "loss": loss.item(), "grads": {n: full(p.grad, p) for n, p in model.named_parameters()}}
+    finally:
+        tp.set_sequence_parallel(False)
+        parallel_state.destroy_model_parallel()
+
+
+class ShardedFloat8Linear(torch.nn.Linear):
+    """The reference: y = x Wᵀ + b by torchao's float8 matmul on each of the TP shards of W, as megatron splits it
+    (model/parallel.py `partition_dim`: 0 column, 1 row), the outputs concatenated (column) or summed (row)."""
+
+    def __init__(self, linear: torch.nn.Linear, config):
+        from torchao.float8.float8_linear import Float8Linear
+
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.config = config
+        self.mm_config = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config
+
+    def forward(self, x):
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args as mm
+
+        dim = self.weight.partition_dim
+        shards = self.weight.chunk(TP, dim=dim)
+        if dim == 0:   # column: each shard's outputs
+            y = torch.cat([mm.apply(x, w.t(), self.mm_config, self.config) for w in shards], dim=-1)
+        else:          # row: each shard's partial sums over its slice of x
+            y = sum(mm.apply(xs, w.t(), self.mm_config, self.config) for xs, w in zip(x.chunk(TP, dim=-1), shards))
+        return y if self.bias is None else y + self.bias
+
+
+def reference(sharded: bool) -> tuple[float, dict]:
+    """Loss and gradients of the TP = 1 model with FP8 linears: per TP shard (`sharded`) or torchao's own."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear_utils import swap_linear_layers
+
+    model = build_model(CFG)
+    if sharded:
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        swap_linear_layers(model, lambda m: ShardedFloat8Linear(m, config),
+                           module_filter_fn=lambda m, name: isinstance(m, torch.nn.Linear))
+    else:
+        float8.convert(model, "tensorwise")
+    tokens = batch()
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_runs_every_tensor_parallel_linear_in_fp8_as_the_sharded_reference(sequence_parallel):
+    results = run_distributed(fp8_worker, TP, sequence_parallel)
+    loss_ref, grads_ref = reference(sharded=True)
+    loss_tp1, _ = reference(sharded=False)
+    for r, got in enumerate(results):
+        assert got["converted"] == LINEARS, got["converted"]
+        assert got["fp8_classes"] == ["Float8ColumnParallelLinear", "Float8RowParallelLinear"], got["fp8_classes"]
+        assert got["gemms"] == 3 * LINEARS, got["gemms"]   # forward, ∂x and ∂W of each linear: every one in FP8
+        assert got["keys_after"] == got["keys"]
+        assert abs(got["loss"] - loss_ref) <= 1e-5 * loss_ref, (got["loss"], loss_ref)
+        assert got["grads"].keys() == grads_ref.keys()
+        top = max(g.abs().max().item() for g in grads_ref.values())
+        for name, g in grads_ref.items():
+            err = (got["grads"][name] - g).abs().max().item()
+            assert err <= 1e-5 * top, f"rank {r}: grad of {name} differs by {err} (largest gradient {top})"
+    # per-shard scales against one scale a tensor: FP8 rounding apart (e4m3: 2⁻⁴ relative a value), not equal
+    assert loss_tp1 != loss_ref and abs(loss_tp1 - loss_ref) <= 0.02 * loss_ref, (loss_tp1, loss_ref)

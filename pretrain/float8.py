@@ -1,19 +1,21 @@
-"""FP8 training of the plain linears (train.fp8) through torchao's float8 training (`torchao.float8`), applied from
-outside the model by pretrain/engine.py build_engine, before the blocks are compiled:
+"""FP8 training of the linears (train.fp8) through torchao's float8 training (`torchao.float8`), applied from outside
+the model by pretrain/engine.py build_engine, before the blocks are compiled:
 
     check(cfg, device)      a one-line ConfigError where this rank cannot train in FP8 (before the model is touched)
     convert(model, recipe)  each plain linear (nn.Linear, or the model's EngineLinear under a process group) swapped in
-                            place for torchao's Float8Linear: module and parameter names, and so checkpoints, unchanged
+                            place for torchao's Float8Linear, and under TP > 1 each of megatron's column- and
+                            row-parallel linears given FP8 GEMMs on its shard (`float8_parallel_linear`), megatron's
+                            communication unchanged: module and parameter names, and so checkpoints, unchanged;
+                            under PP each stage converts its own layers alike
 
 In a Float8Linear the three GEMMs of a linear (forward y = x Wᵀ, backward ∂x = ∂y W and ∂W = ∂yᵀ x) take FP8 operands
 (e4m3; torchao's recipes choose where e5m2 goes) with scales computed on the fly, and give bf16 results: twice a bf16
 tensor core's peak on an H100. Recipes, by torchao's names: 'tensorwise' (one scale per tensor: the fastest) and
 'rowwise' (one scale per row of each operand: more accurate, a little slower). The joint projections (a mixer's
-q, k, values in one GEMM: model/parallel.py joint_column) run as one FP8 GEMM each once converted (joint_column calls a
-linear with a forward of its own as a module). What stays in bf16: the fused head + loss, attention, norms.
+q, k, values in one GEMM: model/parallel.py joint_column) run as one FP8 GEMM each once converted (joint_column calls
+each linear of a class it did not build as a module). What stays in bf16: the fused head + loss, attention, norms.
 
 Needs (each a one-line error otherwise): a CUDA GPU of compute capability ≥ 8.9 (FP8 tensor cores: Ada, Hopper),
-parallel.tp = parallel.pp = 1 (megatron-core's tensor-parallel linears are not nn.Linear; TrainConfig.check_runtime),
 train.precision = bf16 (the section's own check), and torchao (`pip install 'synthformer[fp8]'`). torch.compile
 (train.compile) fuses the scaling and casting kernels; eager FP8 is slower than bf16.
 """

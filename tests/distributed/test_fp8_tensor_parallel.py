@@ -122,3 +122,35 @@ def test_tp2_runs_every_tensor_parallel_linear_in_fp8_as_the_sharded_reference(s
             assert err <= 1e-5 * top, f"rank {r}: grad of {name} differs by {err} (largest gradient {top})"
     # per-shard scales against one scale a tensor: FP8 rounding apart (e4m3: 2⁻⁴ relative a value), not equal
     assert loss_tp1 != loss_ref and abs(loss_tp1 - loss_ref) <= 0.02 * loss_ref, (loss_tp1, loss_ref)
+
+
+def pipeline_worker(rank, world, tp_size):
+    """This rank's pipeline stage (TP × PP = world, PP 2), converted; its forward on its own input (tokens on the
+    first stage, hidden states on the last) and a backward: FP8 GEMMs counted."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from pretrain.pipeline import build_pipeline
+
+    deepspeed.init_distributed(dist_backend="gloo")   # over the process group already there
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=2)
+    try:
+        stage = build_pipeline(CFG, tp_size, 2, 1, "uniform")
+        keys = list(stage.state_dict())
+        converted = float8.convert(stage, "tensorwise")
+        first = parallel_state.get_pipeline_model_parallel_rank() == 0
+        tokens = batch()[:, :-1]
+        x = tokens if first else torch.randn(2, 16, CFG.d_model, requires_grad=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            stage(x).float().square().mean().backward()
+        return {"converted": converted, "gemms": gemm_count(prof), "same_keys": list(stage.state_dict()) == keys}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_each_pipeline_stage_runs_its_tensor_parallel_linears_in_fp8():
+    """TP 2 × PP 2 on four processes: each stage converts the linears of its block (megatron's: the plain ones of a
+    TP = 1 stage are torchao's own swap, tested at PP = 1), and each of them runs its three GEMMs in FP8; names
+    unchanged."""
+    for got in run_distributed(pipeline_worker, 4, 2):
+        assert got == {"converted": LINEARS // 2, "gemms": 3 * LINEARS // 2, "same_keys": True}, got

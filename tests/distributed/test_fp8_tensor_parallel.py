@@ -4,8 +4,8 @@ and state-dict keys unchanged, and the loss and gradients equal a reference comp
 TP = 1 model whose linears run torchao's float8 matmul on the TP shards of their weights (a column linear's output
 rows, a row linear's input columns) and concatenate or sum the results. FP8 scales are per shard (each rank scales
 its own shard, x slice and ∂y slice), so TP = 2 with FP8 is that reference, not the TP = 1 FP8 model; against the
-latter it differs by FP8 rounding only (bounded below). With sequence parallelism (the row linears' sequence
-reduce-scatter) the numbers are the same."""
+latter it differs by FP8 rounding only (bounded below). Both recipes (tensorwise: a scale a shard; rowwise: a scale
+a row of a shard); with sequence parallelism (the row linears' sequence reduce-scatter) the numbers are the same."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,25 +41,30 @@ def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def fp8_worker(rank, world, sequence_parallel):
+def fp8_worker(rank, world, cases):
+    """Per (recipe, sequence parallelism) case: the TP model converted, one forward and backward, FP8 GEMMs counted."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    tp.set_sequence_parallel(sequence_parallel)
-    try:
-        model = build_model(CFG)
-        keys = list(model.state_dict())
-        converted = float8.convert(model, "tensorwise")
-        tokens = batch()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-        return {"converted": converted, "keys": keys, "keys_after": list(model.state_dict()), "gemms": gemm_count(prof),
-                "fp8_classes": sorted({type(m).__name__ for m in model.modules() if type(m) in float8.FLOAT8_PARALLEL}),
-                "loss": loss.item(), "grads": {n: full(p.grad, p) for n, p in model.named_parameters()}}
-    finally:
-        tp.set_sequence_parallel(False)
-        parallel_state.destroy_model_parallel()
+    out = {}
+    for recipe, sequence_parallel in cases:
+        tp.set_sequence_parallel(sequence_parallel)
+        try:
+            model = build_model(CFG)
+            keys = list(model.state_dict())
+            converted = float8.convert(model, recipe)
+            tokens = batch()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+        finally:
+            tp.set_sequence_parallel(False)
+        out[recipe, sequence_parallel] = {
+            "converted": converted, "keys": keys, "keys_after": list(model.state_dict()), "gemms": gemm_count(prof),
+            "fp8_classes": sorted({type(m).__name__ for m in model.modules() if type(m) in float8.FLOAT8_PARALLEL}),
+            "loss": loss.item(), "grads": {n: full(p.grad, p) for n, p in model.named_parameters()}}
+    parallel_state.destroy_model_parallel()
+    return out
 
 
 class ShardedFloat8Linear(torch.nn.Linear):
@@ -86,42 +91,44 @@ class ShardedFloat8Linear(torch.nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def reference(sharded: bool) -> tuple[float, dict]:
+def reference(recipe: str, sharded: bool) -> tuple[float, dict]:
     """Loss and gradients of the TP = 1 model with FP8 linears: per TP shard (`sharded`) or torchao's own."""
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear_utils import swap_linear_layers
 
     model = build_model(CFG)
     if sharded:
-        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        config = Float8LinearConfig.from_recipe_name(recipe)
         swap_linear_layers(model, lambda m: ShardedFloat8Linear(m, config),
                            module_filter_fn=lambda m, name: isinstance(m, torch.nn.Linear))
     else:
-        float8.convert(model, "tensorwise")
+        float8.convert(model, recipe)
     tokens = batch()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp2_runs_every_tensor_parallel_linear_in_fp8_as_the_sharded_reference(sequence_parallel):
-    results = run_distributed(fp8_worker, TP, sequence_parallel)
-    loss_ref, grads_ref = reference(sharded=True)
-    loss_tp1, _ = reference(sharded=False)
-    for r, got in enumerate(results):
-        assert got["converted"] == LINEARS, got["converted"]
-        assert got["fp8_classes"] == ["Float8ColumnParallelLinear", "Float8RowParallelLinear"], got["fp8_classes"]
-        assert got["gemms"] == 3 * LINEARS, got["gemms"]   # forward, ∂x and ∂W of each linear: every one in FP8
-        assert got["keys_after"] == got["keys"]
-        assert abs(got["loss"] - loss_ref) <= 1e-5 * loss_ref, (got["loss"], loss_ref)
-        assert got["grads"].keys() == grads_ref.keys()
+def test_tp2_runs_every_tensor_parallel_linear_in_fp8_as_the_sharded_reference():
+    cases = [("tensorwise", False), ("rowwise", True)]
+    results = run_distributed(fp8_worker, TP, cases)
+    for recipe, sequence_parallel in cases:
+        loss_ref, grads_ref = reference(recipe, sharded=True)
+        loss_tp1, _ = reference(recipe, sharded=False)
         top = max(g.abs().max().item() for g in grads_ref.values())
-        for name, g in grads_ref.items():
-            err = (got["grads"][name] - g).abs().max().item()
-            assert err <= 1e-5 * top, f"rank {r}: grad of {name} differs by {err} (largest gradient {top})"
-    # per-shard scales against one scale a tensor: FP8 rounding apart (e4m3: 2⁻⁴ relative a value), not equal
-    assert loss_tp1 != loss_ref and abs(loss_tp1 - loss_ref) <= 0.02 * loss_ref, (loss_tp1, loss_ref)
+        for r in range(TP):
+            got, case = results[r][recipe, sequence_parallel], f"{recipe}, sequence parallel {sequence_parallel}"
+            assert got["converted"] == LINEARS, (case, got["converted"])
+            assert got["fp8_classes"] == ["Float8ColumnParallelLinear", "Float8RowParallelLinear"], case
+            assert got["gemms"] == 3 * LINEARS, (case, got["gemms"])   # forward, ∂x and ∂W of each: all in FP8
+            assert got["keys_after"] == got["keys"], case
+            assert abs(got["loss"] - loss_ref) <= 1e-5 * loss_ref, (case, got["loss"], loss_ref)
+            assert got["grads"].keys() == grads_ref.keys()
+            for name, g in grads_ref.items():
+                err = (got["grads"][name] - g).abs().max().item()
+                assert err <= 1e-5 * top, f"{case}, rank {r}: grad of {name} differs by {err} (largest {top})"
+        # per-shard scales against one scale a tensor (or a row): FP8 rounding apart (e4m3: 2⁻⁴ relative), not equal
+        assert loss_tp1 != loss_ref and abs(loss_tp1 - loss_ref) <= 0.02 * loss_ref, (case, loss_tp1, loss_ref)
 
 
 def pipeline_worker(rank, world, tp_size):

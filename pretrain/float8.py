@@ -145,7 +145,13 @@ def float8_parallel_linear(base: type) -> type:
             raise ValueError(f"train.fp8 runs {base.__name__} without megatron's gradient accumulation fusion, "
                              "sequence parallelism or deferred weight gradients (model/parallel.py leaves them off)")
         y = matmul(self, copy_to_tp(input) if allreduce_dgrad else input, weight)
-        return y if bias is None else y + bias.to(y.dtype)
+        if bias is not None:
+            return y + bias.to(y.dtype)
+        # the row linear's output goes to megatron's all-reduce, in place: torchao's matmul returns a view of its
+        # own result, which autograd forbids changing in place under torch.compile (a copy of y, not of the GEMM)
+        return y.clone() if reduced_in_place else y
+
+    reduced_in_place = issubclass(base, mcore().tensor_parallel.RowParallelLinear)
 
     layer = type(f"Float8{base.__name__}", (base,), {"matmul": matmul, "_forward_impl": forward_impl})
     FLOAT8_PARALLEL.add(layer)

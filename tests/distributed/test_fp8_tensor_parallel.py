@@ -67,6 +67,33 @@ def fp8_worker(rank, world, cases):
     return out
 
 
+def compile_worker(rank, world):
+    """The FP8 MLP of a TP block (a column then a row linear): output and input gradient, eager and compiled
+    (aot_eager: dynamo's and autograd's tracing, no inductor)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    mlp = build_model(CFG).blocks[0].mlp
+    float8.convert(mlp, "tensorwise")
+    x = torch.randn(2, 8, CFG.d_model, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = []
+    for fn in (mlp, torch.compile(mlp, backend="aot_eager")):
+        y = fn(x)
+        (dx,) = torch.autograd.grad(y.square().sum(), x)
+        out.append((y.detach(), dx))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_fp8_tensor_parallel_linears_compile():
+    """train.compile with FP8 under TP: compiled equals eager. Before, torch.compile refused the row linear: torchao's
+    matmul returns a view, which megatron's all-reduce changes in place."""
+    for (y, dx), (y_compiled, dx_compiled) in run_distributed(compile_worker, TP):
+        assert torch.allclose(y_compiled, y, rtol=1e-6, atol=1e-6 * y.abs().max().item())
+        assert torch.allclose(dx_compiled, dx, rtol=1e-6, atol=1e-6 * dx.abs().max().item())
+
+
 class ShardedFloat8Linear(torch.nn.Linear):
     """The reference: y = x Wᵀ + b by torchao's float8 matmul on each of the TP shards of W, as megatron splits it
     (model/parallel.py `partition_dim`: 0 column, 1 row), the outputs concatenated (column) or summed (row)."""

@@ -2,11 +2,10 @@
 
 The model code asks this module for "a column-parallel linear", "a vocab-parallel embedding", … and never
 looks at ranks. With more than one tensor-parallel rank the layers are megatron's (`ColumnParallelLinear`,
-`RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`); with one (no process group, or
-a pure data- or pipeline-parallel run) they are `nn.Linear` /
-`nn.Embedding` / `F.cross_entropy` with the same parameter names, so one state dict fits both. At TP = 1 the plain
-linear adds its bias inside the GEMM (megatron's adds it apart, in fp32 under autocast, which also promotes the
-output to fp32) and torch.compile sees plain aten ops.
+`RowParallelLinear`, `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`); with one (no process group, or a pure
+data- or pipeline-parallel run) they are `nn.Linear` / `nn.Embedding` / `F.cross_entropy` with the same parameter
+names, so one state dict fits both. At TP = 1 the plain linear adds its bias inside the GEMM (megatron's adds it
+apart, in fp32 under autocast, which also promotes the output to fp32) and torch.compile sees plain aten ops.
 
 Every parameter carries how it is split (`tensor_model_parallel`, `partition_dim`, megatron's attribute names) and
 how it is initialised (`init`), so `init_from_seed` can draw the *full* tensor from one seed and keep this rank's
@@ -142,8 +141,8 @@ def joint_column(x: torch.Tensor, layers: list[nn.Module]) -> list[torch.Tensor]
     """[layer(x) for layer in layers] for column-parallel linears that read the same x, as one GEMM over their
     (local) weights and biases concatenated: one launch for all, one ∂x GEMM in backward instead of one per layer
     plus their sum, one bias-gradient reduction. The outputs are views of the joint one (B, n, Σ d_out/TP). Layers
-    that are linears with a forward of their own (swapped in from outside: FP8's Float8Linear, whose GEMMs are its
-    own) are called one by one."""
+    that are not the linears this module built (swapped in from outside: FP8's, whose GEMMs are their own) are
+    called one by one."""
     if len(layers) == 1 or any(own_forward(layer) for layer in layers):
         return [layer(x) for layer in layers]
     biases = [layer.bias for layer in layers if layer.bias is not None]
@@ -152,8 +151,11 @@ def joint_column(x: torch.Tensor, layers: list[nn.Module]) -> list[torch.Tensor]
 
 
 def own_forward(layer: nn.Module) -> bool:
-    """An nn.Linear whose forward is not nn.Linear's (the joint GEMM would skip it)."""
-    return isinstance(layer, nn.Linear) and type(layer).forward is not nn.Linear.forward
+    """A layer of a class other than the linears built here (BUILT): its GEMM, which the joint one would skip."""
+    return type(layer) not in BUILT
+
+
+BUILT: set[type] = {nn.Linear, EngineLinear}   # the linears built here; `_megatron_linear` adds megatron's
 
 
 class JointLinear(torch.autograd.Function):
@@ -251,13 +253,19 @@ def _megatron_linear(kind: str):
             return _sequence_row_forward(self, x)
         return base.forward(self, x)[0]   # and a sequence row within whole_sequences: plain TP's all-reduce
 
-    return type(base.__name__, (base,), {"forward": forward, "_forward_impl": forward_impl})
+    layer = type(base.__name__, (base,), {"forward": forward, "_forward_impl": forward_impl, "matmul": matmul})
+    BUILT.add(layer)
+    return layer
+
+
+def matmul(self, x):   # x W_rᵀ (B, n, d_out), no bias or communication: the sequence row's GEMM (FP8 replaces it)
+    return F.linear(x, self.weight)
 
 
 def _sequence_row_forward(self, x):
     """y = reduce-scatter_n(x W_rᵀ) + b: the partial sums (B, n, d_out) of this rank's d_in/TP inputs, summed over TP,
     this rank's n/TP positions kept (B, n/TP, d_out); b added there, its gradient summed over TP."""
-    y = reduce_scatter_sequence(F.linear(x, self.weight))
+    y = reduce_scatter_sequence(self.matmul(x))
     return y if self.bias is None else y + summed_over_tp(self.bias)
 
 

@@ -98,9 +98,9 @@ def lr_lambda(train: TrainSection, total_steps: int | None = None,
 
 def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_clip: bool | None = None):
     """The DeepSpeed engine over this rank's model, in a fixed order: model (full init from one seed, this rank's
-    TP slice) → FP8 linears (train.fp8: torchao's Float8Linear for the plain linears, pretrain/float8.py) →
-    activation checkpointing → compiled blocks, embedding and head + loss (train.compile) → pipeline stages (PP > 1)
-    → DeepSpeed (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed
+    TP slice) → FP8 linears (train.fp8: torchao's Float8Linear for the plain linears, FP8 GEMMs for megatron's TP
+    ones, pretrain/float8.py) → activation checkpointing → compiled blocks, embedding and head + loss (train.compile)
+    → pipeline stages (PP > 1) → DeepSpeed (ZeRO, AdamW, LR schedule). `load_universal`: the engine will load a universal checkpoint (DeepSpeed
     decides this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
     float8.check(cfg, lay.device)   # a one-line error before any model is built
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu

@@ -197,11 +197,12 @@ class TrainSection:
                               "torchtitan does), and with pp 1 the embedding and the final norm + head + fused loss "
                               "(a graph each); names and checkpoints unchanged; evaluation, samples and maps run "
                               "eager; the first steps pay the compile", False)
-    fp8: str | None = described("FP8 training of the plain linears through torchao (pretrain/float8.py): null (off), "
-                                "'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row: more "
-                                "accurate, slower); needs train.precision=bf16, parallel.tp=1 and pp=1, a CUDA GPU of "
-                                "compute capability ≥ 8.9 (H100, H200, L40S), pip install 'synthformer[fp8]', and "
-                                "train.compile=true to be fast", None)
+    fp8: str | None = described("FP8 training of the linears through torchao (pretrain/float8.py): the plain ones, "
+                                "and under tp > 1 megatron's tensor-parallel ones (scales per shard), any pp; null "
+                                "(off), 'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row: more "
+                                "accurate, slower); needs train.precision=bf16, a CUDA GPU of compute capability ≥ 8.9 "
+                                "(H100, H200, L40S), pip install 'synthformer[fp8]', and train.compile=true to be fast",
+                                None)
     seed: int = described("seed of the trainer's RNGs (dropout); model init uses model.seed", 1234)
     stop_after_steps: int | None = described("end this invocation after this many more optimizer steps, with a checkpoint; "
                                       "the schedule still runs to max_steps (time-limited jobs: relaunch to go on)",

@@ -133,9 +133,6 @@ class TrainConfig:
             raise ConfigError(f"train.autocast=true needs parallel.tp=1 (it is {p.tp}): megatron-core's tensor-parallel "
                               "linears run their backward under autocast only on CUDA, a path not tested here; set "
                               "train.autocast=false")
-        if self.train.fp8 is not None and (p.tp != 1 or p.pp != 1):   # torchao swaps nn.Linear: the TP=1 linears
-            raise ConfigError(f"train.fp8={self.train.fp8!r} needs parallel.tp=1 and parallel.pp=1 (they are {p.tp}, "
-                              f"{p.pp}): FP8 swaps the plain linears of one whole model; set train.fp8=null")
         grad_accum = self.train.grad_accum(dp)   # of the full global batch
         if self.train.batch_ramp is not None and p.pp > 1:
             raise ConfigError(f"train.batch_ramp needs parallel.pp=1 (it is {p.pp}): DeepSpeed's pipeline engine runs a "

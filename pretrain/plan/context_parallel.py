@@ -18,7 +18,8 @@ decoder does), so per block it keeps:
     map rows            the softmax A of each chunk's rows, (B or 1)·Hl·s·t1, B where a member reads the input,
                         1 where the map is the batch's (random); in a mixture each member's logits S_m as well (α·S_m
                         keeps them); SGU: its W rows (W ⊙ causal), Hl·s·t1: Σ over the two chunks, ·K
-    largest temporary   one chunk's logits and their softmax's gradient, 2·(B or 1)·Hl·s·n (the last chunk reads n)
+    largest temporary   one chunk's logits and their softmax's gradient, 2·(B or 1)·Hl·s·n (the last chunk reads n),
+                        and the causal mask the materialized path makes whole, n²·a, before slicing its rows
 The ℓ × ℓ weights (random's R, SGU's W, dense's W_2) stay whole on every rank: counted in the model states as
 without cp. Under the document mask the map rows are per sample and each chunk's mask (booleans, B·s·t1) is kept:
 counted so, not measured.
@@ -119,14 +120,19 @@ def _layer_terms(config: str, index: int, B: int, n: int, cp: int, tp: int, a: i
 
 
 def transient(cfg: ModelConfig, index: int, B: int, n: int, cp: int, tp: int, a: int) -> Term:
-    """One chunk's logits and their softmax's gradient, the last chunk's (it reads all n keys)."""
+    """The last chunk's (rank 0's second: it reads all n keys) logits and their softmax's gradient, and beside them
+    the causal mask the materialized path builds whole for its t1 = n keys and then slices to the chunk's rows
+    (model/mixers.py `_materialized`: kernels.causal_mask(t1)[t0:], n²·a, whatever cp is)."""
     mixer = shape_model(cfg).blocks[index].mixer
+    mask = 0
     if isinstance(mixer, SynthesizedAttention):
         Hl = mixer.value.weight.shape[0] // mixer.d_h // tp
         batch = B if cfg.document_mask or any(synth.input_dependent for synth in mixer.synth.values()) else 1
+        mask = 0 if cfg.document_mask else a * n * n
     else:
         Hl, batch = mixer.spatial.shape[0] // tp, B if cfg.document_mask else 1
-    return Term(f"layer {index}: a chunk's logits and their gradient", 2 * a * batch * Hl * spans(n, cp)[0] * n)
+    return Term(f"layer {index}: the last chunk's logits and their gradient{', the whole causal mask' * bool(mask)}",
+                2 * a * batch * Hl * spans(n, cp)[0] * n + mask)
 
 
 def cp_activations(cfg: ModelConfig, B: int, n: int, cp: int, tp: int = 1, a: int = 4, checkpoint_every: int = 0,

@@ -25,9 +25,10 @@ configs/demo-cpu.yaml at d 128, 4 heads, 2 layers, vocabulary 512, fp32, no drop
              backward as much by a reduce-scatter; gloo all-reduces the stacked gradients instead, twice that).
              Goal: dense ÷ dot = 0.5, and each figure equal to its formula.
   throughput at --n-time: tokens/s of the job (B·n per step ÷ the slowest rank's step) at cp 2 ÷ cp 1
-             (`context.loss` on one process, and the fused forward), the median of --steps steps after a warm-up.
-             Two processes on this machine's cores share them with whatever else runs (the load average is in the
-             JSON): no goal but the issue's ≥ 1.
+             (`context.loss` on one process, and the fused forward), the median of --steps steps after a warm-up;
+             and the same ratio by the slowest rank's process CPU time, what the job would take with a core a rank
+             and the communication free. The processes share this machine's cores with whatever else runs (the
+             load average is in the output). No goal: the issue asks for the figure.
 """
 from __future__ import annotations
 
@@ -154,21 +155,23 @@ def memory_point(model, tokens, group, fused: bool, reps: int) -> dict:
             "peaks_mb": [round(x, 1) for x in peaks]}
 
 
-def time_point(model, tokens, group, fused: bool, steps: int) -> float:
-    """The median over `steps` of the slowest rank's forward + backward, in seconds."""
+def time_point(model, tokens, group, fused: bool, steps: int) -> tuple[float, float]:
+    """The medians over `steps` of the slowest rank's forward + backward, in seconds: wall-clock, and the CPU time of
+    its process (all its threads: what the step costs a core, whatever else the machine runs)."""
     import torch
     import torch.distributed as dist
 
     step(model, tokens, group, fused)
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         dist.barrier(group)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         step(model, tokens, group, fused)
-        slowest = torch.tensor([time.perf_counter() - t])
+        slowest = torch.tensor([time.perf_counter() - t, time.process_time() - c])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        times.append(slowest.item())
-    return statistics.median(times)
+        times.append(slowest[0].item())
+        cpu.append(slowest[1].item())
+    return statistics.median(times), statistics.median(cpu)
 
 
 def measure(rank: int, cp: int, n: int, n_time: int, steps: int, reps: int) -> dict:
@@ -192,9 +195,9 @@ def measure(rank: int, cp: int, n: int, n_time: int, steps: int, reps: int) -> d
         del model
     model = build_model(config("dense", n_time, cp).model)
     tokens = torch.randint(model.cfg.vocab_size, (1, n_time + 1), generator=torch.Generator().manual_seed(1))
-    out["step_s"] = time_point(model, tokens, group, False, steps)
+    out["step_s"], out["cpu_s"] = time_point(model, tokens, group, False, steps)
     if cp == 1:
-        out["step_fused_s"] = time_point(model, tokens, group, True, steps)
+        out["step_fused_s"], out["cpu_fused_s"] = time_point(model, tokens, group, True, steps)
     print(f"  rank {rank}: cp {cp} step {out['step_s']:.3f} s", file=sys.stderr, flush=True)
     return out
 
@@ -284,14 +287,19 @@ def report(runs: dict[int, list[dict]], args) -> dict:
                             "formula_backward_gloo_mb": round(2 * f["backward"] / MB, 3)})
         total = {m: sum(sent[m].values()) for m in sent}
         traffic.append({"cp": cp, "dense_over_dot": round(total["dense"] / total["dot"], 4), "goal": 0.5})
-    one, fused_s = runs[1][0]["step_s"], runs[1][0]["step_fused_s"]
-    speed = [{"cp": cp, "step_s": round(runs[cp][0]["step_s"], 3),
+    first = runs[1][0]
+    one, fused_s = first["step_s"], first["step_fused_s"]
+    speed = [{"cp": cp, "step_s": round(runs[cp][0]["step_s"], 3), "cpu_s": round(runs[cp][0]["cpu_s"], 3),
               "ratio_to_cp1_context": round(one / runs[cp][0]["step_s"], 3),
-              "ratio_to_cp1_fused": round(fused_s / runs[cp][0]["step_s"], 3)} for cp in cps if cp > 1]
+              "ratio_to_cp1_fused": round(fused_s / runs[cp][0]["step_s"], 3),
+              "cpu_ratio_to_cp1_context": round(first["cpu_s"] / runs[cp][0]["cpu_s"], 3),
+              "cpu_ratio_to_cp1_fused": round(first["cpu_fused_s"] / runs[cp][0]["cpu_s"], 3)}
+             for cp in cps if cp > 1]
     return {"n": args.n, "n_time": args.n_time, "memory_measure": "peak RSS less file pages above rest (VmHWM "
             "reset by clear_refs), malloc returning blocks > 64 kB; saved = autograd's saved tensors",
             "memory": rows, "bytes": traffic, "throughput": speed, "cp1_step_s": round(one, 3),
-            "cp1_fused_step_s": round(fused_s, 3), "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+            "cp1_fused_step_s": round(fused_s, 3), "cp1_cpu_s": round(first["cpu_s"], 3),
+            "cp1_fused_cpu_s": round(first["cpu_fused_s"], 3), "load_average": os.getloadavg(), "cpus": os.cpu_count()}
 
 
 def table(res: dict) -> str:
@@ -309,10 +317,11 @@ def table(res: dict) -> str:
                          f"{t['formula_backward_mb']:.3f}, gloo's all-reduce {t['formula_backward_gloo_mb']:.3f})")
         else:
             lines.append(f"  cp {t['cp']} dense ÷ dot = {t['dense_over_dot']} (goal {t['goal']})")
-    lines.append(f"throughput at n {res['n_time']} (cp 1: context.loss {res['cp1_step_s']} s a step, fused "
-                 f"{res['cp1_fused_step_s']} s)")
+    lines.append(f"throughput at n {res['n_time']} (cp 1: context.loss {res['cp1_step_s']} s a step, CPU "
+                 f"{res['cp1_cpu_s']} s; fused {res['cp1_fused_step_s']} s, CPU {res['cp1_fused_cpu_s']} s)")
     lines += [f"  cp {s['cp']}: {s['step_s']} s a step, ÷ cp 1 context.loss {s['ratio_to_cp1_context']}, ÷ cp 1 fused "
-              f"{s['ratio_to_cp1_fused']}" for s in res["throughput"]]
+              f"{s['ratio_to_cp1_fused']}; by the slowest rank's CPU time {s['cpu_s']} s: "
+              f"{s['cpu_ratio_to_cp1_context']}, {s['cpu_ratio_to_cp1_fused']}" for s in res["throughput"]]
     lines.append(f"load average {', '.join(f'{x:.2f}' for x in res['load_average'])} on {res['cpus']} CPUs")
     return "\n".join(lines)
 

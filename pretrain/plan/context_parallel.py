@@ -16,8 +16,14 @@ decoder does), so per block it keeps:
                         member's keys (Hl·d_h each), SGU's LN(Z2) (its d_in/tp): B·K·F, the chunk's own rows among
                         them; the earlier chunks' rows are the memory cp adds above n/cp positions
     map rows            the softmax A of each chunk's rows, (B or 1)·Hl·s·t1, B where a member reads the input,
-                        1 where the map is the batch's (random); in a mixture each member's logits S_m as well (α·S_m
-                        keeps them); SGU: its W rows (W ⊙ causal), Hl·s·t1: Σ over the two chunks, ·K
+                        1 where the map is the batch's (random), and then for B > 1 also its copy over the batch
+                        that the broadcast product A V keeps; in a mixture each member's logits S_m as well (α·S_m
+                        keeps them), unless they are a view of its parameter (random's R rows); SGU: its W rows
+                        (W ⊙ causal) copied over the batch by the same broadcast, B·Hl·s·t1: Σ over the two
+                        chunks, ·K
+    not counted         at B > 1, dense's σ(W_1 X) and its W_2 rows copied over the batch by the broadcast product
+                        h W_2ᵀ (B·Hl·(P + K)·d_h: a check at B 2, n 256 found the plan 10% under for dense, 6%
+                        for dense+dot)
     largest temporary   one chunk's logits and their softmax's gradient, 2·(B or 1)·Hl·s·n (the last chunk reads n),
                         and the causal mask the materialized path makes whole, n²·a, before slicing its rows
 The ℓ × ℓ weights (random's R, SGU's W, dense's W_2) stay whole on every rank: counted in the model states as
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import json
+
+import torch
 
 from model.accounting import shape_model
 from model.config import ModelConfig
@@ -105,18 +113,28 @@ def _layer_terms(config: str, index: int, B: int, n: int, cp: int, tp: int, a: i
                         a * head_rows * d_h * (1 + bool(mixer.dropout))))
         batch = B if docs or any(synth.input_dependent for synth in mixer.synth.values()) else 1
         rows = [("softmax A of the chunks' rows", batch)]
-        if mixed:
+        if batch == 1 < B:   # A (1, Hl, s, t1) @ V (B, …): the broadcast matmul keeps A copied over the batch
+            rows.append(("the batch's map A copied over the batch by A V", B))
+        gathered = "values" + " and the dot member's keys" * any(synth.cached for synth in mixer.synth.values())
+        if mixed:   # α·S_m keeps S_m, unless S_m is a view of the member's own parameter (random's R rows)
             rows += [(f"{name}: logits S rows, kept by α", B if docs or synth.input_dependent else 1)
-                     for name, synth in mixer.synth.items()]
-    else:
-        Hl, batch = mixer.spatial.shape[0] // tp, B if docs else 1
+                     for name, synth in mixer.synth.items() if docs or owns_its_logits(synth, cfg.d_model)]
+    else:   # W rows (Hl, s, t1) @ LN(Z2) (B, Hl, t1, c): the matmul keeps W's rows copied over the batch
+        Hl, batch = mixer.spatial.shape[0] // tp, B
         out.append(Term("sgu: U X before and after GELU, LN(Z2), the gate, their product", a * 7 * B * P * F))
-        rows = [("sgu: W rows ⊙ causal", batch)]
-    out.append(Term(f"gathered V, keys, LN(Z2): B·K·F = {B}·{K}·{F}", a * B * K * F))
+        rows, gathered = [("sgu: W rows ⊙ causal, per sample", batch)], "LN(Z2)"
+    out.append(Term(f"gathered {gathered} of keys j < t1, B·K·F = {B}·{K}·{F}", a * B * K * F))
     out += [Term(f"{what}, (B or 1)·Hl·s·K = {b}·{Hl}·{s}·{K}", a * b * Hl * s * K) for what, b in rows]
     if docs:
         out.append(Term("each chunk's document mask (booleans)", B * s * K))
     return tuple(out)
+
+
+def owns_its_logits(synth, d: int) -> bool:
+    """Whether a member's logits rows are a tensor of their own, not a view of its parameter (random's R rows):
+    read off the module on a meta input."""
+    S = synth.logits(torch.empty(1, 2, d, device="meta"), 0)
+    return S._base is None or not any(S._base is p for p in synth.parameters())
 
 
 def transient(cfg: ModelConfig, index: int, B: int, n: int, cp: int, tp: int, a: int) -> Term:
@@ -130,7 +148,7 @@ def transient(cfg: ModelConfig, index: int, B: int, n: int, cp: int, tp: int, a:
         batch = B if cfg.document_mask or any(synth.input_dependent for synth in mixer.synth.values()) else 1
         mask = 0 if cfg.document_mask else a * n * n
     else:
-        Hl, batch = mixer.spatial.shape[0] // tp, B if cfg.document_mask else 1
+        Hl, batch = mixer.spatial.shape[0] // tp, B
     return Term(f"layer {index}: the last chunk's logits and their gradient{', the whole causal mask' * bool(mask)}",
                 2 * a * batch * Hl * spans(n, cp)[0] * n + mask)
 

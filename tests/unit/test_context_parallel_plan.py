@@ -30,7 +30,7 @@ def test_a_dense_block_under_cp_2_by_hand():
     assert terms["outside the mixer, n/cp = 8 positions"] == outside
     assert terms["dense: hidden features σ(W_1 X)"] == a * N * d
     assert terms["output projection input"] == a * N * d
-    assert terms["gathered V, keys, LN(Z2): B·K·F = 1·20·8"] == a * 20 * 8          # V alone: F = Hl·d_h = 8
+    assert terms["gathered values of keys j < t1, B·K·F = 1·20·8"] == a * 20 * 8          # V alone: F = Hl·d_h = 8
     assert terms["softmax A of the chunks' rows, (B or 1)·Hl·s·K = 1·2·4·20"] == a * 2 * 4 * 20
     assert sum(terms.values()) == outside + 2 * a * N * d + a * 160 + a * 160
 
@@ -50,12 +50,18 @@ def test_dot_gathers_keys_and_values_a_synthesizer_values_alone():
         cpp.spans(16, 3)
 
 
-def test_a_batch_shared_map_keeps_one_copy_of_its_rows():
-    """random: A is the batch's (1·Hl·s·K), dense's per sample (B·Hl·s·K)."""
+def test_a_batch_shared_map_keeps_its_rows_and_their_copy_over_the_batch():
+    """random: A is the batch's (1·Hl·s·K), and the broadcast A V keeps it copied over the batch (B·Hl·s·K);
+    dense's A is per sample (B·Hl·s·K). In random+dot, random's logits are a view of R (nothing kept), dot's are
+    kept by α."""
     rows = {m: {t.name: t.bytes for t in cpp.layer_terms(ModelConfig(mixer=m, **TINY), 0, 3, 16, 2, 1, 4, False)}
-            for m in ("random", "dense")}
+            for m in ("random", "dense", "random+dot")}
     assert rows["random"]["softmax A of the chunks' rows, (B or 1)·Hl·s·K = 1·2·4·20"] == 4 * 2 * 4 * 20
+    assert rows["random"]["the batch's map A copied over the batch by A V, (B or 1)·Hl·s·K = 3·2·4·20"] == \
+        4 * 3 * 2 * 4 * 20
     assert rows["dense"]["softmax A of the chunks' rows, (B or 1)·Hl·s·K = 3·2·4·20"] == 4 * 3 * 2 * 4 * 20
+    mixed = [name for name in rows["random+dot"] if "kept by α" in name]
+    assert mixed == ["dot: logits S rows, kept by α, (B or 1)·Hl·s·K = 3·2·4·20"]
 
 
 def test_the_memory_plan_of_a_cp_layout():
@@ -103,3 +109,13 @@ def test_plan_ranks_layouts_with_cp():
     ranked, _ = candidates(cfg, 4, PRESETS["cpu"])
     assert any(c.layout.cp == 2 for c in ranked) and "parallel.cp=2" in \
         next(c for c in ranked if c.layout.cp == 2).overrides
+
+
+def test_an_sgu_block_under_cp_2_by_hand():
+    """SGU (d_inner = d = 8, 2 heads of c = 4): per position U X before and after GELU (2·2·8), LN(Z2), the gate and
+    their product (3·8); gathered LN(Z2) of K = 20 keys; its W rows, copied over the batch (B·Hl·s·K) by the broadcast
+    product W · LN(Z2)."""
+    terms = {t.name: t.bytes for t in cpp.layer_terms(ModelConfig(mixer="sgu", **TINY), 0, 2, 16, 2, 1, 4, False)}
+    assert terms["sgu: U X before and after GELU, LN(Z2), the gate, their product"] == 4 * 7 * 2 * 8 * 8
+    assert terms["gathered LN(Z2) of keys j < t1, B·K·F = 2·20·8"] == 4 * 2 * 20 * 8
+    assert terms["sgu: W rows ⊙ causal, per sample, (B or 1)·Hl·s·K = 2·2·4·20"] == 4 * 2 * 2 * 4 * 20

@@ -45,6 +45,7 @@ MODEL = ["model.vocab_size=512", "model.d_model=128", "model.n_heads=4", "model.
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}   # bench_points.py's
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter")
 MB = 2**20
+CHECKED = ("dense", "dot", "random", "factorized_random", "factorized_dense", "sgu", "random+dot", "dense+dot")
 
 
 def parse_args(argv=None):
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--n-time", type=int, default=2048, help="sequence length of the throughput points (2048)")
     p.add_argument("--steps", type=int, default=3, help="timed steps of each throughput point (3)")
     p.add_argument("--reps", type=int, default=2, help="memory repetitions, the median kept (2)")
+    p.add_argument("--check-n", type=int, default=256, help="sequence length of the saved-bytes check of every "
+                   "variant at micro-batch 2 (256)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -174,13 +177,20 @@ def time_point(model, tokens, group, fused: bool, steps: int) -> tuple[float, fl
     return statistics.median(times), statistics.median(cpu)
 
 
-def measure(rank: int, cp: int, n: int, n_time: int, steps: int, reps: int) -> dict:
+def measure(rank: int, cp: int, n: int, n_time: int, steps: int, reps: int, check_n: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from model import build_model
+    from model import build_model, context
 
-    group, sent, out = dist.group.WORLD, Sent(), {}
+    group, sent, out = dist.group.WORLD, Sent(), {"saved_by_variant": {}}
+    for mixer in CHECKED:   # what one forward under context.loss saves for backward, micro-batch 2
+        model = build_model(config(mixer, check_n, cp).model)
+        tokens = torch.randint(model.cfg.vocab_size, (2, check_n + 1), generator=torch.Generator().manual_seed(2))
+        hooks, seen = saved_bytes(model)
+        with hooks:
+            context.loss(model, tokens[:, :-1], tokens[:, 1:], group)
+        out["saved_by_variant"][mixer] = sum(seen.values())
     for mixer in ("dense", "dot"):
         model = build_model(config(mixer, n, cp).model)
         tokens = torch.randint(model.cfg.vocab_size, (1, n + 1), generator=torch.Generator().manual_seed(0))
@@ -224,7 +234,8 @@ def launch(cp: int, args) -> list[dict]:
 
     os.environ.update(LIVE_MEMORY_ENV)   # read by malloc as each process starts
     with tempfile.TemporaryDirectory(prefix="bench-context-") as out_dir:
-        mp.start_processes(entry, args=(cp, free_local_port(), out_dir, (args.n, args.n_time, args.steps, args.reps)),
+        spec = (args.n, args.n_time, args.steps, args.reps, args.check_n)
+        mp.start_processes(entry, args=(cp, free_local_port(), out_dir, spec),
                            nprocs=cp, start_method="spawn")
         out = []
         for r in range(cp):
@@ -295,7 +306,14 @@ def report(runs: dict[int, list[dict]], args) -> dict:
               "cpu_ratio_to_cp1_context": round(first["cpu_s"] / runs[cp][0]["cpu_s"], 3),
               "cpu_ratio_to_cp1_fused": round(first["cpu_fused_s"] / runs[cp][0]["cpu_s"], 3)}
              for cp in cps if cp > 1]
-    return {"n": args.n, "n_time": args.n_time, "memory_measure": "peak RSS less file pages above rest (VmHWM "
+    from pretrain.plan.context_parallel import cp_activations
+
+    check = [{"cp": cp, "mixer": m, "saved_mb": round(max(r["saved_by_variant"][m] for r in runs[cp]) / MB, 3),
+              "plan_mb": round(cp_activations(config(m, args.check_n, cp).model, 2, args.check_n, cp).total / MB, 3)}
+             for cp in cps for m in CHECKED]
+    for c in check:
+        c["plan_error"] = round(c["plan_mb"] / c["saved_mb"] - 1, 3)
+    return {"n": args.n, "n_time": args.n_time, "check_n": args.check_n, "saved_check": check, "memory_measure": "peak RSS less file pages above rest (VmHWM "
             "reset by clear_refs), malloc returning blocks > 64 kB; saved = autograd's saved tensors",
             "memory": rows, "bytes": traffic, "throughput": speed, "cp1_step_s": round(one, 3),
             "cp1_fused_step_s": round(fused_s, 3), "cp1_cpu_s": round(first["cpu_s"], 3),
@@ -309,6 +327,11 @@ def table(res: dict) -> str:
         ratio = f"{r['ratio_to_cp1']:8.3f}  {r['goal_ratio']:.3f}" if "ratio_to_cp1" in r else " " * 15
         lines.append(f"  {r['cp']:>2}  {r['path']:<14} {r['peak_mb']:6.1f}  {r['saved_mb']:6.1f}  {r['plan_peak_mb']:9.1f}"
                      f"  {r['plan_kept_mb']:9.1f}  {ratio}  {100 * r['plan_error']:+6.1f}%")
+    lines.append(f"saved for backward at n {res['check_n']}, micro-batch 2 (MB, the fullest rank; the plan's kept)")
+    for cp in dict.fromkeys(c["cp"] for c in res["saved_check"]):
+        lines.append(f"  cp {cp}: " + ", ".join(f"{c['mixer']} {c['saved_mb']:.2f}/{c['plan_mb']:.2f} "
+                                              f"({100 * c['plan_error']:+.0f}%)"
+                                              for c in res["saved_check"] if c["cp"] == cp))
     lines.append("bytes sent per step and rank by cp (MB, ring traffic; formula beside)")
     for t in res["bytes"]:
         if "mixer" in t:

@@ -21,9 +21,9 @@ decoder does), so per block it keeps:
                         keeps them), unless they are a view of its parameter (random's R rows); SGU: its W rows
                         (W ⊙ causal) copied over the batch by the same broadcast, B·Hl·s·t1: Σ over the two
                         chunks, ·K
-    not counted         at B > 1, dense's σ(W_1 X) and its W_2 rows copied over the batch by the broadcast product
-                        h W_2ᵀ (B·Hl·(P + K)·d_h: a check at B 2, n 256 found the plan 10% under for dense, 6%
-                        for dense+dot)
+                        at B > 1, a member whose per-sample queries meet keys shared by the batch (dense's
+                        σ(W_1 X) against W_2's rows): the broadcast product keeps q made contiguous and the keys
+                        copied over the batch, B·Hl·f·(P + K)
     largest temporary   one chunk's logits and their softmax's gradient, 2·(B or 1)·Hl·s·n (the last chunk reads n),
                         and the causal mask the materialized path makes whole, n²·a, before slicing its rows
 The ℓ × ℓ weights (random's R, SGU's W, dense's W_2) stay whole on every rank: counted in the model states as
@@ -45,6 +45,7 @@ import torch
 
 from model.accounting import shape_model
 from model.config import ModelConfig
+from model.forms import QKForm
 from model.memory import (INDEX, Activations, Term, activations, attention_terms, document_attention_terms,
                           layer_bytes)
 from model.mixers import SynthesizedAttention
@@ -109,6 +110,10 @@ def _layer_terms(config: str, index: int, B: int, n: int, cp: int, tp: int, a: i
                 for name, synth in mixer.synth.items() for what, count in synth.activations(B, P, mixed).items()]
         out += [Term(f"{name}: q, kept by q·kᵀ", a * head_rows * d_h)
                 for name, synth in mixer.synth.items() if synth.cached and not mixed]
+        if B > 1 and not docs:   # q (B, Hl, m, f) against the batch's keys (Hl, t1, f): the broadcast product
+            # keeps q made contiguous and the keys copied over the batch (dense's σ(W_1 X) and W_2 rows)
+            out += [Term(f"{name}: q contiguous and the batch's keys copied over the batch", a * B * Hl * f * (P + K))
+                    for name, f in shared_keys(mixer, cfg.d_model).items()]
         out.append(Term(f"output projection input{' and mixer dropout mask' * bool(mixer.dropout)}",
                         a * head_rows * d_h * (1 + bool(mixer.dropout))))
         batch = B if docs or any(synth.input_dependent for synth in mixer.synth.values()) else 1
@@ -128,6 +133,17 @@ def _layer_terms(config: str, index: int, B: int, n: int, cp: int, tp: int, a: i
     if docs:
         out.append(Term("each chunk's document mask (booleans)", B * s * K))
     return tuple(out)
+
+
+def shared_keys(mixer: SynthesizedAttention, d: int) -> dict[str, int]:
+    """{member: its feature width f} of the members whose q·k form pairs per-sample queries with keys shared by the
+    batch (dense: σ(W_1 X) against W_2's rows), read off the modules on a meta input of 2 samples."""
+    x, out = torch.empty(2, 2, d, device="meta"), {}
+    for name, synth in mixer.synth.items():
+        form = synth.fused(x, {layer: layer(x) for layer in synth.projections()})
+        if isinstance(form, QKForm) and form.q.shape[0] == 2 and form.k.shape[0] == 1:
+            out[name] = form.q.shape[-1]
+    return out
 
 
 def owns_its_logits(synth, d: int) -> bool:

@@ -60,6 +60,8 @@ def test_a_batch_shared_map_keeps_its_rows_and_their_copy_over_the_batch():
     assert rows["random"]["the batch's map A copied over the batch by A V, (B or 1)·Hl·s·K = 3·2·4·20"] == \
         4 * 3 * 2 * 4 * 20
     assert rows["dense"]["softmax A of the chunks' rows, (B or 1)·Hl·s·K = 3·2·4·20"] == 4 * 3 * 2 * 4 * 20
+    # dense's σ(W_1 X) (B·Hl·P·d_h) made contiguous and its W_2 rows (B·Hl·K·d_h) copied over the batch
+    assert rows["dense"]["dense: q contiguous and the batch's keys copied over the batch"] == 4 * 3 * 2 * 4 * (8 + 20)
     mixed = [name for name in rows["random+dot"] if "kept by α" in name]
     assert mixed == ["dot: logits S rows, kept by α, (B or 1)·Hl·s·K = 3·2·4·20"]
 

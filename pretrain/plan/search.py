@@ -24,8 +24,9 @@ from pretrain.plan.step import Prediction, predict
 from pretrain.plan.workload import engine_of
 from tokendata.order import default_streams
 
-UNCHECKED = ("The communication terms (TP all-reduces, pipeline sends, data-parallel and ZeRO collectives) have not "
-             "been checked on a multi-GPU run of this engine: they are the model's (docs/DESIGN.md, the time model), "
+UNCHECKED = ("The communication terms (TP all-reduces, CP gathers, pipeline sends, data-parallel and ZeRO collectives) "
+             "have not been checked on a multi-GPU run of this engine: they are the model's (docs/DESIGN.md, the time "
+             "model), "
              "its layout orders checked against Narayanan et al. 2021's measurements only.")
 TIE = 0.02   # steps this close are one to the model: the recommendation takes the simplest of them
 TERM_NAMES = {"compute": "compute", "memory": "memory-bound", "tp": "TP comm", "cp": "CP comm", "pp": "PP sends",

@@ -3,7 +3,8 @@
     python -m pretrain.config CONFIG --world-size N --memory [--gpu-memory 80GiB]
 
 Per rank of each pipeline stage, in bytes (T trainable and F frozen parameters of the rank: its stage's layers, its
-TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the data-parallel ranks):
+TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the ranks that average gradients and
+partition ZeRO's states: the data-parallel ranks × cp, whose ranks hold the same parameters):
 
     model states at rest   weights w·(T+F) (ZeRO-3: w/dp of each parameter above DeepSpeed's persistence threshold,
                            whole below it; train.autocast: fp32 weights, w = 4); master weights in fp32 where the
@@ -22,7 +23,9 @@ TP slice of the split ones; w the weights' bytes, 4 fp32, 2 bf16/fp16; dp the da
     activations            model/memory.py, in train.precision's bytes: each layer's terms, the head's, the loss's
                            chunk of logits (train.autocast: and the weights' bf16 copies, 2·T); × the
                            micro-batches a pipeline stage holds at once in 1F1B (pp − stage, at most the micro-batches
-                           of a step)
+                           of a step); under context parallelism (parallel.cp > 1) each rank's n/cp positions
+                           on the materialized path, with the tensors it gathers from the earlier chunks and its
+                           rows of the maps: pretrain/plan/context_parallel.py
     the step               the optimizer step's gradients and temporaries above the states at rest: ZeRO-0 the
                            gradients w·T (bf16: + their fp32 copy 4·T); ZeRO-1/2 the model's gradients w·T, their
                            averaged flat partition w·T/dp and its fp32 copy 4·T/dp (none with bf16 master weights);
@@ -52,10 +55,11 @@ from model.accounting import parameters
 from model.memory import FP32, Activations, Term, activations, bytes_of, per_layer_summary
 from pretrain.config import TrainConfig
 from pretrain.config.deepspeed_dict import deepspeed_config
+from pretrain.plan.context_parallel import cp_activations, layer_terms as cp_layer_terms
+from pretrain.plan.memory_table import GIB, gib, table
 from pretrain.plan.verdict import verdict
 
 PERSISTENCE, PREFETCH, BUCKET = 100_000, 50_000_000, 500_000_000   # DeepSpeed's ZeRO defaults (elements)
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,20 @@ class Layout:
     pp: int
     dp: int
     zero: int
+    cp: int = 1    # context parallelism: each sequence over cp ranks (pretrain/plan/context_parallel.py)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shards(self) -> int:
+        """The ranks that hold the same parameters and average their gradients (ZeRO partitions over them): dp·cp."""
+        return self.dp * self.cp
 
     def __str__(self) -> str:
-        return f"tp {self.tp} × pp {self.pp} × dp {self.dp}, ZeRO-{self.zero}"
+        cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        return f"tp {self.tp}{cp} × pp {self.pp} × dp {self.dp}, ZeRO-{self.zero}"
 
 
 @dataclass
@@ -171,7 +186,7 @@ def _rank_parameters(config: str, tp: int, start: int, stop: int, first: bool, l
 def model_states(params: list[tuple[int, bool]], lay: Layout, precision: str, master: str) -> list[Term]:
     T = sum(n for n, trainable in params if trainable)
     F = sum(n for n, trainable in params if not trainable)
-    w, dp, z = bytes_of(precision), lay.dp, lay.zero
+    w, dp, z = bytes_of(precision), lay.shards, lay.zero
     share = 1 if z == 0 else dp
     if z == 3:
         whole = sum(n for n, _ in params if n < PERSISTENCE)
@@ -212,15 +227,21 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
     sp = lay.tp if cfg.parallel.sequence_parallel else 1   # the sequence-parallel region holds n/sp positions
     if lay.pp > 1:   # DeepSpeed's 1F1B pipe buffers: each keeps a micro-batch's input and output, also between steps
         held = max(2, min(lay.pp - stage, micro_batches))
-        N = micro * m.max_seq_len
+        N = micro * m.max_seq_len // lay.cp   # a rank's n/cp positions
         output = w * N * m.vocab_size // lay.tp if last else w * N * m.d_model // sp
         pipe = Term(f"pipeline buffers: inputs and outputs of {held} micro-batches{' (the logits)' if last else ''}",
                     held * (output + (0 if first else w * N * m.d_model // sp)))
     else:
         pipe = Term("no pipeline buffers", 0)
-    act = activations(m, micro, m.max_seq_len, lay.tp, a, cfg.parallel.activation_checkpointing, layers,
-                      first, last, pipeline=lay.pp > 1, gpu=gpu, sp=sp)
-    if sp > 1:
+    ck, n = cfg.parallel.activation_checkpointing, m.max_seq_len
+    if lay.cp > 1:   # each rank: n/cp positions, and the gathered tensors and map rows of its two chunks
+        act = cp_activations(m, micro, n, lay.cp, lay.tp, a, ck, layers, first, last, lay.pp > 1, gpu, sp)
+        alone = activations(m, micro, n, lay.tp, a, ck, layers, first, last, pipeline=lay.pp > 1, gpu=gpu, sp=sp)
+        notes.append(f"context parallelism: {n // lay.cp} positions a rank, the blocks on the materialized path "
+                     f"(pretrain/plan/context_parallel.py); cp 1 on the fused path holds {gib(alone.total)}")
+    else:
+        act = activations(m, micro, n, lay.tp, a, ck, layers, first, last, pipeline=lay.pp > 1, gpu=gpu, sp=sp)
+    if sp > 1 and lay.cp == 1:
         whole = activations(m, micro, m.max_seq_len, lay.tp, a, cfg.parallel.activation_checkpointing, layers,
                             first, last, pipeline=lay.pp > 1, gpu=gpu).total
         notes.append(f"sequence parallelism: norms, dropout masks and residual stream on n/{sp} positions, "
@@ -239,11 +260,11 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
     if lay.zero == 0:
         step = Term("gradients" + (" and their fp32 copy" if w != FP32 else ""), w * T + (FP32 * T if w != FP32 else 0))
     elif lay.zero in (1, 2):
-        fp32_copy = FP32 * T // lay.dp if t.master_weights != "bf16" else 0
+        fp32_copy = FP32 * T // lay.shards if t.master_weights != "bf16" else 0
         step = Term("gradients, their averaged partition" + (" and its fp32 copy" if fp32_copy else ""),
-                    w * T + w * T // lay.dp + fp32_copy)
+                    w * T + w * T // lay.shards + fp32_copy)
     else:
-        step = Term("the gradient partition's copies", (w + FP32) * T // lay.dp)
+        step = Term("the gradient partition's copies", (w + FP32) * T // lay.shards)
     if lay.zero == 1 and lay.pp > 1:   # DeepSpeed's ZeRO-1 under PP reduces through a bucket allocated at the step;
         # each gradient is copied into it and becomes a view of it, its own storage freed: on a CPU, where only the
         # written pages are resident, they take the gradients' place (measured: about 3 copies of w·T above rest,
@@ -251,7 +272,9 @@ def stage_plan(cfg: TrainConfig, lay: Layout, stage: int, layers: range, micro: 
         where = "" if gpu else "; on a CPU its written pages, in the gradients' place"
         step = Term(step.name + f", and a reduce bucket of {bucket:.3g} elements{where}",
                     step.bytes + (resident if gpu else 0))
-    breakdown = per_layer_summary(m, micro, m.max_seq_len, lay.tp, a, gpu, layers, sp)
+    breakdown = per_layer_summary(m, micro, n, lay.tp, a, gpu, layers, sp) if lay.cp == 1 else \
+        {mixer: cp_layer_terms(m, m.layer_mixers().index(mixer), micro, n, lay.cp, lay.tp, a, gpu, sp)
+         for mixer in dict.fromkeys(m.layer_mixers()[i] for i in layers)}
     host = Term("async saves' copy of the states" + (", pinned" if gpu else ""),
                 sum(term.bytes for term in states) if cfg.checkpoint.async_save else 0)
     return StagePlan(stage, (T, sum(n for n, tr in params if not tr)), states, buffers, pipe, act, in_flight,
@@ -270,7 +293,7 @@ def plan(cfg: TrainConfig, lay: Layout, micro: int | None = None, device: str = 
 
 def layout_of(cfg: TrainConfig, world: int) -> Layout:
     p = cfg.parallel
-    return Layout(p.tp, p.pp, p.dp(world), p.zero_stage)
+    return Layout(p.tp, p.pp, p.dp(world), p.zero_stage, p.cp)
 
 
 # ---- what fits -------------------------------------------------------------------------------------------------
@@ -298,70 +321,25 @@ def largest_micro_batch(cfg: TrainConfig, lay: Layout, budget: int, device: str,
 
 
 def layouts(cfg: TrainConfig, world: int) -> list[Layout]:
-    """Every (tp, pp, dp, ZeRO) layout of `world` ranks the trainer would accept for this config."""
+    """Every (tp, cp, pp, dp, ZeRO) layout of `world` ranks the trainer would accept for this config (cp: 2·cp
+    chunks must divide model.max_seq_len)."""
     m, out = cfg.model, []
     for tp in (d for d in range(1, min(world, 8) + 1) if world % d == 0):
         if m.n_heads % tp or m.vocab_size % tp or m.d_ffn % tp:
             continue
-        for pp in (d for d in range(1, min(world // tp, m.n_layers) + 1) if (world // tp) % d == 0):
-            dp = world // (tp * pp)
-            if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
-                continue
-            for zero in (0, 1, 2, 3):
-                if pp > 1 and zero > 1 or (cfg.train.master_weights == "bf16" and zero not in (1, 2)) or \
-                        (cfg.train.autocast and (zero, tp) != (0, 1)):
+        cps = [d for d in range(1, min(world // tp, 8) + 1) if (world // tp) % d == 0 and m.max_seq_len % (2 * d) == 0]
+        for cp in cps:
+            rest = world // (tp * cp)
+            for pp in (d for d in range(1, min(rest, m.n_layers) + 1) if rest % d == 0):
+                dp = rest // pp
+                if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
                     continue
-                out.append(Layout(tp, pp, dp, zero))
+                for zero in (0, 1, 2, 3):
+                    if pp > 1 and zero > 1 or (cfg.train.master_weights == "bf16" and zero not in (1, 2)) or \
+                            (cfg.train.autocast and (zero, tp) != (0, 1)):
+                        continue
+                    out.append(Layout(tp, pp, dp, zero, cp))
     return out
-
-
-# ---- the table ---------------------------------------------------------------------------------------------------
-def gib(n: float) -> str:
-    return f"{n / GIB:,.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
-
-
-def table(p: Plan, budget: int | None = None, alternatives: list[tuple[Layout, int]] | None = None,
-          largest: int | None = None) -> str:
-    """The plan as the text the launch check and the run's log print."""
-    lay = p.layout
-    lines = [f"memory plan per rank: {lay}, micro-batch {p.micro_batch} × n {p.seq_len}, {p.precision}, "
-             f"activation checkpointing {'every ' + str(p.checkpointing) + ' layer(s)' if p.checkpointing else 'off'}"
-             f", {'a GPU' if p.device == 'cuda' else 'a CPU'}"]
-    for s in p.stages:
-        where = f"pipeline stage {s.stage} of {lay.pp}: " if lay.pp > 1 else ""
-        lines.append(f"  {where}{s.params[0] / 1e6:.2f}M trainable + {s.params[1] / 1e6:.2f}M frozen parameters "
-                     f"on this rank")
-        rows = [("model states", s.states), ("DeepSpeed buffers", s.buffers + ([s.pipe] if s.pipe.bytes else []))]
-        for title, terms in rows:
-            lines.append(f"    {title:<44}{gib(sum(t.bytes for t in terms)):>14}")
-            lines += [f"      {t.name:<42}{gib(t.bytes):>14}" for t in terms]
-        act = s.activations
-        times = f" × {s.in_flight} micro-batches in flight" if s.in_flight > 1 else ""
-        lines.append(f"    {'activations' + times:<44}{gib(act.total * s.in_flight):>14}")
-        lines += [f"      {t.name:<42}{gib(t.bytes):>14}" for t in act.kept if t.bytes]
-        for mixer, terms in s.breakdown.items():
-            lines.append(f"      one {mixer} layer:")
-            lines += [f"        {t.name:<40}{gib(t.bytes):>14}" for t in terms if t.bytes]
-        lines.append(f"      {'+ largest temporary: ' + act.transient.name:<42}{gib(act.transient.bytes):>14}")
-        if s.backward_extra.bytes:
-            lines.append(f"      {'+ ' + s.backward_extra.name:<42}{gib(s.backward_extra.bytes):>14}")
-        lines.append(f"    {'optimizer step: ' + s.step.name:<44}{gib(s.step.bytes):>14}")
-        if s.host.bytes and s.host_is_device:
-            lines.append(f"    {'+ ' + s.host.name:<44}{gib(s.host.bytes):>14}")
-        lines.append(f"    {'peak':<44}{gib(s.peak):>14}")
-        if s.host.bytes and not s.host_is_device:
-            lines.append(f"    {'host memory: ' + s.host.name:<44}{gib(s.host.bytes):>14}")
-        lines += [f"    note: {note}" for note in s.notes]
-    if budget is not None:
-        lines.append(f"with {gib(budget)} per GPU: {verdict(p.peak, budget, lay).text}; largest micro-batch that "
-                     f"fits: {largest if largest else 'none (not even 1)'}")
-    if alternatives is not None:
-        lines.append(f"layouts of {lay.tp * lay.pp * lay.dp} ranks that fit {gib(budget)} with headroom (peak of the "
-                     f"fullest rank):")
-        lines += [f"  tp {a.tp}  pp {a.pp}  dp {a.dp}  ZeRO-{a.zero}   {gib(peak):>12}" for a, peak in alternatives]
-        if not alternatives:
-            lines.append("  none: raise the world size, lower the micro-batch or turn on activation checkpointing")
-    return "\n".join(lines)
 
 
 def report(cfg: TrainConfig, world: int, budget: int | None = None, device: str = "cuda") -> str:
@@ -382,7 +360,8 @@ def report(cfg: TrainConfig, world: int, budget: int | None = None, device: str 
         fitting = []
         for alt in layouts(cfg, world):
             alt_cfg = TrainConfig.from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"], "tp": alt.tp,
-                                                                           "pp": alt.pp, "zero_stage": alt.zero}})
+                                                                           "pp": alt.pp, "zero_stage": alt.zero,
+                                                                           "cp": alt.cp}})
             try:   # the launch's own checks (train.spike_z with PP, the data streams, …) beside the pre-filter's
                 alt_cfg.check_runtime(world, cuda=device == "cuda")
             except ConfigError:

@@ -2,7 +2,7 @@
 
     python -m pretrain.config CONFIG --world-size N --plan [--cluster h100|h200|a100|cpu|FILE]
 
-The search: each (tp, pp, dp, ZeRO) layout the trainer accepts (pretrain/plan/memory.py `layouts`, then the launch's
+The search: each (tp, cp, pp, dp, ZeRO) layout the trainer accepts (pretrain/plan/memory.py `layouts`, then the launch's
 own checks), each micro-batch that divides the global batch over dp (the accumulation follows; the global batch never
 changes), activation checkpointing off and on every layer. Each candidate gets the memory plan's peak and its
 verdict against the GPU's memory (`memory_verdict`), and the time model's prediction (pretrain/plan/step.py) with
@@ -25,11 +25,13 @@ from pretrain.plan.step import Prediction, predict
 from pretrain.plan.workload import engine_of
 from tokendata.order import default_streams
 
-UNCHECKED = ("The communication terms (TP all-reduces, pipeline sends, data-parallel and ZeRO collectives) have not "
-             "been checked on a multi-GPU run of this engine: they are the model's (docs/DESIGN.md, the time model), "
+UNCHECKED = ("The communication terms (TP all-reduces, CP gathers, pipeline sends, data-parallel and ZeRO collectives) "
+             "have not been checked on a multi-GPU run of this engine: they are the model's (docs/DESIGN.md, the time "
+             "model), "
              "its layout orders checked against Narayanan et al. 2021's measurements only.")
 TIE = 0.02   # steps this close are one to the model: the recommendation takes the simplest of them
-TERM_NAMES = {"compute": "compute", "memory": "memory-bound", "tp": "TP comm", "pp": "PP sends", "bubble": "bubble",
+TERM_NAMES = {"compute": "compute", "memory": "memory-bound", "tp": "TP comm", "cp": "CP comm", "pp": "PP sends",
+              "bubble": "bubble",
               "dp": "DP comm", "optimizer": "optimizer", "host": "host overhead"}
 
 
@@ -83,7 +85,8 @@ def candidates(cfg: TrainConfig, world: int, cluster: Cluster) -> tuple[list[Can
         if not micros:   # train.batch_ramp: a size along the ramp that no micro-batch splits over these ranks
             continue
         for ckpt in dict.fromkeys([cfg.parallel.activation_checkpointing, 0, 1]):
-            base = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.zero_stage={lay.zero}",
+            base = [f"parallel.tp={lay.tp}", f"parallel.cp={lay.cp}", f"parallel.pp={lay.pp}",
+                    f"parallel.zero_stage={lay.zero}",
                     f"parallel.activation_checkpointing={ckpt}"] + streams
             try:   # the launch's own checks; the micro-batch only changes the accumulation, which divides
                 alt = with_overrides(cfg, base + [f"train.micro_batch_size={micros[0]}"])
@@ -106,8 +109,8 @@ def recommended(ranked: list[Candidate]) -> Candidate:
     """Of the candidates within TIE of the fastest, the simplest: the fewest model-parallel ranks, the lowest ZeRO
     stage (fewer collectives, and less of what the model leaves out), no recomputation, then the fastest."""
     close = [c for c in ranked if c.prediction.step_s <= (1 + TIE) * ranked[0].prediction.step_s]
-    return min(close, key=lambda c: (c.layout.tp * c.layout.pp, c.layout.zero, c.prediction.checkpointing,
-                                     c.prediction.step_s))
+    return min(close, key=lambda c: (c.layout.tp * c.layout.cp * c.layout.pp, c.layout.zero,
+                                     c.prediction.checkpointing, c.prediction.step_s))
 
 
 def largest_terms(p: Prediction, k: int = 3) -> str:
@@ -117,8 +120,8 @@ def largest_terms(p: Prediction, k: int = 3) -> str:
 def row(i: int | str, c: Candidate, mark: str = "") -> str:
     p, lay = c.prediction, c.layout
     ckpt = "on" if p.checkpointing else "off"
-    return (f"{i!s:>4}  {lay.tp:>2} {lay.pp:>2} {lay.dp:>4}  ZeRO-{lay.zero}  {p.micro:>5} {p.micro_batches:>5}  "
-            f"{ckpt:>4}  {p.step_s:8.3f} s {p.tokens_per_s_per_gpu:>9,.0f} {100 * p.mfu:5.1f}%  "
+    return (f"{i!s:>4}  {lay.tp:>2} {lay.cp:>2} {lay.pp:>2} {lay.dp:>4}  ZeRO-{lay.zero}  {p.micro:>5} "
+            f"{p.micro_batches:>5}  {ckpt:>4}  {p.step_s:8.3f} s {p.tokens_per_s_per_gpu:>9,.0f} {100 * p.mfu:5.1f}%  "
             f"{c.verdict.text:<22} {largest_terms(p)}{mark}")
 
 
@@ -133,7 +136,7 @@ def report(cfg: TrainConfig, world: int, cluster: Cluster, top: int = 15) -> str
              f"on {cluster.describe()}",
              f"compute: {eff.source}, pretrain/plan/calibration.yaml",
              f"{len(ranked)} of {priced} candidates fit; the fastest {min(top, len(ranked))}, by predicted step:",
-             "rank  tp pp   dp  ZeRO   micro accum  ckpt      step   tok/s/GPU   MFU  memory                 "
+             "rank  tp cp pp   dp  ZeRO   micro accum  ckpt      step   tok/s/GPU   MFU  memory                 "
              "largest terms"]
     if not ranked:
         lines.append("  none fits: raise the world size, or lower train.global_batch_size per GPU")

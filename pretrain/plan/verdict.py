@@ -39,14 +39,15 @@ class Verdict:
 
 
 def communicators(layout) -> int:
-    """NCCL communicators a rank of `layout` (anything with tp, pp and dp) opens: the world's (the trainer's flags and
-    barriers), the data-parallel group's (gradients), the tensor-parallel group's (activations), and under pipeline
-    parallelism the two neighbour stages' p2p groups and the tied embedding's group. A group of one rank opens none,
-    nor does a group equal to the world."""
-    world = layout.tp * layout.pp * layout.dp
+    """NCCL communicators a rank of `layout` (anything with tp, cp, pp and dp) opens: the world's (the trainer's flags
+    and barriers), the data-parallel group's (gradients), the tensor-parallel group's (activations), the
+    context-parallel group's (the chunks' gathers), and under pipeline parallelism the two neighbour stages' p2p
+    groups and the tied embedding's group. A group of one rank opens none, nor does a group equal to the world."""
+    world = layout.tp * layout.cp * layout.pp * layout.dp
     if world == 1:
         return 0
-    return 1 + (1 < layout.dp < world) + (1 < layout.tp < world) + (3 if layout.pp > 1 else 0)
+    return 1 + (1 < layout.dp < world) + (1 < layout.tp < world) + (1 < layout.cp < world) + \
+        (3 if layout.pp > 1 else 0)
 
 
 def gib(n: float) -> str:
@@ -54,7 +55,7 @@ def gib(n: float) -> str:
 
 
 def verdict(peak_bytes: int, gpu_bytes: int, layout) -> Verdict:
-    """Whether a rank's planned peak fits a GPU of `gpu_bytes`, with the headroom above (layout: tp, pp, dp)."""
+    """Whether a rank's planned peak fits a GPU of `gpu_bytes`, with the headroom above (layout: tp, cp, pp, dp)."""
     n = communicators(layout)
     fixed = CUDA_CONTEXT + n * NCCL_PER_COMMUNICATOR
     margin = int(round((ALLOCATOR_FACTOR - 1) * peak_bytes))

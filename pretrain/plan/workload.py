@@ -9,6 +9,9 @@ Per block on a rank (t the TP size, b the micro-batch, n the sequence length, d 
     activations     model/memory.py's bytes the block keeps for backward (the memory plan's own terms)
     TP all-reduces  one of b·n·d·a bytes per row-parallel layer in forward (its partial sums) and one per
                     column-parallel input in backward (its gradient), as Megatron's f and g operators pair up
+Under context parallelism (cp > 1) a rank holds n/cp positions of each sequence: its GEMMs and the mixers' FLOPs are
+those of its tokens (each reads every earlier key: the mixer's n² work divides by cp), its activations
+pretrain/plan/context_parallel.py's, and it all-gathers B·s·F·a bytes a layer in each of two rounds.
 The first stage adds the vocabulary-parallel embedding's all-reduce; the last the head, a (b·n, d, V/t) GEMM, the
 loss's fp32 logits and their gradient written and read (16 bytes a logit), and the all-reduce of the head
 input's gradient.
@@ -27,6 +30,7 @@ from model.config import ModelConfig
 from model.memory import bytes_of, layer_bytes
 from model.synthesizers import linear_flops
 from pretrain.config import TrainConfig
+from pretrain.plan.context_parallel import gathered_bytes, layer_terms as cp_layer_terms
 from pretrain.plan.memory import BUCKET, PREFETCH, Layout, rank_parameters, stage_layers
 
 LOSS_BYTES_PER_LOGIT = 16   # fp32 logits and their fp32 gradient, each written once and read once
@@ -72,6 +76,7 @@ class LayerWork:
     heads: int                                # heads on the rank (the attention kernels' parallelism)
     activation_bytes: int                     # what the block keeps for backward (model/memory.py)
     tp_all_reduces: int                       # each direction: row-parallel layers in forward, their pairs backward
+    cp_gather_bytes: int = 0                  # parallel.cp: what the rank all-gathers a round, B·s·F·a (2 rounds)
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,10 @@ class StageWork:
 
 
 @lru_cache(maxsize=512)
-def _layer(config: str, index: int, b: int, tp: int, a: int, gpu: bool) -> LayerWork:
+def _layer(config: str, index: int, b: int, tp: int, a: int, gpu: bool, cp: int = 1) -> LayerWork:
     cfg = ModelConfig.from_dict(json.loads(config))
     n = cfg.max_seq_len
+    local = n // cp   # the rank's positions: its queries (every key before them is read, gathered)
     block = shape_model(cfg).blocks[index]
     gemms, linear = [], 0
     rows = 0
@@ -99,13 +105,17 @@ def _layer(config: str, index: int, b: int, tp: int, a: int, gpu: bool) -> Layer
             d_out, d_in = module.weight.shape   # full shapes: the meta model is built without TP
             split = getattr(module.weight, "partition_dim", None)
             rows += split == 1
-            gemms.append((b * n, d_in // tp if split == 1 else d_in, d_out // tp if split == 0 else d_out))
+            gemms.append((b * local, d_in // tp if split == 1 else d_in, d_out // tp if split == 0 else d_out))
             linear += 3 * linear_flops(module)
     total = block.train_flops(n)
     forward = block.mixer.flops(n) + (block.mlp.flops(n) if block.mlp is not None else 0)
     heads = cfg.n_heads // tp
-    return LayerWork(cfg.layer_mixers()[index], tuple(gemms), (total - linear) * b * n / tp, forward / total,
-                     heads, layer_bytes(cfg, index, b, n, tp, a, gpu), rows)
+    if cp == 1:
+        return LayerWork(cfg.layer_mixers()[index], tuple(gemms), (total - linear) * b * n / tp, forward / total,
+                         heads, layer_bytes(cfg, index, b, n, tp, a, gpu), rows)
+    kept = sum(t.bytes for t in cp_layer_terms(cfg, index, b, n, cp, tp, a, gpu))
+    return LayerWork(cfg.layer_mixers()[index], tuple(gemms), (total - linear) * b * local / tp, forward / total,
+                     heads, kept, rows, gathered_bytes(cfg, index, b, n, cp, tp, a))
 
 
 def stage_work(cfg: TrainConfig, lay: Layout, micro: int, gpu: bool, even: bool = False) -> list[StageWork]:
@@ -114,13 +124,13 @@ def stage_work(cfg: TrainConfig, lay: Layout, micro: int, gpu: bool, even: bool 
     m, t = cfg.model, lay.tp
     a, key, mixers = bytes_of(cfg.train.precision), m.key(), m.layer_mixers()
     every = cfg.parallel.activation_checkpointing
-    N, out = micro * m.max_seq_len, []
+    N, out = micro * m.max_seq_len // lay.cp, []   # a rank's tokens: n/cp positions of each sequence
     per = m.n_layers // lay.pp
     split = ([range(s * per, (s + 1) * per) for s in range(lay.pp)] if even
              else stage_layers(m, lay.pp, cfg.parallel.partition))
     for s, layers in enumerate(split):
         first, last = s == 0, s == lay.pp - 1
-        work = tuple(_layer(key, mixers.index(mixers[i]), micro, t, a, gpu) for i in layers)
+        work = tuple(_layer(key, mixers.index(mixers[i]), micro, t, a, gpu, lay.cp) for i in layers)
         params = sum(n for n, trainable in rank_parameters(m, t, layers, first, last) if trainable)
         V = m.vocab_size // t
         out.append(StageWork(work, tuple(bool(every) and i % every == 0 for i in layers), first, last, params,

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import context
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
 from .documents import Documents
@@ -145,7 +146,8 @@ class SynthesizerLM(nn.Module):
     """Embedding → blocks → Head.
 
     forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → the mean cross-entropy (scalar), by the
-    fused head and loss (no logits materialized).
+    fused head and loss (no logits materialized); under context parallelism the mean over this rank's chunks of each
+    window (model/context.py `loss`), which the trainer averages over the cp ranks as over data-parallel ones.
     The Embedding's and Head's layers are this module's own (`wte`, `wpe`, `ln_f`, `head`), so that parameters keep
     the names of every checkpoint, release and export; `embed` and `logits` run those classes' forward on them.
     """
@@ -180,6 +182,8 @@ class SynthesizerLM(nn.Module):
         return Head.fused_loss(self, x, targets, self.wte.weight)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        if targets is not None and context.splits(tokens.shape[1]):   # parallel.cp > 1: this rank's chunks alone
+            return context.loss(self, tokens, targets)
         docs = self.documents(tokens)
         x = self.embed(tokens, docs=docs)
         for block in self.blocks:

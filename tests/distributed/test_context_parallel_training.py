@@ -1,26 +1,36 @@
-"""Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with every
-variant's layer and the document mask, its sequences split over 2 ranks, gives the per-step losses of the one-process
-run, from the same global batches; so does cp 2 × tp 2. A cp 2 checkpoint resumes at cp 1 through a universal
-relayout and goes on with the one-process run's losses. One launch per layout."""
+"""Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with a layer of
+every variant and the document mask, its sequences split over 2 ranks, gives the per-step losses of the one-process
+run, from the same global batches; so does cp 2 × tp 2. A cp 2 checkpoint, made universal, resumes at cp 1 and goes
+on with the one-process run's losses (the parameters are replicated over cp as over dp). One launch per layout."""
 import pytest
 
-from tests.distributed.test_3d import MIXERS, assert_close, config
+from tests.distributed.test_3d import assert_close, config
+from tests.distributed.test_convert import convert
 from tests.support.runs import launch, losses
 
-STEPS = 4
+STEPS, TOL = 4, 1e-5   # fp32, sums in another order
 
 
 def run(tmp_path, shards, name, world, *overrides, **parallel):
-    launch(config(tmp_path, shards, name, tp=1, **parallel), world, f"train.max_steps={STEPS}", *overrides)
-    return losses(tmp_path / name)
+    """(the run's losses, what it printed)"""
+    r = launch(config(tmp_path, shards, name, sequence_parallel=False, **parallel), world, f"train.max_steps={STEPS}",
+               *overrides)
+    return losses(tmp_path / name), r.stdout
 
 
 @pytest.fixture(scope="module")
 def reference(shards, tmp_path_factory):
     """cp = 1 on one process."""
-    return run(tmp_path_factory.mktemp("cp-ref"), shards, "ref", 1)
+    return run(tmp_path_factory.mktemp("cp-ref"), shards, "ref", 1)[0]
 
 
 def test_cp2_gives_the_losses_of_one_process_and_resumes_at_cp1(shards, tmp_path, reference):
-    got = run(tmp_path, shards, "cp2", 2, "checkpoint.every=2", cp=2, sequence_parallel=False)
-    assert_close(got, reference, rel=1e-5)
+    assert_close(run(tmp_path, shards, "cp2", 2, "checkpoint.every=2", cp=2)[0], reference, rel=TOL)
+    convert("to-universal", tmp_path / "cp2" / "checkpoints" / "step_00000002", tmp_path / "universal")
+    resumed, out = run(tmp_path, shards, "cp1", 1, f"checkpoint.dir={tmp_path / 'universal'}")
+    assert "resumed at step 2 from the universal checkpoint" in out and sorted(resumed) == [3, 4], out[-2000:]
+    assert_close(resumed, {s: reference[s] for s in (3, 4)}, rel=TOL)
+
+
+def test_cp2_tp2_gives_the_losses_of_one_process(shards, tmp_path, reference):
+    assert_close(run(tmp_path, shards, "cp2tp2", 4, cp=2, tp=2)[0], reference, rel=TOL)

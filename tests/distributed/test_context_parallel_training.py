@@ -4,6 +4,8 @@ run, from the same global batches; so does cp 2 × tp 2. A cp 2 checkpoint, made
 on with the one-process run's losses (the parameters are replicated over cp as over dp). One launch per layout."""
 import pytest
 
+from pretrain.checkpoints.resume import layout_problem
+from pretrain.config import load_config
 from tests.distributed.test_3d import assert_close, config
 from tests.distributed.test_convert import convert
 from tests.support.runs import launch, losses
@@ -26,7 +28,10 @@ def reference(shards, tmp_path_factory):
 
 def test_cp2_gives_the_losses_of_one_process_and_resumes_at_cp1(shards, tmp_path, reference):
     assert_close(run(tmp_path, shards, "cp2", 2, "checkpoint.every=2", cp=2)[0], reference, rel=TOL)
-    convert("to-universal", tmp_path / "cp2" / "checkpoints" / "step_00000002", tmp_path / "universal")
+    step_2 = tmp_path / "cp2" / "checkpoints" / "step_00000002"
+    cp1 = load_config(str(tmp_path / "cp2.yaml"), ["parallel.cp=1"]).to_dict()
+    assert "parallel.cp=2" in layout_problem(str(step_2), cp1, 2)   # the same world, another layout: not as it is
+    convert("to-universal", step_2, tmp_path / "universal")
     resumed, out = run(tmp_path, shards, "cp1", 1, f"checkpoint.dir={tmp_path / 'universal'}")
     assert "resumed at step 2 from the universal checkpoint" in out and sorted(resumed) == [3, 4], out[-2000:]
     assert_close(resumed, {s: reference[s] for s in (3, 4)}, rel=TOL)

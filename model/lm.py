@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import context
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
+from .context import loss as split_loss, splits   # `from . import context` is not what transformers' loader reads
 from .documents import Documents
 from .linear_cross_entropy import linear_cross_entropy
 from .mixers import SpatialGatingMixer, SynthesizedAttention
@@ -182,8 +182,8 @@ class SynthesizerLM(nn.Module):
         return Head.fused_loss(self, x, targets, self.wte.weight)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        if targets is not None and context.splits(tokens.shape[1]):   # parallel.cp > 1: this rank's chunks alone
-            return context.loss(self, tokens, targets)
+        if targets is not None and splits(tokens.shape[1]):   # parallel.cp > 1: this rank's chunks alone
+            return split_loss(self, tokens, targets)
         docs = self.documents(tokens)
         x = self.embed(tokens, docs=docs)
         for block in self.blocks:

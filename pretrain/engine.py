@@ -27,7 +27,7 @@ from model import build_model
 from model import release
 from model.lm import Block, SynthesizerLM
 from model.parallel import is_sharded, rng_tracker, tp_rank
-from model.ranks import cp_rank
+from model.ranks import cp_rank, cp_world
 from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.config.schedule import DECAY_SHAPES, decay_length
@@ -189,7 +189,7 @@ def accumulation(engine, global_batch: int) -> Iterator[int]:
     changes from step to step: `set_train_batch_size` sets DeepSpeed's gradient_accumulation_steps (the 1/m it scales
     each loss by), and the boundary is set explicitly because DeepSpeed's own, (micro_steps + 1) mod m, counts from
     the run's first micro-batch and would fall mid-step once m changed; it is handed back after the step."""
-    engine.set_train_batch_size(global_batch)
+    engine.set_train_batch_size(global_batch * cp_world())   # DeepSpeed counts dp × cp ranks (deepspeed_dict.py)
     m = engine.gradient_accumulation_steps()
     for k in range(m):
         engine.set_gradient_accumulation_boundary(k == m - 1)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .ranks import cp_group, cp_world
+
 
 def chunks(n: int, cp: int, rank: int) -> list[tuple[int, int]]:
     """[(t0, t1)] of rank `rank`'s two chunks, r and 2·cp−1−r, each s = n/(2cp) positions, in that order."""
@@ -110,10 +112,20 @@ class ContextCache:
         return torch.cat([pieces[k] for k in range(t1 // self.s)], dim=-2)   # (…, t1, f)
 
 
-def loss(model, tokens: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+def splits(n: int) -> bool:
+    """Whether a forward with targets of windows of n tokens runs split over the context-parallel group (parallel.cp
+    > 1; model/ranks.py). A length that does not split into 2·cp chunks runs whole on every rank of the group: the
+    same loss on each, so their mean and the mean of their gradients are still the windows'."""
+    cp = cp_world()
+    return cp > 1 and n % (2 * cp) == 0
+
+
+def loss(model, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
     """The mean cross-entropy of this rank's two chunks of the windows `tokens` (B, n) (every rank of the group
     passes the whole windows: token ids are small), the model run as above. The mean over the group's ranks of their
-    losses is the whole windows' loss (every rank has n/cp targets), and so the sum of their gradients ÷ cp."""
+    losses is the whole windows' loss (every rank has n/cp targets), and so the sum of their gradients ÷ cp.
+    `group`: the context-parallel group (default: megatron-core's, model/ranks.py)."""
+    group = cp_group() if group is None else group
     cp, rank, n = dist.get_world_size(group), dist.get_rank(group), tokens.shape[1]
     spans = chunks(n, cp, rank)
     docs = [model.documents(tokens[:, :t1], fused=False) for _, t1 in spans]   # each chunk's prefix (or None)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from . import parallel as tp
 from .config import ConfigError, ModelConfig
+from .context import loss as split_loss, splits   # `from . import context` is not what transformers' loader reads
 from .documents import Documents
 from .linear_cross_entropy import linear_cross_entropy
 from .mixers import SpatialGatingMixer, SynthesizedAttention
@@ -145,7 +146,8 @@ class SynthesizerLM(nn.Module):
     """Embedding → blocks → Head.
 
     forward(tokens (B, n)) → logits (B, n, V/TP); forward(tokens, targets) → the mean cross-entropy (scalar), by the
-    fused head and loss (no logits materialized).
+    fused head and loss (no logits materialized); under context parallelism the mean over this rank's chunks of each
+    window (model/context.py `loss`), which the trainer averages over the cp ranks as over data-parallel ones.
     The Embedding's and Head's layers are this module's own (`wte`, `wpe`, `ln_f`, `head`), so that parameters keep
     the names of every checkpoint, release and export; `embed` and `logits` run those classes' forward on them.
     """
@@ -180,6 +182,8 @@ class SynthesizerLM(nn.Module):
         return Head.fused_loss(self, x, targets, self.wte.weight)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        if targets is not None and splits(tokens.shape[1]):   # parallel.cp > 1: this rank's chunks alone
+            return split_loss(self, tokens, targets)
         docs = self.documents(tokens)
         x = self.embed(tokens, docs=docs)
         for block in self.blocks:

@@ -1,5 +1,5 @@
-"""Where this rank sits in the tensor-parallel group: megatron-core's parallel_state where a layout with TP or PP
-initialised it, else TP = 1. Looked up, never imported: a data-parallel launch does not import megatron-core at all.
+"""Where this rank sits in the tensor-parallel and context-parallel groups: megatron-core's parallel_state where a
+layout with TP, CP or PP initialised it, else TP = CP = 1. Looked up, never imported: a data-parallel launch does not import megatron-core at all.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def under_process_group() -> bool:
 
 
 def parallel_state():
-    """megatron-core's parallel_state if a layout with TP or PP initialised it, else None (TP = 1)."""
+    """megatron-core's parallel_state if a layout with TP, CP or PP initialised it, else None (TP = CP = 1)."""
     state = sys.modules.get("megatron.core.parallel_state") if under_process_group() else None
     return state if state is not None and state.model_parallel_is_initialized() else None
 
@@ -42,3 +42,19 @@ def tp_rank() -> int:
 def tp_group():
     ps = parallel_state()
     return ps.get_tensor_model_parallel_group() if ps else None
+
+
+def cp_world() -> int:
+    """Ranks that split one sequence (parallel.cp; model/context.py)."""
+    ps = parallel_state()
+    return ps.get_context_parallel_world_size() if ps else 1
+
+
+def cp_rank() -> int:
+    ps = parallel_state()
+    return ps.get_context_parallel_rank() if ps else 0
+
+
+def cp_group():
+    ps = parallel_state()
+    return ps.get_context_parallel_group() if ps else None

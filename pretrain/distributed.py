@@ -1,5 +1,11 @@
-"""Process groups for a run: torch.distributed through DeepSpeed, TP groups through megatron-core, and the MPU
-adapter that tells DeepSpeed which ranks form the model-parallel and data-parallel groups.
+"""Process groups for a run: torch.distributed through DeepSpeed, TP, CP and PP groups through megatron-core, and the
+MPU adapter that tells DeepSpeed which ranks form the model-parallel and data-parallel groups.
+
+Context parallelism (parallel.cp, model/context.py): the cp ranks of a group read the same samples (their data rank
+is the data-parallel rank without cp, `Layout.dp_rank`) and each computes the loss of its own chunks of every
+window. Their parameters are replicated like data-parallel ones, so gradients are averaged over the dp × cp ranks
+(`Layout.grad_group`, DeepSpeed's data-parallel group through `MegatronMPU`), as is the logged loss: each cp rank's
+loss is the mean over the same number of targets, so the mean over the cp ranks is the windows' mean.
 
 The backend follows DeepSpeed's accelerator (NCCL on GPUs, gloo on CPU); no device is hard-coded.
 """
@@ -24,8 +30,9 @@ from pretrain.node import node_name
 
 @dataclass
 class Layout:
-    """Where this process sits: global rank, data-parallel rank and group, tensor/pipeline sizes, and its device.
-    `dp_group` None is the whole world (a layout without TP or PP)."""
+    """Where this process sits: global rank, data-parallel rank and group, tensor/context/pipeline sizes, and its
+    device. `dp_group` (the ranks that read different samples) and `grad_group` (the ranks whose gradients are
+    averaged: dp × cp) None are the whole world (a layout without TP, CP or PP)."""
     rank: int
     world: int
     dp_rank: int
@@ -37,6 +44,17 @@ class Layout:
     dp_group: object = None
     peers: tuple = ()    # (node name: pretrain/node.py, pid) of every rank, to name the one that is lost if a rank dies
     collective_timeout_s: float = 0.0   # C of pretrain/timeouts.py: computed once, here, for every process group
+    cp: int = 1
+    dp_cp_group: object = None   # megatron's data-parallel group with context parallelism, where cp > 1
+
+    @property
+    def grad_group(self):
+        """The dp × cp ranks that hold the same parameters (of their TP shard and stage): `dp_group` where cp = 1."""
+        return self.dp_cp_group if self.cp > 1 else self.dp_group
+
+    @property
+    def replicas(self) -> int:   # ranks of `grad_group`
+        return self.dp * self.cp
 
     @property
     def is_main(self) -> bool:
@@ -105,8 +123,9 @@ def exchange(t: torch.Tensor, peer: int, lay: Layout) -> torch.Tensor:
 
 
 def dp_mean(x: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """The mean of a scalar over the data-parallel ranks, as a 1-element fp32 tensor on the device (not read)."""
-    return all_reduce(x.detach().float().reshape(1) / lay.dp, lay, group=lay.dp_group)
+    """The mean of a scalar (a loss) over the data-parallel ranks, and over the context-parallel ranks, each of whose
+    losses covers its own chunks of the same windows, as a 1-element fp32 tensor on the device (not read)."""
+    return all_reduce(x.detach().float().reshape(1) / lay.replicas, lay, group=lay.grad_group)
 
 
 def from_rank0(fn, lay: Layout):
@@ -173,7 +192,10 @@ class MegatronMPU:
     """DeepSpeed's `mpu` interface over megatron-core's parallel_state (the Megatron-DeepSpeed pattern).
 
     "Model parallel" here is tensor parallel: DeepSpeed reduces gradients over the data-parallel group, counts
-    replicated parameters once in the gradient norm, and names checkpoint files by the model-parallel rank.
+    replicated parameters once in the gradient norm, and names checkpoint files by the model-parallel rank. Its
+    "data parallel" is dp × cp (megatron's group with context parallelism): the cp ranks hold the same parameters,
+    and each one's gradient is of its own chunks' loss, so the gradient is their mean, as over dp ranks (ZeRO
+    partitions over the same ranks).
     """
 
     def __init__(self):
@@ -198,13 +220,13 @@ class MegatronMPU:
         return self.ps.get_tensor_model_parallel_src_rank()
 
     def get_data_parallel_rank(self):
-        return self.ps.get_data_parallel_rank()
+        return self.ps.get_data_parallel_rank(with_context_parallel=True)
 
     def get_data_parallel_world_size(self):
-        return self.ps.get_data_parallel_world_size()
+        return self.ps.get_data_parallel_world_size(with_context_parallel=True)
 
     def get_data_parallel_group(self):
-        return self.ps.get_data_parallel_group()
+        return self.ps.get_data_parallel_group(with_context_parallel=True)
 
     def get_pipeline_model_parallel_world_size(self):
         return self.ps.get_pipeline_model_parallel_world_size()
@@ -263,9 +285,9 @@ def world_size() -> int:
 
 def init(cfg: TrainConfig) -> Layout:
     """Check the config against the launch, then start torch.distributed, and megatron-core's groups where the layout
-    has tensor or pipeline parallelism. A data-parallel layout (TP = PP = 1) needs none of them: its data-parallel
-    group is the world, the model's layers are plain torch ones, and megatron-core is not even imported (seconds of
-    every rank's start)."""
+    has tensor, context or pipeline parallelism. A data-parallel layout (TP = CP = PP = 1) needs none of them: its
+    data-parallel group is the world, the model's layers are plain torch ones, and megatron-core is not even imported
+    (seconds of every rank's start)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -289,23 +311,27 @@ def init(cfg: TrainConfig) -> Layout:
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     if accel.device_name() == "cpu":
         _release_shm_segment_name()
-    dp_rank, dp_group = dist.get_rank(), None   # TP = PP = 1: the world is the data-parallel group
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+    p = cfg.parallel
+    dp_rank, dp_group, dp_cp_group = dist.get_rank(), None, None   # TP = CP = PP = 1: the world is the DP group
+    if p.tp > 1 or p.cp > 1 or p.pp > 1:
         from megatron.core import parallel_state
 
-        # megatron's rank order (tp fastest, then dp, then pp) is DeepSpeed's PipeModelDataParallelTopology's.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
-                                                 pipeline_model_parallel_size=cfg.parallel.pp,
+        # megatron's rank order (tp fastest, then cp, dp, pp) is DeepSpeed's PipeModelDataParallelTopology's where
+        # cp = 1 (cp > 1 runs without pipeline stages: TrainConfig.check_runtime)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
+                                                 pipeline_model_parallel_size=p.pp,
                                                  distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))
+        # the data rank is the DP rank without cp: a cp group's ranks read the same samples
         dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     tp.set_sequence_parallel(cfg.parallel.sequence_parallel and cfg.parallel.tp > 1)   # before any model is built
     timeouts.agree(timeout.total_seconds())
     device = torch.device(accel.current_device_name())
     peers = [None] * world
     dist.all_gather_object(peers, (node_name(), os.getpid()))
-    return Layout(rank=dist.get_rank(), world=world, dp_rank=dp_rank, dp=runtime.dp, tp=cfg.parallel.tp,
-                  pp=cfg.parallel.pp, grad_accum=runtime.grad_accum, device=device, dp_group=dp_group,
-                  peers=tuple(peers), collective_timeout_s=timeout.total_seconds())
+    return Layout(rank=dist.get_rank(), world=world, dp_rank=dp_rank, dp=runtime.dp, tp=p.tp, pp=p.pp,
+                  grad_accum=runtime.grad_accum, device=device, dp_group=dp_group, peers=tuple(peers),
+                  collective_timeout_s=timeout.total_seconds(), cp=p.cp, dp_cp_group=dp_cp_group)
 
 
 # What a rank sees when another one dies mid-collective (gloo, NCCL), or when the launcher then ends its data workers
@@ -361,7 +387,7 @@ def _alive(pid: int) -> bool:
 
 
 def shutdown() -> None:
-    parallel_state = sys.modules.get("megatron.core.parallel_state")   # imported only by a TP or PP layout
+    parallel_state = sys.modules.get("megatron.core.parallel_state")   # imported only by a TP, CP or PP layout
     if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if not dist.is_initialized():

@@ -27,6 +27,7 @@ from model import build_model
 from model import release
 from model.lm import Block, SynthesizerLM
 from model.parallel import is_sharded, rng_tracker, tp_rank
+from model.ranks import cp_rank, cp_world
 from pretrain import distributed, float8
 from pretrain.config import TrainConfig, TrainSection
 from pretrain.config.schedule import DECAY_SHAPES, decay_length
@@ -106,7 +107,8 @@ def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_cli
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
         model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
     else:
-        model, mpu = build_model(cfg.model), distributed.MegatronMPU() if lay.tp > 1 else None   # None: DP is the world
+        # the mpu where TP or CP makes DeepSpeed's data-parallel group other than the world (None: DP is the world)
+        model, mpu = build_model(cfg.model), distributed.MegatronMPU() if lay.tp > 1 or lay.cp > 1 else None
     rename = getattr(model, "canonical_name", lambda name: name)
     if cfg.train.fp8:
         float8.convert(model, cfg.train.fp8)
@@ -174,7 +176,7 @@ def initialize(model: torch.nn.Module, cfg: TrainConfig, lay, mpu=None, load_uni
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if isinstance(optimizer, GuardedAdamW) and cfg.parallel.zero_stage == 0:
         optimizer.count_once(counted_elsewhere(optimizer, lay))
-        if lay.dp == 1:   # DeepSpeed would still flatten, "all-reduce" and copy back every gradient over one rank
+        if lay.replicas == 1:   # DeepSpeed would still flatten, "all-reduce" and copy back every gradient over one rank
             engine.enable_backward_allreduce = engine.pipeline_enable_backward_allreduce = False
     elif isinstance(optimizer, GuardedAdamW):   # ZeRO-1/2's norm of the step, set before it steps any group
         optimizer.take_norm_from(lambda: engine.optimizer._global_grad_norm)
@@ -187,7 +189,7 @@ def accumulation(engine, global_batch: int) -> Iterator[int]:
     changes from step to step: `set_train_batch_size` sets DeepSpeed's gradient_accumulation_steps (the 1/m it scales
     each loss by), and the boundary is set explicitly because DeepSpeed's own, (micro_steps + 1) mod m, counts from
     the run's first micro-batch and would fall mid-step once m changed; it is handed back after the step."""
-    engine.set_train_batch_size(global_batch)
+    engine.set_train_batch_size(global_batch * cp_world())   # DeepSpeed counts dp × cp ranks (deepspeed_dict.py)
     m = engine.gradient_accumulation_steps()
     for k in range(m):
         engine.set_gradient_accumulation_boundary(k == m - 1)
@@ -202,7 +204,7 @@ def counted_elsewhere(optimizer: GuardedAdamW, lay) -> dict:
         the same on every TP rank: TP rank 0 counts it;
       - a pipeline-tied copy (the token embedding on the last stage, DeepSpeed's `ds_pipe_replicated`): the stage
         that owns it counts it;
-      - every data-parallel rank holds all the (averaged) gradients: DP rank 0 counts them."""
+      - every data-parallel and context-parallel rank holds all the (averaged) gradients: DP and CP rank 0 count them."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {p: None for p in params if lay.dp_rank > 0 or (not is_sharded(p) and tp_rank() > 0)
+    return {p: None for p in params if lay.dp_rank > 0 or cp_rank() > 0 or (not is_sharded(p) and tp_rank() > 0)
             or getattr(p, "ds_pipe_replicated", False)}

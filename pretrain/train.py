@@ -115,7 +115,7 @@ class Trainer:
         n_params = sum(p.numel() for p in self.engine.module.parameters())
         mixer = f"{cfg.model.mixer}" + (f" within documents (eos {cfg.model.eos_id})" if cfg.model.document_mask else "")
         compiled = (", compiled blocks" + (", embedding and loss" if lay.pp == 1 else "")) if cfg.train.compile else ""
-        self.log.info(f"{lay.world} ranks (tp={lay.tp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
+        self.log.info(f"{lay.world} ranks (tp={lay.tp}, cp={lay.cp}, pp={lay.pp}, dp={lay.dp}) on {lay.device}, "
                       f"ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}{compiled}; model {mixer}, "
                       f"{n_params / 1e6:.2f}M parameters on rank 0; {self.start_words()}")
         self.log.info(monitor.deepspeed_readback(self.engine, cfg.deepspeed.passed()))

@@ -129,7 +129,7 @@ def architecture_problem(path: str, config: dict) -> str | None:
 
 def layout_problem(path: str, config: dict, world: int) -> str | None:
     """Why a run in the layout of `config` on `world` ranks cannot load the checkpoint at `path` as it is (another
-    TP, PP, ZeRO-3 or world size), with what to do; None if it can."""
+    TP, CP, PP, ZeRO-3 or world size), with what to do; None if it can."""
     saved = saved_config(path)
     if saved is None:
         return None
@@ -140,8 +140,8 @@ def layout_problem(path: str, config: dict, world: int) -> str | None:
         return None   # written to be resumed in any layout
     change = (f"to change the layout and keep the optimizer state, relaunch with checkpoint.relayout=true (or "
               f"convert it first: tools/convert.py to-universal {path})")
-    for key in ("tp", "pp"):
-        theirs, ours = saved.get("parallel", {}).get(key), config["parallel"][key]
+    for key in ("tp", "cp", "pp"):   # cp: a checkpoint of before the key was at 1
+        theirs, ours = saved.get("parallel", {}).get(key, 1), config["parallel"][key]
         if theirs != ours:
             return (f"checkpoint {path} was written with parallel.{key}={theirs}, this run has parallel.{key}={ours}: "
                     f"launch with parallel.{key}={theirs} to resume it, or {change}")

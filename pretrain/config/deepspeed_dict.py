@@ -45,7 +45,10 @@ def deepspeed_config(cfg: TrainConfig, dp_world: int, load_universal: bool = Fal
     t, stage = cfg.train, cfg.parallel.zero_stage
     device_clip = clips_on_device(cfg) if device_clip is None else device_clip
     generated = {
-        "train_batch_size": t.global_batch_size,
+        # DeepSpeed's data-parallel ranks are dp × cp (distributed.MegatronMPU): it counts a micro-batch on each,
+        # where the cp ranks of a group share theirs; only its batch check, its throughput timer (off) and its
+        # sample counter (unused) read this number
+        "train_batch_size": t.global_batch_size * cfg.parallel.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum(dp_world),
         # GuardedAdamW clips on the device (under ZeRO-1/2 with the norm DeepSpeed computes, never read on the host)

@@ -100,6 +100,24 @@ class TrainConfig:
         checkpoint's)."""
         return self.data.canonical_streams or default_streams(self.train.global_batch_size)
 
+    def check_context_parallel(self) -> None:
+        """parallel.cp > 1 (model/context.py): what it splits, and the combinations the trainer does not run with it."""
+        m, p, t = self.model, self.parallel, self.train
+        if m.max_seq_len % (2 * p.cp):
+            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp = {2 * p.cp}, as "
+                              "context parallelism needs (each rank holds two chunks of n/(2·cp)); choose max_seq_len "
+                              "as a multiple of it")
+        if p.pp > 1:   # DeepSpeed's pipeline topology (its grid is the mpu there) has no context-parallel axis
+            raise ConfigError(f"parallel.cp={p.cp} needs parallel.pp=1 (it is {p.pp}): pipeline stages under context "
+                              "parallelism are not built yet; set parallel.pp=1 or parallel.cp=1")
+        if p.tp > 1 and p.sequence_parallel:   # the chunks' positions split again over TP: not tested
+            raise ConfigError(f"parallel.cp={p.cp} with parallel.tp={p.tp} needs parallel.sequence_parallel=false "
+                              "(sequence parallelism inside a context-parallel chunk is not built yet)")
+        if p.activation_checkpointing or t.compile:   # recomputing a chunk would redo its gathers inside backward
+            raise ConfigError(f"parallel.cp={p.cp} needs parallel.activation_checkpointing=0 and train.compile=false "
+                              f"(they are {p.activation_checkpointing}, {str(t.compile).lower()}): neither is built for "
+                              "context-parallel chunks yet")
+
     def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:
         """Checks across sections and against the launch; call on every rank before any process group starts.
         `cuda` defaults to what this machine has (see `cuda_available`)."""
@@ -114,9 +132,8 @@ class TrainConfig:
             raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by parallel.tp={p.tp}, as "
                               "parallel.sequence_parallel needs (each rank holds n/tp positions); choose max_seq_len "
                               "as a multiple of tp or set parallel.sequence_parallel=false")
-        if p.cp > 1:   # the model's half (model/context.py) is tested; the trainer's groups and data split are not yet
-            raise ConfigError(f"parallel.cp={p.cp} is not in the trainer yet (model/context.py has the model's half); "
-                              "set parallel.cp=1")
+        if p.cp > 1:
+            self.check_context_parallel()
         if m.n_layers < p.pp:
             raise ConfigError(f"model.n_layers < parallel.pp ({m.n_layers} < {p.pp}): each stage needs a layer")
         if p.pp > 1 and self.train.spike_z is not None:   # DeepSpeed's train_batch runs backward before we see the loss

@@ -57,8 +57,9 @@ def due(named_since: dict[str, float], now: float, after_s: float) -> str | None
 
 
 def plan(host: str, hosts: list[str], ranks_per_node: int, tp: int, pp: int, global_batch: int, micro_batch: int,
-         why: str, pinned: str | None = None) -> Exclusion | Refused:
-    """The launch without `host` (see the module's docstring); `pinned`: a node that must stay (the rendezvous's)."""
+         why: str, pinned: str | None = None, cp: int = 1) -> Exclusion | Refused:
+    """The launch without `host` (see the module's docstring); `pinned`: a node that must stay (the rendezvous's);
+    `cp`: the context-parallel size, which divides the world as tp and pp do."""
     if host not in hosts:
         return Refused(f"fleet.exclude: node {host} is not in the host list ({', '.join(hosts)}); nothing leaves")
     if host == pinned:
@@ -68,7 +69,7 @@ def plan(host: str, hosts: list[str], ranks_per_node: int, tp: int, pp: int, glo
     if not kept:
         return Refused(f"fleet.exclude: node {host} is the only node; nothing leaves (the job stays at its speed)")
     world = len(kept) * ranks_per_node
-    dp = world // (tp * pp)
+    dp = world // (tp * cp * pp)
     if global_batch % dp:
         return Refused(f"fleet.exclude: node {host} stays: without it data parallel would be {dp}, which does not "
                        f"divide train.global_batch_size={global_batch}, so the global batches would change; choose a "

@@ -101,7 +101,7 @@ class FleetWatch:
         why = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} named for slow compute for "
                f"{now - self.named_since[host]:.0f} s, fleet.exclude_after_s={self.after_s:g}")
         move = exclusion.plan(host, hosts, self.lay.world // len(hosts), self.lay.tp, self.lay.pp, *self.batch, why,
-                              pinned=hosts[0])
+                              pinned=hosts[0], cp=self.lay.cp)
         if isinstance(move, exclusion.Refused):
             if host not in self.refused:
                 log.info(move.line)

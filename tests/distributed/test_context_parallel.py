@@ -2,7 +2,8 @@
 chunks 0 and 3, rank 1 chunks 1 and 2), gather values, keys and LN(Z2) chunk by chunk, and compute only their own
 query rows. For every variant, with and without the document mask (documents that cross the chunk boundaries), the
 mean of the two ranks' losses is the whole window's loss computed in one process on the fused path, and the sum of
-their gradients ÷ 2 is its gradient, for every parameter. One launch for every case."""
+their gradients ÷ 2 is its gradient, for every parameter; under megatron-core's context-parallel group the model's
+own forward is that split. One launch for every case."""
 import torch
 import torch.distributed as dist
 
@@ -53,14 +54,34 @@ def compare(rank, world):
                 g /= world
                 errors.append(((g - ref).norm() / (ref.norm() + 1e-3 * top)).item())
             worst[(variant, masked)] = max(errors)
-    return worst
+    return worst, wired()
+
+
+def wired():
+    """Under megatron-core's context-parallel group (as the trainer makes it), the model's own forward with targets is
+    `context.loss` on this rank's chunks, and a length that does not split into 2·cp chunks runs whole."""
+    from megatron.core import parallel_state
+
+    x, cfg = window(True), config("random+dot", document_mask=True, eos_id=EOS)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        model = build_model(cfg)
+        own = model(x[:, :-1], x[:, 1:]).item()
+        parts = context.loss(model, x[:, :-1], x[:, 1:], dist.group.WORLD).item()
+        odd = model(x[:, :-3], x[:, 1:-2]).item()                       # n = 14: not a multiple of 4
+    finally:
+        parallel_state.destroy_model_parallel()
+    return own, parts, odd, build_model(cfg)(x[:, :-3], x[:, 1:-2]).item()
 
 
 def test_context_parallel_2_gives_the_loss_and_gradients_of_one_rank_for_every_variant_masked_and_not():
-    worst = run_distributed(compare, 2)
-    assert worst[0] == worst[1]   # the all-reduced figures, the same on both ranks
-    bad = {case: e for case, e in worst[0].items() if e > 1e-4}   # fp32 sums in another order: ~1e-6
-    assert len(worst[0]) == 2 * len(VARIANTS) and not bad, bad
+    (worst, wired0), (worst1, wired1) = run_distributed(compare, 2)
+    assert worst == worst1   # the all-reduced figures, the same on both ranks
+    bad = {case: e for case, e in worst.items() if e > 1e-4}   # fp32 sums in another order: ~1e-6
+    assert len(worst) == 2 * len(VARIANTS) and not bad, bad
+    for own, parts, odd, whole in (wired0, wired1):
+        assert own == parts and odd == whole
+    assert wired0[0] != wired1[0]   # each rank its own chunks' loss
 
 
 def test_the_chunks_are_balanced_and_cover_the_sequence_once():

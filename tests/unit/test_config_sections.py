@@ -185,3 +185,26 @@ def test_a_typo_in_a_files_nested_section_names_that_file(tmp_path):
                                "'logging.profile.ranks'?")
     assert error_of(variant(tmp_path, "logging:\n  profile: [5]\n")) == (
         f"config section 'logging.profile' in {tmp_path / 'v.yaml'} must be a mapping, got [5]")
+
+
+def test_context_parallel_layouts_and_what_it_refuses():
+    """parallel.cp: dp = world / (tp·cp·pp); DeepSpeed counts dp × cp ranks for its batch; a one-line error naming the
+    keys for what the trainer does not run with it."""
+    from pretrain.config.deepspeed_dict import deepspeed_config
+
+    cfg = load_config(DEMO, ["parallel.cp=2"])
+    rt = cfg.check_runtime(4)
+    ds = deepspeed_config(cfg, rt.dp)
+    assert rt.dp == 2 and ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * \
+        ds["gradient_accumulation_steps"] * rt.dp * 2
+    assert load_config(DEMO, ["parallel.cp=2", "parallel.tp=2"]).check_runtime(4).dp == 1
+    cp2 = ["parallel.cp=2"]
+    for overrides, needles in [(["parallel.cp=3"], ["model.max_seq_len=128", "2·parallel.cp = 6"]),
+                               (cp2 + ["parallel.pp=2", "parallel.zero_stage=1"], ["parallel.pp=1"]),
+                               (cp2 + ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                ["parallel.sequence_parallel=false"]),
+                               (cp2 + ["parallel.activation_checkpointing=1"], ["parallel.activation_checkpointing=0"]),
+                               (cp2 + ["train.compile=true"], ["train.compile=false"])]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEMO, overrides).check_runtime(12)
+        assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)

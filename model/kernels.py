@@ -73,9 +73,10 @@ def in_autocast_dtype(kernel, *args):
         return kernel(*args)
 
 
-def causal_mask(n: int, device, dtype=torch.float32) -> torch.Tensor:
-    """M (n, n): 0 on and below the diagonal, -inf above — added to the logits before the softmax."""
-    return torch.full((n, n), float("-inf"), device=device, dtype=dtype).triu_(1)
+def causal_mask(n: int, device, dtype=torch.float32, first_row: int = 0) -> torch.Tensor:
+    """M (n − first_row, n): rows i = first_row … n−1 of the causal mask, 0 for keys j ≤ i, -inf above — added to the
+    logits before the softmax. Only the rows asked for are built (a context-parallel chunk's or a decoding step's)."""
+    return torch.full((n - first_row, n), float("-inf"), device=device, dtype=dtype).triu_(1 + first_row)
 
 
 class SharedMapAttention(torch.autograd.Function):

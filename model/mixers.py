@@ -83,7 +83,7 @@ class SynthesizedAttention(nn.Module):
             S_k = synth.logits(x, t0, keys) if p is None else synth.logits(x, t0, keys, p)   # (B or 1, Hl, m, t1)
             S = S + (S_k if alpha is None else alpha[:, k, None, None] * S_k)
         if docs is None:
-            S = S + kernels.causal_mask(t1, x.device, S.dtype)[t0:]      # rows i: keys j ≤ i
+            S = S + kernels.causal_mask(t1, x.device, S.dtype, t0)       # rows i: keys j ≤ i
         else:
             S = S.masked_fill(~docs.dense_mask(t0), float("-inf"))       # keys j ≤ i of i's document
         A = torch.softmax(S, dim=-1).expand(x.shape[0], -1, -1, -1)

@@ -155,17 +155,17 @@ def owns_its_logits(synth, d: int) -> bool:
 
 def transient(cfg: ModelConfig, index: int, B: int, n: int, cp: int, tp: int, a: int) -> Term:
     """The last chunk's (rank 0's second: it reads all n keys) logits and their softmax's gradient, and beside them
-    the causal mask the materialized path builds whole for its t1 = n keys and then slices to the chunk's rows
-    (model/mixers.py `_materialized`: kernels.causal_mask(t1)[t0:], n²·a, whatever cp is)."""
+    the causal mask's rows of that chunk (model/mixers.py `_materialized`: kernels.causal_mask(t1, first_row=t0),
+    rows × n · a)."""
     mixer = shape_model(cfg).blocks[index].mixer
     mask = 0
     if isinstance(mixer, SynthesizedAttention):
         Hl = mixer.value.weight.shape[0] // mixer.d_h // tp
         batch = B if cfg.document_mask or any(synth.input_dependent for synth in mixer.synth.values()) else 1
-        mask = 0 if cfg.document_mask else a * n * n
+        mask = 0 if cfg.document_mask else a * spans(n, cp)[0] * n
     else:
         Hl, batch = mixer.spatial.shape[0] // tp, B
-    return Term(f"layer {index}: the last chunk's logits and their gradient{', the whole causal mask' * bool(mask)}",
+    return Term(f"layer {index}: the last chunk's logits and their gradient{', its causal mask rows' * bool(mask)}",
                 2 * a * batch * Hl * spans(n, cp)[0] * n + mask)
 
 

@@ -234,7 +234,8 @@ class Checkpointer:
 
     def written(self, flags: list[float]) -> None:
         """After a step's all-reduce of `writer_flags` (the same on every rank): commit the save in the background
-        once no rank is writing it, or report its failure. No wait of its own."""
+        once no rank is writing it (in a bucket: writing or uploading), or report its failure. No wait for a writer;
+        at that step only, one gather of the ranks' reports (async_save.Report)."""
         if self.background is None or self.background.pending is None:
             return
         writing, failed = flags

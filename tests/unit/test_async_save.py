@@ -218,14 +218,14 @@ def test_the_bucket_layer_is_fsspec_s_for_any_protocol(tmp_path):
     """gs://, az://… go through the same code as s3://: fsspec's in-memory store (memory://) runs an async save,
     its commit, the check a reader makes and the download of a resume, with nothing of s3's."""
     saver = bucket_saver(tmp_path, "memory://ckpt-test/run")
+    store = Bucket("memory://ckpt-test/run")
     try:
         saver.save(3, last=True)
         saver.save(6, last=True)
+        assert store.named() == "step_00000006" and store.complete_tags() == ["step_00000003", "step_00000006"]
+        assert saver.lines[-1] == "saved checkpoint memory://ckpt-test/run/step_00000006"
+        local = store.download("step_00000006", str(tmp_path / "down"))
+        assert torch.load(os.path.join(local, "trainer_rank0.pt"), weights_only=False)["step"] == 6
     finally:
         dist.destroy_process_group()
-    store = Bucket("memory://ckpt-test/run")
-    assert store.named() == "step_00000006" and store.complete_tags() == ["step_00000003", "step_00000006"]
-    assert saver.lines[-1] == "saved checkpoint memory://ckpt-test/run/step_00000006"
-    local = store.download("step_00000006", str(tmp_path / "down"))
-    assert torch.load(os.path.join(local, "trainer_rank0.pt"), weights_only=False)["step"] == 6
-    store.fs.rm(store.key("step_00000006"), recursive=True)
+        store.fs.rm(store.key(), recursive=True)   # the in-memory store is the process's

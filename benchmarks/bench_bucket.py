@@ -31,27 +31,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # moto joins a large multipart upload's parts slowly on a loaded machine: a client that gives up on the reply
-    # after botocore's 60 s sends the completion again, which moto has already consumed (fsspec reads FSSPEC_S3)
-    os.environ.setdefault("FSSPEC_S3", json.dumps({"config_kwargs": {"read_timeout": 900}}))
-    import logging
-
     import torch
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)   # a line per request of the server
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
-    from benchmarks.bench_lib import one_rank_125m
+    from benchmarks.bench_lib import local_s3, one_rank_125m
     from pretrain import distributed
     from pretrain.checkpoints.bucket import Bucket, Saves
     from pretrain.checkpoints.checkpointer import Checkpointer
     from pretrain.engine import build_engine
 
+    server, where = local_s3()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-bucket-") as tmp:
             Bucket("s3://bench").fs.mkdir("bench")
@@ -76,7 +64,7 @@ def main(argv=None) -> int:
             checkpointer = Checkpointer(engine, cfg.checkpoint.staging_dir, 3, {}, cfg.to_dict(), None, 0, 1,
                                         bucket=saves)
             print(f"synth-125m widths at n 256: {n_params / 1e6:.1f}M parameters, ZeRO-{args.zero_stage}, "
-                  f"{args.precision}; saving to {cfg.checkpoint.dir} (moto on {host}:{port})", file=sys.stderr)
+                  f"{args.precision}; saving to {cfg.checkpoint.dir} (moto on {where})", file=sys.stderr)
             t = time.perf_counter()
             assert checkpointer.save(1), "the upload failed"
             save_s = time.perf_counter() - t

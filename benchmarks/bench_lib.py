@@ -360,3 +360,22 @@ def one_rank_125m(run_dir: str, overrides: list[str]):
                       ["model.max_seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=1",
                        f"train.run_dir={run_dir}", "data.num_workers=0", *overrides])
     return cfg, distributed.init(cfg)
+
+
+def local_s3():
+    """moto's S3-protocol server on 127.0.0.1, started, and this process's AWS variables pointing at it: the checkpoint
+    benchmarks' bucket (bench_bucket.py, bench_async_save.py --bucket). (server: `.stop()` it, "host:port")."""
+    # moto joins a large multipart upload's parts slowly on a loaded machine: a client that gives up on the reply
+    # after botocore's 60 s sends the completion again, which moto has already consumed (fsspec reads FSSPEC_S3)
+    os.environ.setdefault("FSSPEC_S3", json.dumps({"config_kwargs": {"read_timeout": 900}}))
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)   # a line per request of the server
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
+    return server, f"{host}:{port}"

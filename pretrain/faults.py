@@ -13,7 +13,8 @@ SYNTHFORMER_FAULTS is a comma-separated list of KIND@STEP[@RANK] (RANK defaults 
                                    rest; training goes on meanwhile)
                           written  (every rank's files written, not yet committed; async: at the step that
                                    commits)
-                          uploaded (checkpoint.dir in a bucket: this rank's files uploaded, not yet committed)
+                          uploaded (checkpoint.dir in a bucket: this rank's files uploaded, not yet committed; async:
+                                   by its writer thread, training going on)
                           renamed  (the directory has its final name, or complete.json is in the bucket; `latest`
                                    still names the previous one)
     upload-fail@6@1       rank 1's upload of the checkpoint of step 6 to a bucket fails after its first file, as a

@@ -10,7 +10,8 @@
     universal.py      universal checkpoints: another layout, AdamW's moments kept (DeepSpeed's converter)
     bucket.py         checkpoints in object storage (checkpoint.dir: s3://…): staged locally, uploaded by every rank,
                       committed by rank 0 (complete.json, then `latest`) once all uploads succeeded; downloads, retention
-    async_save.py     saves in the background: host copies of the state dicts, a writer thread per save
+    async_save.py     saves in the background: host copies of the state dicts, a writer thread per save (which also
+                      uploads, in a bucket)
     checkpointer.py   Checkpointer: the trainer's atomic save and exact restore of a DeepSpeed engine and its state
 
 A release (model/release.py) and a Hugging Face export (model/hf.py) are the model's own formats and live with it.

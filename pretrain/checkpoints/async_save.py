@@ -6,7 +6,9 @@ memory; a writer thread writes the files while training goes on; the checkpoint 
                   allocated once, at the first save, and refilled at each
     Writing       one checkpoint's files, queued as (path, host copy, the function that writes it: DeepSpeed's
                   checkpoint engine's save, or torch.save), written in order by a thread of this rank, each fsynced;
-                  the first error stops it and is kept as one line
+                  the first error stops it and is kept as one line. Where checkpoint.dir is a bucket the same thread
+                  then uploads this rank's files (bucket.py `Saves.uploading`): "done" means written and uploaded
+    Report        what a rank's writer reports once done: its write error, its upload's problem, what it uploaded
     Background    the save under way: started after the snapshot, then settled once every rank's writer has
                   finished (the checkpointer commits it, or reports the failure) — never two at once
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -78,15 +81,33 @@ class HostCopy:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
+def cause_of(e: Exception) -> str:
+    """An exception as one line: its class and its first line (an OSError's strerror)."""
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {cause}"
+
+
+class Report(NamedTuple):
+    """A rank's writer, once done. `error`: why its files could not be written (the run stops: the disk is the
+    problem); `problem`: why its upload to the bucket failed (the save is not committed, training goes on);
+    `uploaded`: {file name: size} of what it uploaded."""
+    error: str | None = None
+    problem: str | None = None
+    uploaded: dict = {}
+
+
 class Writing:
-    """One checkpoint's files, written by a thread in the order they were queued. `own`: the checkpointer's OwnFiles
-    (the hang watchdog's view of this rank's save), told of each file as it starts; `started(path)`: a hook after
-    the first file is written (fault tests)."""
+    """One checkpoint's files, written by a thread in the order they were queued, then (`upload`, checkpoint.dir in
+    a bucket) uploaded by the same thread. `own`: the checkpointer's OwnFiles (the hang watchdog's view of this
+    rank's save), told of each file as it starts; `after_first`: a hook after the first file is written (fault
+    tests)."""
 
     def __init__(self, own, after_first=lambda: None):
         self.files: list[tuple[str, object, object]] = []
         self.own, self.after_first = own, after_first
         self.error: str | None = None
+        self.upload = None   # upload(stopped) → (problem or None, {name: size}); never raises
+        self.uploaded: tuple[str | None, dict] = (None, {})
         self.finished = threading.Event()
         self.cancelled = False
         self.thread: threading.Thread | None = None
@@ -101,6 +122,18 @@ class Writing:
 
     def run(self) -> None:
         try:
+            self.write()
+            if self.error is None and self.upload is not None and not self.cancelled:
+                self.uploaded = self.upload(lambda: self.cancelled)
+        except Exception as e:   # an upload's unforeseen error: the save is not committed, as for a refused one
+            self.uploaded = (cause_of(e), {})
+        finally:
+            self.files = []   # the host buffers stay with HostCopy, for the next save
+            self.finished.set()
+
+    def write(self) -> None:
+        path = None
+        try:
             for i, (path, state, write) in enumerate(self.files):
                 if self.cancelled:
                     break
@@ -112,16 +145,15 @@ class Writing:
                     self.after_first()
             self.own.finished()
         except Exception as e:   # the cause, kept as one line for the checkpointer's report
-            cause = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0]
-            self.error = f"{type(e).__name__}: {cause}" + (f" ({path})" if isinstance(e, OSError) else "")
-        finally:
-            self.files = []   # the host buffers stay with HostCopy, for the next save
-            self.finished.set()
+            self.error = cause_of(e) + (f" ({path})" if isinstance(e, OSError) else "")
 
-    def wait(self) -> str | None:
-        """Wait for the thread; the error that stopped it, or None."""
+    def failed(self) -> bool:
+        return self.error is not None or self.uploaded[0] is not None
+
+    def wait(self) -> Report:
+        """Wait for the thread; what it reports."""
         self.finished.wait()
-        return self.error
+        return Report(self.error, *self.uploaded)
 
 
 class Background:
@@ -140,10 +172,16 @@ class Background:
         """Queue a file: its state copied to host memory now, written later by the thread."""
         self.collecting.add(path, self.host.copy(state, os.path.basename(path)), write)
 
-    def start(self, pending, name: str) -> None:
-        """The snapshot is whole: once the device's copies have landed, the thread writes it."""
+    def queued(self) -> list[str]:
+        """The files of the snapshot being taken."""
+        return [path for path, _, _ in self.collecting.files]
+
+    def start(self, pending, name: str, upload=None) -> None:
+        """The snapshot is whole: once the device's copies have landed, the thread writes it (and, with `upload`,
+        uploads it: Writing.upload)."""
         self.host.wait()
         self.writing, self.collecting, self.pending = self.collecting, None, pending
+        self.writing.upload = upload
         self.writing.start(name)
 
     def abandon(self) -> None:
@@ -156,12 +194,12 @@ class Background:
         if w is None:
             return [False, False]
         done = w.finished.is_set()
-        return [not done, done and w.error is not None]
+        return [not done, done and w.failed()]
 
-    def wait(self, cancel: bool = False) -> str | None:
-        """This rank's writer finished (stopped after its current file, with `cancel`): its error, or None."""
+    def wait(self, cancel: bool = False) -> Report:
+        """This rank's writer finished (stopped after its current file, with `cancel`): its report."""
         if self.writing is None:
-            return None
+            return Report()
         self.writing.cancelled |= cancel
         return self.writing.wait()
 

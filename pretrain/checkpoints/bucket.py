@@ -176,9 +176,11 @@ class Bucket:
         local = os.path.join(staging, tag)
         os.makedirs(staging, exist_ok=True)
         with FileLock(local + ".lock"):
-            self.fs.invalidate_cache()
-            info = self._retried("reading", f"{tag}/complete.json", lambda: self.fs.info(self.key(tag, "complete.json")))
-            stamp = f"{info.get('ETag')} {info.get('LastModified')}"   # this commit of the tag, not an earlier one
+            # this commit of the tag, not an earlier one: complete.json holds the commit's own id (`commit`), read
+            # alike from any backend (an ETag is s3's name for what gcsfs calls etag and the memory store lacks)
+            stamp = self.read_text(f"{tag}/complete.json")
+            if stamp is None:
+                raise remote.DataError(f"reading {self.where(tag, 'complete.json')}: not found")
             mark = os.path.join(local, ".downloaded")
             if os.path.isfile(mark) and open(mark).read() == stamp and verify_local(local) is None:
                 return local
@@ -285,33 +287,60 @@ def local_checkpoint(path: str, staging: str) -> str:
 
 
 class Saves:
-    """The bucket's part of Checkpointer.save, on every rank (collective), after the ranks wrote the checkpoint into
-    the local staging directory: each uploads the files it wrote, all of them learn whether every upload succeeded
-    (one gather through pretrain/distributed.py), and only then rank 0 commits (complete.json, then `latest`) and
-    applies retention in the bucket."""
+    """The bucket's part of Checkpointer.save, on every rank, after the ranks wrote the checkpoint into the local
+    staging directory: each uploads the files it wrote, all of them learn whether every upload succeeded (one gather
+    through pretrain/distributed.py), and only then rank 0 commits (complete.json, then `latest`) and applies
+    retention in the bucket. In three parts, so that an async save (checkpoint.async_save) uploads in its writer
+    thread: `prepare` (collective, at the save), `uploading` (this rank alone: no collective), `conclude`
+    (collective, once every rank's upload is done)."""
 
     def __init__(self, url: str, staging: str, lay):
         self.store, self.staging, self.lay = Bucket(url), staging, lay
 
     def publish(self, partial: str, tag: str, step: int, own: list[str], faults, previous: str | None,
-                keep: int, keep_every: int | None) -> bool:
+                keep: int, keep_every: int | None, progress=lambda path: None) -> bool:
         """Whether the checkpoint written into `partial` (`own`: this rank's files in it) is committed."""
+        mine, problem = self.prepare(partial, tag, own)
+        report = self.uploading(mine, problem, tag, step, faults, progress)
+        return self.conclude(tag, step, distributed.every_rank(report), faults, previous, keep, keep_every)
+
+    def prepare(self, partial: str, tag: str, own: list[str]) -> tuple[list[str], str | None]:
+        """Collective, before any rank uploads: rank 0 removes a crashed earlier attempt at this tag from the bucket.
+        The files this rank uploads: its own (`own`, written or queued), and on rank 0 those in `partial` that no rank
+        writes (DeepSpeed's recovery scripts, written outside its checkpoint engine); rank 0's problem clearing."""
         rank = self.lay.rank
-        problem = self._clear(tag) if rank == 0 else None   # a crashed earlier attempt at this step
+        problem = self._clear(tag) if rank == 0 else None
         wrote = set().union(*distributed.every_rank([os.path.basename(p) for p in own]))
         mine = list(dict.fromkeys(own))   # (a file written twice is uploaded once)
-        if rank == 0:   # files DeepSpeed writes outside its checkpoint engine (its recovery scripts)
+        if rank == 0:
             mine += [os.path.join(partial, n) for n in sorted(os.listdir(partial)) if n not in wrote]
+        return mine, problem
+
+    def uploading(self, paths: list[str], problem: str | None, tag: str, step: int, faults,
+                  progress=lambda path: None, stopped=lambda: False) -> tuple[str | None, dict[str, int]]:
+        """This rank's files uploaded as <tag>/<name> (no collective: an async save's writer thread runs it), each
+        told to `progress` once up (the hang watchdog's view); stops early where `stopped()`. (Why not, or None;
+        {name: size} uploaded.) Never raises: a refused or cut-off upload is its one line."""
         sizes = {}
         try:
-            for i, path in enumerate(p for p in mine if os.path.isfile(p)):
+            for i, path in enumerate(p for p in paths if os.path.isfile(p)):
+                if stopped():
+                    break
                 if i == 1:
                     faults.uploading(step)
                 sizes[os.path.basename(path)] = self.store.upload(path, tag, os.path.basename(path))
+                progress(path)
         except (remote.DataError, OSError) as e:
             problem = problem or (str(e).splitlines() or [type(e).__name__])[0]
         faults.saving("uploaded", step)
-        results = distributed.every_rank((problem, sizes))
+        return problem, sizes
+
+    def conclude(self, tag: str, step: int, results: list[tuple[str | None, dict[str, int]]], faults,
+                 previous: str | None, keep: int, keep_every: int | None) -> bool:
+        """Collective's aftermath, on every rank with every rank's `uploading` result: rank 0 commits and applies
+        retention where every upload succeeded, or says in one line which rank's failed and why; whether committed
+        (on rank 0: also its commit's outcome)."""
+        rank = self.lay.rank
         failed = next((f"rank {r}: {p}" for r, (p, _) in enumerate(results) if p), None)
         if rank == 0 and failed is None:
             files = {name: size for _, s in results for name, size in s.items()}

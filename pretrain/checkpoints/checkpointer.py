@@ -16,11 +16,14 @@ and the trainer's): all the hang watchdog reads of a save.
 With checkpoint.async_save the save returns once this rank's state is copied to host memory; a writer thread
 writes the same files (async_save.py), and the commit above happens at a later step, after every rank's writer has
 finished (`writer_flags` ride on the step's all-reduce; `written` commits) — before the next save starts, and
-before the run's last save returns (`settle`).
+before the run's last save returns (`settle`). Where checkpoint.dir is a bucket the writer thread also uploads
+this rank's files from the staging directory, and "finished" means written and uploaded: the commit in the bucket
+(complete.json, then `latest`) waits for every rank's upload (bucket.py `Saves`).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import shutil
@@ -80,6 +83,10 @@ class OwnFiles:
         self.finished()
         self.started, self.current = self.started + 1, path
         self.paths.append(path)
+
+    def uploaded(self, path: str) -> None:
+        """A file up in the bucket: progress too, for the watchdog (a long upload of a settled save is no hang)."""
+        self.started, self.done = self.started + 1, self.done + size(path)
 
     def finished(self) -> None:
         if self.current is not None:
@@ -177,15 +184,16 @@ class Checkpointer:
                 self.background.begin(self.own, after_first=lambda: self.faults.saving("writing", step))
             self._write(partial, tag, step)
             if self.background is not None:                       # the snapshot is taken: the thread writes it
-                self.background.start(Pending(step, tag, partial, final, previous), tag)
+                upload = self._uploader(partial, tag, step) if self.bucket is not None else None
+                self.background.start(Pending(step, tag, partial, final, previous), tag, upload)
                 self.announce(f"checkpoint {tag}: in host memory ({self.background.host.bytes / 2**20:,.0f} MiB on "
-                              f"rank {self.rank}), written in the background")
+                              f"rank {self.rank}), written{' and uploaded' if upload else ''} in the background")
             else:
                 dist.barrier()                                    # every rank's files are written
                 self.faults.saving("written", step)
                 if self.bucket is not None:                       # upload, all agree, rank 0 commits in the bucket
                     committed = self.bucket.publish(partial, tag, step, self.own.paths, self.faults, previous,
-                                                    self.keep, self.keep_every)
+                                                    self.keep, self.keep_every, self.own.uploaded)
                 elif self.rank == 0:
                     self._commit(partial, final, tag, step)
                     self._prune()
@@ -202,14 +210,21 @@ class Checkpointer:
             raise CheckpointError(f"could not write checkpoint {tag} in {self.dir}: {full}{free:.1f} MiB free "
                                   f"({type(e).__name__}: {cause}); {kept(previous)}: free space or set "
                                   f"checkpoint.dir, then relaunch to resume") from None
-        if self.background is None:
-            dist.barrier()                                        # nobody runs on before the commit
-        elif last:
-            self.settle()
+        if self.background is not None:
+            if last:
+                self.settle()
+            return self.bucket.store.where(tag) if self.bucket is not None else final
+        dist.barrier()                                            # nobody runs on before the commit
         if self.bucket is not None:                               # the staging copy is uploaded (or given up)
             shutil.rmtree(partial, ignore_errors=True)
             return self.bucket.store.where(tag) if committed else None
         return final
+
+    def _uploader(self, partial: str, tag: str, step: int):
+        """An async save's upload, which its writer thread runs once this rank's files are written (Writing.upload).
+        Collective, at the save: the bucket learns which rank uploads which file (Saves.prepare)."""
+        mine, problem = self.bucket.prepare(partial, tag, self.own.paths + self.background.queued())
+        return functools.partial(self.bucket.uploading, mine, problem, tag, step, self.faults, self.own.uploaded)
 
     # ---- saves in the background (checkpoint.async_save) --------------------------------------------------------
     def writer_flags(self) -> list[bool]:
@@ -219,14 +234,13 @@ class Checkpointer:
 
     def written(self, flags: list[float]) -> None:
         """After a step's all-reduce of `writer_flags` (the same on every rank): commit the save in the background
-        once no rank is writing it, or report its failure. No wait of its own."""
+        once no rank is writing it (in a bucket: writing or uploading), or report its failure. No wait for a writer;
+        at that step only, one gather of the ranks' reports (async_save.Report)."""
         if self.background is None or self.background.pending is None:
             return
         writing, failed = flags
-        if failed:
-            self._conclude(every_rank(self.background.wait(cancel=True)))
-        elif not writing:
-            self._conclude([None])
+        if failed or not writing:   # every rank's report: why one failed, or (bucket) what each uploaded
+            self._conclude(every_rank(self.background.wait(cancel=bool(failed))))
 
     def settle(self) -> None:
         """Wait for this rank's writer, then commit the save in the background once every rank's is done
@@ -234,13 +248,21 @@ class Checkpointer:
         if self.background is not None and self.background.pending is not None:
             self._conclude(every_rank(self.background.wait()))
 
-    def _conclude(self, causes: list[str | None]) -> None:
-        """Every rank's writer is done: rank 0 commits; or one failed: every rank raises the same one line, the
-        previous checkpoint stays `latest` and the written part is removed."""
+    def _conclude(self, reports: list) -> None:
+        """Every rank's writer is done (async_save.Report of each): rank 0 commits; or one failed to write: every
+        rank raises the same one line, the previous checkpoint stays `latest` and the written part is removed. In a
+        bucket, a failed upload is the one line of Saves.conclude, and training goes on."""
         p = self.background.settled()
-        failed = [(r, cause) for r, cause in enumerate(causes) if cause]
+        failed = [(r, report.error) for r, report in enumerate(reports) if report.error]
         if not failed:
             self.faults.saving("written", p.step)
+            if self.bucket is not None:
+                committed = self.bucket.conclude(p.tag, p.step, [(r.problem, r.uploaded) for r in reports],
+                                                 self.faults, p.previous, self.keep, self.keep_every)
+                shutil.rmtree(p.partial, ignore_errors=True)      # the staging copy is uploaded (or given up)
+                if committed and self.rank == 0:
+                    self.announce(f"saved checkpoint {self.bucket.store.where(p.tag)}")
+                return
             if self.rank == 0:
                 try:
                     self._commit(p.partial, p.final, p.tag, p.step)

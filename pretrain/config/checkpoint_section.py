@@ -25,7 +25,7 @@ class CheckpointSection:
     async_save: bool = described("save in the background: a step waits only for a copy of the state in host memory "
                                  "(pinned on a GPU), a writer thread writes the files, and the checkpoint is "
                                  "published (complete.json, `latest`) at a later step, once every rank's writer is "
-                                 "done; costs host memory of one copy of this rank's model and optimizer state",
+                                 "done (with checkpoint.dir in a bucket: written and uploaded); costs host memory of one copy of this rank's model and optimizer state",
                                  False)
     relayout: bool = described("when the checkpoint to resume is of another layout (TP, PP, ZeRO-3, world size): "
                                "launch/pretrain.sh converts it to a universal checkpoint first, and the run resumes "

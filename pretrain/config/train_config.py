@@ -64,10 +64,6 @@ class TrainConfig:
         in_bucket = any("://" in (p or "") for p in (self.checkpoint.dir, self.checkpoint.resume))
         if self.checkpoint.staging_dir is None and in_bucket:   # local and shared directories stage nothing
             self.checkpoint.staging_dir = os.path.join(self.train.run_dir, "checkpoint_staging")
-        if self.checkpoint.async_save and "://" in self.checkpoint.dir:
-            raise ConfigError(f"checkpoint.async_save=true with checkpoint.dir={self.checkpoint.dir!r} in a bucket: "
-                              f"saves to a bucket upload before they commit and are not yet written in the "
-                              f"background; set checkpoint.async_save=false")
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
         if decay_stage(self.data.stages) is not None:   # an annealing stage at the decay: its length from the stage

@@ -1,10 +1,13 @@
 """Checkpoints in a bucket (`checkpoint.dir: s3://…`, pretrain/checkpoints/bucket.py), against a real S3-protocol server
 on 127.0.0.1 (moto), with the shared reference run (2 ranks, a checkpoint every 3 steps): one launch in which rank 1's
 upload of step 6 fails after its first file (the run goes on, step 3 stays `latest`) and rank 0 is killed (-9) in the
-save of step 12 after its upload, before the commit (step 9 stays `latest`); the relaunch resumes from the bucket and
-every loss and sample id equals the uninterrupted run's, bit for bit; tools/evaluate.py and tools/convert.py read the
-bucket. Then the bucket's step 9 moves to 1 rank: tools/convert.py to-universal from the bucket into the bucket, and a
-1-rank run resumes it from there, its losses those of the 2-rank run."""
+save of step 12 after its upload, before the commit (step 9 stays `latest`); a relaunch with async saves
+(checkpoint.async_save: a writer thread writes to the staging directory, then uploads) resumes from step 9, the server
+refuses rank 1's upload of step 15 with a 403 (the run goes on, step 12 stays `latest`) and rank 0's writer kills it
+(-9) after its upload of step 21, before the commit (step 18 stays `latest`); the last relaunch resumes from the
+bucket and every loss and sample id equals the uninterrupted run's, bit for bit; tools/evaluate.py and
+tools/convert.py read the bucket. Then the bucket's step 9 moves to 1 rank: tools/convert.py to-universal from the
+bucket into the bucket, and a 1-rank run resumes it from there, its losses those of the 2-rank run."""
 import json
 
 import pytest
@@ -55,8 +58,27 @@ def test_save_kill_resume_and_relayout_through_a_bucket(shards, reference_run, t
         fs.copy("ckpt/run/step_00000009", "moved/run/step_00000009", recursive=True)
         fs.pipe_file("moved/run/latest", b"step_00000009")
 
+        # async saves (checkpoint.async_save) to the bucket: the writer thread writes and uploads; the server refuses
+        # rank 1's trainer file of step 15 (a real 403, as a bucket policy's Deny: after its engine's files), and
+        # rank 0 is killed (-9) by its writer thread once its upload of step 21 is done, before the commit
+        s3.refused.add("ckpt/run/step_00000015/trainer_rank1.pt")
+        cfg = reference_config(tmp_path, shards, "run", checkpoint={"dir": url, "async_save": True})
+        r = launch(cfg, 2, check=False, env={**s3.env, "SYNTHFORMER_FAULTS": "kill-save-uploaded@21@0"})
+        assert r.returncode != 0 and "resumed at step 9" in r.stdout, r.stdout[-3000:]
+        failed = [line for line in r.stdout.splitlines() if "was not committed" in line]
+        assert len(failed) == 1 and f"checkpoint {url}/step_00000015 was not committed (rank 1: uploading " \
+            in failed[0] and "trainer_rank1.pt: permission denied" in failed[0] \
+            and "the previous checkpoint step_00000012 stays latest" in failed[0], r.stdout[-3000:]
+        assert f"saved checkpoint {url}/step_00000012" in r.stdout and f"saved checkpoint {url}/step_00000018" \
+            in r.stdout and "written and uploaded in the background" in r.stdout
+        assert bucket_latest(fs, "ckpt/run") == "step_00000018"   # step 21 uploaded by rank 0, never committed
+        assert fs.exists("ckpt/run/step_00000021/trainer_rank0.pt")
+        assert not fs.exists("ckpt/run/step_00000021/complete.json")
+        assert not fs.exists("ckpt/run/step_00000015")           # the refused save's part: removed by retention
+
+        cfg = reference_config(tmp_path, shards, "run", checkpoint={"dir": url})
         r = launch(cfg, 2, env=s3.env)
-        assert "resumed at step 9" in r.stdout, r.stdout[-3000:]
+        assert "resumed at step 18" in r.stdout, r.stdout[-3000:]
         assert record(run) == reference                         # every loss and sample id, bit for bit
         assert bucket_latest(fs, "ckpt/run") == "step_00000040"
         fs.invalidate_cache()

@@ -1,6 +1,8 @@
 """Saves in the background (checkpoint.async_save, pretrain/checkpoints/async_save.py): the commit waits for the
 writer, the file holds the state of the save's step (not what training changed since), a save waits for the one
-before it, and a failed background write is one line with the previous checkpoint still `latest`. One rank, in this
+before it, and a failed background write is one line with the previous checkpoint still `latest`; to a bucket (a real S3-protocol
+server on 127.0.0.1, moto), the writer also uploads, the commit waits for the upload, and a refused upload is one line
+while training goes on; fsspec's in-memory store stands in for any other protocol (gs://…). One rank, in this
 process (a gloo group of one); the engine is a stand-in whose files go through its checkpoint engine, as DeepSpeed's
 do, with a gate that holds the writer mid-file."""
 import os
@@ -12,7 +14,9 @@ import torch.distributed as dist
 from types import SimpleNamespace
 
 from pretrain.checkpoints.async_save import HostCopy
+from pretrain.checkpoints.bucket import Bucket, Saves
 from pretrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+from tests.support.s3_server import S3Server
 
 
 class Engine:
@@ -129,11 +133,99 @@ def test_host_copies_are_rebuilt_containers_and_reused_buffers():
     assert torch.equal(second["a"][0], w) and host.bytes == (6 + 3) * 4
 
 
-def test_async_saves_to_a_bucket_are_refused_in_one_line():
-    """A bucket's saves upload before they commit, in the step; async saves to one are not built yet: one line."""
-    from model import ConfigError
+def test_async_saves_to_a_bucket_are_accepted():
     from pretrain.config import load_config
 
-    with pytest.raises(ConfigError) as e:
-        load_config("configs/demo-cpu.yaml", ["checkpoint.async_save=true", "checkpoint.dir=s3://bucket/run"])
-    assert "\n" not in str(e.value) and str(e.value).startswith("checkpoint.async_save=true with checkpoint.dir=")
+    cfg = load_config("configs/demo-cpu.yaml", ["checkpoint.async_save=true", "checkpoint.dir=s3://bucket/run"])
+    assert cfg.checkpoint.async_save and cfg.checkpoint.staging_dir.endswith("checkpoint_staging")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        yield server
+
+
+def bucket_saver(tmp_path, url):
+    """An async saver (one rank, in this process) whose checkpoint.dir is `url`, staged under tmp_path."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    lines, staging = [], str(tmp_path / "staging")
+    saves = Saves(url, staging, SimpleNamespace(rank=0))
+    saver = Checkpointer(Engine(), staging, 2, {}, {}, "", 0, 1, async_save=True, bucket=saves,
+                         announce=lines.append)
+    saver.lines = lines
+    return saver
+
+
+@pytest.fixture
+def in_s3(s3, tmp_path, monkeypatch, request):
+    import s3fs
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    saver = bucket_saver(tmp_path, s3.bucket(request.node.name.replace("_", "-")[-40:].strip("-")) + "/run")
+    try:
+        yield saver
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_async_save_to_a_bucket_commits_after_its_upload_and_holds_the_step_s_state(in_s3, tmp_path):
+    saver, store = in_s3, in_s3.bucket.store
+    saver.engine.gate = threading.Event()
+    url = saver.save(3)                                      # returns with the writer held mid-file
+    saver.engine.weight += 1                                 # training goes on, in place
+    saver.written([1.0, 0.0])
+    assert store.named() is None and "step_00000003" not in store.files()   # nothing uploaded while it writes
+    saver.engine.gate.set()
+    saver.background.writing.wait()
+    assert saver.writer_flags() == [False, False]            # done: written and uploaded, not committed
+    assert store.named() is None and store.verify("step_00000003") == "no complete.json (not committed)"
+    assert sorted(store.files()["step_00000003"]) == ["config.yaml", "mp_rank_00_model_states.pt",
+                                                      "trainer_rank0.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    saver.written([0.0, 0.0])                                # every rank's upload done: committed in the bucket now
+    assert store.named() == "step_00000003" and store.verify("step_00000003") is None
+    assert saver.lines[-1] == f"saved checkpoint {url}" and url == store.where("step_00000003")
+    assert not os.path.exists(saver.partial_path(3))         # the staging copy given back
+    local = store.download("step_00000003", str(tmp_path / "down"))
+    state = torch.load(os.path.join(local, "mp_rank_00_model_states.pt"))
+    assert torch.equal(state["module"]["w"], torch.zeros(1000))   # the step's values, not the changed ones
+
+
+def test_a_refused_async_upload_is_one_line_keeps_the_previous_latest_and_training_goes_on(in_s3, s3, capsys):
+    saver, store = in_s3, in_s3.bucket.store
+    saver.save(3, last=True)
+    assert store.named() == "step_00000003"
+    bucket, prefix = store.root.split("/", 1)
+    s3.refused.add(f"{bucket}/{prefix}/step_00000006/trainer_rank0.pt")   # a real 403, after the engine's files
+    capsys.readouterr()
+    saver.save(6)
+    saver.background.writing.wait()
+    assert saver.writer_flags() == [False, True]
+    saver.written([0.0, 1.0])                                # no raise: training goes on
+    lines = [line for line in capsys.readouterr().out.splitlines() if "not committed" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint {store.where('step_00000006')} was not "
+                                                   f"committed (rank 0: uploading ") and "denied" in lines[0].lower()
+    assert "the previous checkpoint step_00000003 stays latest" in lines[0], lines
+    assert store.named() == "step_00000003" and store.newest_complete() == "step_00000003"
+    assert "mp_rank_00_model_states.pt" in store.files()["step_00000006"]   # cut off midway, never trusted
+    saver.save(9, last=True)                                 # the next save commits; retention (keep 2) drops 6's
+    assert store.named() == "step_00000009" and sorted(store.files()) == ["step_00000003", "step_00000009"]
+
+
+def test_the_bucket_layer_is_fsspec_s_for_any_protocol(tmp_path):
+    """gs://, az://… go through the same code as s3://: fsspec's in-memory store (memory://) runs an async save,
+    its commit, the check a reader makes and the download of a resume, with nothing of s3's."""
+    saver = bucket_saver(tmp_path, "memory://ckpt-test/run")
+    store = Bucket("memory://ckpt-test/run")
+    try:
+        saver.save(3, last=True)
+        saver.save(6, last=True)
+        assert store.named() == "step_00000006" and store.complete_tags() == ["step_00000003", "step_00000006"]
+        assert saver.lines[-1] == "saved checkpoint memory://ckpt-test/run/step_00000006"
+        local = store.download("step_00000006", str(tmp_path / "down"))
+        assert torch.load(os.path.join(local, "trainer_rank0.pt"), weights_only=False)["step"] == 6
+    finally:
+        dist.destroy_process_group()
+        store.fs.rm(store.key(), recursive=True)   # the in-memory store is the process's

@@ -62,8 +62,8 @@ demo: setup $(DEMO)/shards/manifest.json
 	@echo "TensorBoard: $(VPY) -m tensorboard.main --logdir runs/demo/tensorboard"
 
 # ---- a cluster in miniature on this machine (not in CI): 8 gloo ranks as 2 nodes of 4, a kill -9, a hang, the same
-# hang twice, a relayout from 8 to 4 ranks, a preemption, an error on one rank, an outage of the shard server, a data
-# error, a slow node moved off (fleet.exclude); each claim PASS or FAIL, the time and the peak memory (tools/rehearsal.py)
+# hang twice, a preemption, an error on one rank, an outage of the shard server, a data error, a slow node moved off
+# (fleet.exclude: a relayout from 4 ranks to 2); each claim PASS or FAIL, the time and the peak memory (tools/rehearsal.py)
 rehearsal: setup
 	$(VPY) tools/rehearsal.py
 

@@ -9,7 +9,8 @@ a local HTTP server. It shows, in order:
      line that names rank 5;
   3. the same hang again in the relaunch (its fault marker removed) → the crash-loop check stops the relaunches (exit
      3); a relaunch by hand finishes the run;
-  4. a relayout from 8 to 4 ranks (checkpoint.relayout=true from step 6) → the same global batches, step for step;
+  4. (folded into 9: the move off a slow node is a relayout, checkpoint.relayout=true from 4 ranks to 2, checked
+     step for step against the first run's global batches)
   5. a preemption signal (SIGTERM) to every process of both nodes, data.num_workers 2 → a checkpoint, exit 0, and a
      resume whose losses and batches equal the first run's, bit for bit;
   6. rank 3 (node 0) raises a non-data error while the others wait → the verdict names rank 3 (unknown), and node 1's
@@ -38,7 +39,7 @@ import sys
 import time
 
 from tools.rehearsal_cases import exclude_slow_node, hangs_alike, preempt_error_outage
-from tools.rehearsal_kit import (ROOT, T0, Memory, Nodes, Shards, damage, fork_run, ids_by_step, jsonl, logged_step,
+from tools.rehearsal_kit import (ROOT, T0, Memory, Nodes, Shards, damage, logged_step,
                                  replays_agree, say, verdicts, wait_until, write_config)
 
 
@@ -97,22 +98,6 @@ def rehearse(out: str, hang_timeout: float, only: str | None = None) -> dict[str
         stacks == dumps == list(range(8)) and named and hangs_alike(named) == 1,
         f"stacks of ranks {stacks}, flight-recorder dumps of ranks {dumps}; the line: {named[0][:160] if named else '-'}…")
     results["the same hang twice → the crash-loop check stops the relaunches"] = loop
-
-    # 4: the run's checkpoint of step 6 on 4 ranks (1 node), relaid out: the global batches of steps 7-12
-    relaid = fork_run(run, os.path.join(out, "relayout"), 6)
-    config4 = write_config(os.path.join(out, "relayout.yaml"), relaid, url, hang_timeout)
-    say("relayout: the checkpoint of step 6 on 4 ranks (checkpoint.relayout=true), steps 7-12")
-    four = Nodes(out, "relayout", config4, 1, 4, "checkpoint.relayout=true")
-    codes4 = four.wait(900)
-    eight, four_ids = ids_by_step(run, range(8)), ids_by_step(relaid, range(4))
-    same = [s for s in range(7, 13) if eight.get(s) and eight.get(s) == four_ids.get(s)]
-    losses8 = {r["step"]: r["train/loss"] for r in jsonl(os.path.join(run, "metrics.jsonl")) if "train/loss" in r}
-    losses4 = {r["step"]: r["train/loss"] for r in jsonl(os.path.join(relaid, "metrics.jsonl")) if "train/loss" in r}
-    worst = max((abs(losses4[s] - losses8[s]) / abs(losses8[s]) for s in same if s in losses4), default=float("nan"))
-    results["relayout 8 → 4 ranks → the same global batches"] = (
-        codes4 == [0] and same == list(range(7, 13)),
-        f"steps {same[0] if same else '-'}-{same[-1] if same else '-'}: the same {len(eight.get(7, []))} samples a "
-        f"step on 4 ranks as on 8; losses within {worst:.1e} (relative) of the 8-rank run's")
 
     # 5-7: a copy of the run at step 6: preempted, then an error on rank 3, then an outage of the shard server
     results.update(preempt_error_outage(out, shards, run, hang_timeout))

@@ -172,7 +172,7 @@ def exclude_slow_node(out: str, shards: Shards, hang_timeout: float, reference: 
     ok = (codes == [0, 0] and bool(said) and kept.startswith("node1  # ") and
           sorted(ids) == list(steps) and ids == ref_ids and len(every) == len(set(every)) and
           stops[0] == stops[1] == 12 and stops[2] == stops[3] < 12 and worst <= 1e-4)
-    return {"a slow node → excluded, the job finishes on the other at dp 2 with the same global batches": (
+    return {"a slow node → excluded, relaid out 4 → 2 ranks → the same global batches at dp 2": (
         ok, f"exit statuses {codes}; {said[0][:150] if said else 'no line named node1'}…; ranks 2-3 stopped after "
             f"step {stops[2]}, ranks 0-1 trained to step {stops[0]}; steps 1-12 read the global batches of a run of "
             f"{ranks} ranks that never had it: {ids == ref_ids}, {len(every)} samples, {len(every) - len(set(every))} "

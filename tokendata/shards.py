@@ -27,8 +27,6 @@ import io
 import json
 import os
 import tarfile
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -167,21 +165,15 @@ def tar_file(member: str, payload: bytes) -> bytes:
 
 class SplitWriter:
     """Writes one split's samples into numbered shards (format 2), each written whole once it is full: a sample at a
-    time (`write`) or a block of them (`write_block`: rows of a 2-D array, copied once). A full shard is hashed and
-    written by a thread of its own (xxhash and file writes release the GIL) while the next one fills, in one of
-    BUFFERS payload buffers used in turn; `close()` writes the open shard and waits for all of them."""
-
-    BUFFERS = 3   # one filling, up to two being written: enough to hide the writes, few enough to stay in memory
+    time (`write`) or a block of them (`write_block`: rows of a 2-D array, copied once)."""
 
     def __init__(self, out_dir, split, samples_per_shard, dtype):
         self.out_dir, self.split, self.per_shard = out_dir, split, samples_per_shard
         self.member = DTYPES[dtype][1]
-        self.shards = []  # manifest records of the shards written so far ("bytes", "hash" once written)
+        self.shards = []  # manifest records of the shards written so far
         self.samples = 0
         # the open shard's payload: one buffer, kept from shard to shard (a fresh one would be faulted in anew)
         self.buffer, self.used = np.empty(0, dtype=np.uint8), 0
-        self.pending = deque()   # (future, buffer) of the shards being written, oldest first
-        self.thread = None
 
     @property
     def room(self) -> int:
@@ -208,43 +200,21 @@ class SplitWriter:
         self.shards[-1]["samples"] += count
         self.samples += count
         if self.shards[-1]["samples"] == self.per_shard:
-            self.ship()
-
-    def ship(self):
-        """Hand the open shard to the writing thread and take the next buffer: a fresh one while fewer than BUFFERS
-        exist, else the oldest one's, once its shard is written."""
-        if not self.used:
-            return
-        if self.thread is None:
-            self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"shards-{self.split}")
-        self.pending.append((self.thread.submit(self.write_shard, self.shards[-1], self.buffer, self.used),
-                             self.buffer))
-        self.buffer, self.used = np.empty(0, dtype=np.uint8), 0
-        if len(self.pending) >= self.BUFFERS:
-            done, self.buffer = self.pending.popleft()
-            done.result()   # its error, if any, raised here
-
-    def write_shard(self, record: dict, buffer: np.ndarray, size: int):
-        """One shard's tar (tar_file's bytes), written and hashed piece by piece, never joined."""
-        header = tar_header(f"{record['name'][:-len('.tar')]}.{self.member}", size)
-        pieces = [header, memoryview(buffer[:size]), bytes(-size % 512 + 1024)]
-        digest, f = xxhash.xxh3_128(), remote.writer(remote.join(self.out_dir, record["name"]))
-        for piece in pieces:
-            digest.update(piece)
-            f.write(piece)
-        f.close()
-        record.update(bytes=len(header) + size + len(pieces[-1]), hash=digest.hexdigest())
+            self.close()
 
     def close(self):
-        """Write the open shard and wait until every shard is written (the first error raised)."""
-        self.ship()
-        try:
-            while self.pending:
-                self.pending.popleft()[0].result()
-        finally:
-            if self.thread is not None:
-                self.thread.shutdown(wait=True, cancel_futures=True)
-                self.thread = None
+        """Write the open shard: its tar (tar_file's bytes) written and hashed piece by piece, never joined."""
+        if self.used:
+            record, size = self.shards[-1], self.used
+            header = tar_header(f"{record['name'][:-len('.tar')]}.{self.member}", size)
+            pieces = [header, memoryview(self.buffer[:size]), bytes(-size % 512 + 1024)]
+            digest, f = xxhash.xxh3_128(), remote.writer(remote.join(self.out_dir, record["name"]))
+            for piece in pieces:
+                digest.update(piece)
+                f.write(piece)
+            f.close()
+            record.update(bytes=len(header) + size + len(pieces[-1]), hash=digest.hexdigest())
+            self.used = 0
 
 
 def sample_index(data: bytes, manifest: dict, shard: dict, url: str, nbytes: int | None = None) -> list[tuple]:

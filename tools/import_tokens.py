@@ -15,9 +15,7 @@ and split as make_shards does (--seq-len, --samples-per-shard, --val-fraction, -
 the tokenizer given: an id it does not have stops the import, naming the file.
 """
 import argparse
-import queue
 import sys
-import threading
 import time
 
 from cli import UsageError, one_line_errors
@@ -46,15 +44,14 @@ def import_tokens(args, progress=True) -> dict:
     prepare_out_dir(args.out, args.force)
     packer = Packer(args.out, args.seq_len, args.samples_per_shard, args.val_fraction, args.seed, dtype_for(vocab))
     t0, read, nbytes = time.perf_counter(), 0, 0
-    prepared = ((len(ids), ids.nbytes, where, with_eos(checked(ids, vocab, where), ends, eos, packer.numpy_dtype))
-                for path in args.input for ids, ends, where in READERS[args.format](path, args, eos))
-    for count, size, where, stream in ahead(prepared):
-        read, nbytes = read + count, nbytes + size
-        packer.add(stream)
-        if progress:
-            print(f"\rimporting {where}: {read:,} ids, {nbytes / 1e6:,.0f} MB, "
-                  f"{nbytes / 1e6 / max(time.perf_counter() - t0, 1e-9):,.0f} MB/s", end="", file=sys.stderr,
-                  flush=True)
+    for path in args.input:
+        for ids, ends, where in READERS[args.format](path, args, eos):
+            read, nbytes = read + len(ids), nbytes + ids.nbytes
+            packer.add(with_eos(checked(ids, vocab, where), ends, eos, packer.numpy_dtype))
+            if progress:
+                print(f"\rimporting {where}: {read:,} ids, {nbytes / 1e6:,.0f} MB, "
+                      f"{nbytes / 1e6 / max(time.perf_counter() - t0, 1e-9):,.0f} MB/s", end="", file=sys.stderr,
+                      flush=True)
     packer.close()
     if progress:
         print(file=sys.stderr)
@@ -65,42 +62,6 @@ def import_tokens(args, progress=True) -> dict:
     manifest["stats"] = {"ids": read, "bytes": nbytes, "stream_tokens": packer.tokens,
                          "seconds": time.perf_counter() - t0, "dropped_tokens": packer.dropped}
     return manifest
-
-
-def ahead(items, depth: int = 2):
-    """The items of `items`, made by a thread of their own up to `depth` ahead: the reading (page faults of the
-    memory map, the max of `checked`, the join of `with_eos`: numpy and bytes.join release the GIL) overlaps the
-    packer's copy and the shard writer's hashing and writing. Its error is raised here, in order."""
-    handoff, stop, done = queue.Queue(depth), threading.Event(), object()
-
-    def produce():
-        try:
-            for item in items:
-                handoff.put((item, None))
-                if stop.is_set():
-                    return
-            handoff.put((done, None))
-        except BaseException as e:   # noqa: BLE001 — handed to the consumer, which raises it
-            handoff.put((done, e))
-
-    thread = threading.Thread(target=produce, name="import-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = handoff.get()
-            if error is not None:
-                raise error
-            if item is done:
-                return
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():   # unblock a producer waiting on a full queue
-            try:
-                handoff.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        thread.join()
 
 
 def parse_args(argv=None):

@@ -94,10 +94,8 @@ class Trainer:
         self.step = self.checkpointer.load(resume)
         if self.step == 0 and cfg.train.init_from:
             self.step = self.continue_release(cfg.train.init_from)
-        elif self.step and "data" not in self.checkpointer.restored:   # tools/convert.py's, or a grown one
+        elif self.step and "data" not in self.checkpointer.restored:   # a checkpoint written by tools/convert.py
             self.skip_data(self.step)
-            if "grown" in self.checkpointer.restored:   # checkpoint.extend_length: a fresh engine's LR schedule
-                self.schedule_at(self.step)
         self.data_log = DataLog(self.stream)   # tokens and epochs of each source, from the position resumed
         rewind = lay.is_main and bucket.rewinds(resume, cfg.checkpoint, cfg.to_dict(), lay.world)
         self.log.resume_at(self.step, rewind)  # each step once in metrics.jsonl: replayed rows move aside
@@ -130,22 +128,15 @@ class Trainer:
         step = release.read_meta(path).get("training", {}).get("step", 0)
         if step:
             self.skip_data(step)
-            self.schedule_at(step)
+            scheduler = self.engine.lr_scheduler
+            with warnings.catch_warnings():   # stepping the schedule without an optimizer step is the point here
+                warnings.simplefilter("ignore")
+                scheduler.last_epoch = step - 1
+                scheduler.step()
         self.log.info(f"initialised from release {path} (trained {step} steps)")
         return step
 
-    def schedule_at(self, step: int) -> None:
-        """The LR schedule of a fresh engine moved to `step`."""
-        scheduler = self.engine.lr_scheduler
-        with warnings.catch_warnings():   # stepping the schedule without an optimizer step is the point here
-            warnings.simplefilter("ignore")
-            scheduler.last_epoch = step - 1
-            scheduler.step()
-
     def start_words(self) -> str:
-        if "grown" in self.checkpointer.restored:
-            return (f"resumed at step {self.step} from {self.checkpointer.loaded_from}, grown to max_seq_len "
-                    f"{self.cfg.model.max_seq_len} (checkpoint.extend_length; fresh optimizer state)")
         if "universal" in self.checkpointer.restored:
             return f"resumed at step {self.step} from the universal checkpoint {self.checkpointer.loaded_from}"
         if "engine" in self.checkpointer.restored:

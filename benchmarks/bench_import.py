@@ -1,6 +1,7 @@
 """The speed of tools/import_tokens.py against `cp` of the same bytes, for each format it reads: a synthetic corpus
 of --mb MB of uint16 ids (documents of 1-4000 ids, none ending in eos), written once per format, then copied with
-cp and imported (seq_len 2048, 1000 samples a shard); MB/s is input bytes per second, both from the page cache.
+cp and imported (seq_len 2048, 1000 samples a shard); MB/s is input bytes per second, both from the page cache,
+each the best of --repeat tries (on a shared machine one try of a fraction of a second mostly measures the load).
 
     python benchmarks/bench_import.py --mb 256
     python benchmarks/bench_import.py --mb 32 --formats npy   # quick
@@ -88,22 +89,24 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def measure(fmt, ids, ends, work):
+def measure(fmt, ids, ends, work, repeat=3):
     src, out = os.path.join(work, fmt), os.path.join(work, f"{fmt}-shards")
     os.makedirs(src)
     write, extra = WRITERS[fmt]
     files, given = write(src, ids, ends)
     nbytes = sum(os.path.getsize(f) for f in files)
     cp_dir = os.path.join(work, "cp")
-    os.makedirs(cp_dir)
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)   # both start from the page cache
-    cp = timed(lambda: subprocess.run(["cp", *files, cp_dir], check=True))
-    shutil.rmtree(cp_dir)
     args = ["--format", fmt, "--input", given, "--tokenizer", TOKENIZER, "--out", out, "--seq-len", "2048",
             "--quiet", *extra]
-    imp = timed(lambda: import_main(args) == 0 or sys.exit(f"import of {fmt} failed"))
+    cp = imp = float("inf")
+    for _ in range(repeat):
+        os.makedirs(cp_dir)
+        cp = min(cp, timed(lambda: subprocess.run(["cp", *files, cp_dir], check=True)))
+        shutil.rmtree(cp_dir)
+        imp = min(imp, timed(lambda: import_main(args) == 0 or sys.exit(f"import of {fmt} failed")))
+        shutil.rmtree(out)
     shutil.rmtree(src)
-    shutil.rmtree(out)
     return nbytes, cp, imp
 
 
@@ -111,6 +114,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=256, help="MB of ids in the synthetic corpus (default 256)")
     p.add_argument("--formats", nargs="+", default=sorted(WRITERS), choices=sorted(WRITERS))
+    p.add_argument("--repeat", type=int, default=3, help="tries of cp and of the import; the best counts (default 3)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = p.parse_args(argv)
     ids, ends = corpus(args.mb)
@@ -118,7 +122,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         for fmt in args.formats:
             print(f"writing {fmt} ...", end="\r", file=sys.stderr, flush=True)
-            nbytes, cp, imp = measure(fmt, ids, ends, work)
+            nbytes, cp, imp = measure(fmt, ids, ends, work, args.repeat)
             mb = nbytes / 1e6
             print(f"{fmt:<9} {mb:>7.0f} {mb / cp:>9.0f} {mb / imp:>12.0f} {cp / imp:>6.2f}", flush=True)
     return 0

@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -38,11 +39,11 @@ import yaml
 from model import ConfigError
 from model import parallel as tp
 from model.release import copy_tokenizer
-from pretrain.checkpoints import retention, safe_load, universal
+from pretrain.checkpoints import ds_checkpoint, retention, safe_load, universal
 from pretrain.checkpoints.async_save import Background
 from pretrain.checkpoints.bucket import Saves
 from pretrain.checkpoints.durable import publish
-from pretrain.checkpoints.resume import compatibility_problem, is_universal, newest_complete
+from pretrain.checkpoints.resume import compatibility_problem, grown_from, is_universal, newest_complete
 from pretrain.distributed import every_rank, is_peer_loss
 from pretrain.faults import NO_FAULTS, Faults
 
@@ -328,6 +329,8 @@ class Checkpointer:
         self.loaded_from = path
         if is_universal(path):
             return self._load_universal(path)
+        if self.config and grown_from(path, self.config):
+            return self._load_grown(path)
         directory, tag = os.path.split(path)
         with torch.no_grad():   # a pipeline's load re-broadcasts the tied embedding: no autograd (pipeline.py)
             load_path, _ = self.engine.load_checkpoint(directory, tag=tag)
@@ -343,6 +346,28 @@ class Checkpointer:
         set_rng_state(state["rng"])
         self.restored = {"engine", *state["stateful"]}
         return state["step"]
+
+    def _load_grown(self, path: str) -> int:
+        """checkpoint.extend_length: the weights grown to this run's max_seq_len (ds_checkpoint.load_grown), the
+        optimizer state fresh for every weight (its moments are the old length's, and a grown weight has new rows),
+        the step and the LR schedule at it; `restored` lacks "data", so the trainer places the data stream after the
+        step's global batches."""
+        if self.config["parallel"]["zero_stage"] == 3:
+            raise ConfigError(f"checkpoint.extend_length loads {path} into ZeRO stages 0-2: set parallel.zero_stage "
+                              "to 2 or less for the resume that grows the model (and back at the next)")
+        ds_checkpoint.load_grown(self.engine.module, path, self.config["model"])
+        if self.engine.zero_optimization() or self.engine.bfloat16_enabled():   # fp32 masters beside the weights
+            self.engine.optimizer.refresh_fp32_params()
+        step = safe_load.load(os.path.join(path, f"trainer_rank{self.rank}.pt"))["step"]
+        with warnings.catch_warnings():   # the fresh engine's LR schedule moved to the step, no optimizer step
+            warnings.simplefilter("ignore")
+            self.engine.lr_scheduler.last_epoch = step - 1
+            self.engine.lr_scheduler.step()
+        if self.rank == 0:
+            print(f"checkpoint.extend_length: {path} grown to model.max_seq_len={self.config['model']['max_seq_len']}"
+                  f" (fresh optimizer state)", flush=True)
+        self.restored = {"engine", "grown"}
+        return step
 
     def _load_universal(self, path: str) -> int:
         """Weights and AdamW's moments in this run's layout, through DeepSpeed's universal loader (the engine was

@@ -25,6 +25,7 @@ import yaml
 
 from model import ConfigError, SynthesizerLM
 from model.accounting import parameters
+from model.extend import extend_length
 from model.release import find_tokenizer, is_release, load_into, read_release
 from pretrain.checkpoints import safe_load
 from pretrain.config import TrainConfig
@@ -101,6 +102,21 @@ def canonical_names(cfg: TrainConfig):
     if cfg.parallel.pp == 1:
         return lambda name: name
     return partial(canonical_name, prefixes=stage_prefixes(cfg.model))
+
+
+def load_grown(module: torch.nn.Module, tag_dir: str, model: dict) -> None:
+    """Load the checkpoint at `tag_dir` into `module` (this rank's TP slice / pipeline stage of the model that
+    `model`, a config's model section, describes), every position-indexed weight grown from the checkpoint's
+    max_seq_len to model["max_seq_len"] by model/extend.py: the tensors tools/convert.py extend-length would write.
+    A one-line ConfigError where the grown model is not the one `model` describes."""
+    saved, tensors = read_weights(tag_dir)
+    grown, full = extend_length(saved.model, tensors, model["max_seq_len"])
+    for key in ("factorized_a", "factorized_b"):   # factorized dense keeps b and grows a (model/extend.py BLOCK)
+        if model.get(key) is not None and model[key] != getattr(grown, key):
+            raise ConfigError(f"checkpoint.extend_length: {tag_dir} grown to max_seq_len={grown.max_seq_len} has "
+                              f"model.{key}={getattr(grown, key)}, this config {model[key]}: set "
+                              f"model.factorized_a={grown.factorized_a} model.factorized_b={grown.factorized_b}")
+    load_into(module, full, rename=getattr(module, "canonical_name", lambda name: name))
 
 
 def read_weights(tag_dir: str, progress=None) -> tuple[TrainConfig, dict[str, torch.Tensor]]:

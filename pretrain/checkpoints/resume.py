@@ -118,13 +118,35 @@ def saved_config(path: str) -> dict | None:
 
 
 def architecture_problem(path: str, config: dict) -> str | None:
-    """Why the checkpoint at `path` holds another model than `config` describes (one line), or None."""
+    """Why the checkpoint at `path` holds another model than `config` describes (one line), or None. A smaller
+    max_seq_len is no problem with checkpoint.extend_length (`grown_from`)."""
     saved = saved_config(path)
-    key = saved and architecture_difference(saved.get("model", {}), config["model"])
+    if not saved:
+        return None
+    theirs = dict(saved.get("model", {}))
+    if grown_from(path, config):   # the sizes extend-length changes are the new config's; every other key must agree
+        theirs.update({k: config["model"].get(k) for k in LENGTH_KEYS})
+    key = architecture_difference(theirs, config["model"])
+    if key == "max_seq_len":
+        return (f"checkpoint {path} was trained at model.max_seq_len={theirs.get(key)}, this config has "
+                f"{config['model'][key]}: set model.max_seq_len back, or grow the model with "
+                f"checkpoint.extend_length=true (to a larger length only)")
     if key:
         return (f"checkpoint {path} holds a model with model.{key}={saved['model'].get(key)!r}, this config has "
                 f"{config['model'][key]!r}: set it back, or start a new run (train.run_dir / checkpoint.dir)")
     return None
+
+
+LENGTH_KEYS = ("max_seq_len", "factorized_a", "factorized_b")   # what model/extend.py extended_config sets
+
+
+def grown_from(path: str, config: dict) -> int | None:
+    """The max_seq_len of the checkpoint at `path` where a run of `config` resumes it grown to a larger one
+    (checkpoint.extend_length), else None."""
+    saved = saved_config(path)
+    ell = saved and saved.get("model", {}).get("max_seq_len")
+    wanted = config.get("checkpoint", {}).get("extend_length") and config["model"]["max_seq_len"]
+    return ell if ell and wanted and wanted > ell else None
 
 
 def layout_problem(path: str, config: dict, world: int) -> str | None:

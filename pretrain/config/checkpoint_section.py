@@ -31,6 +31,12 @@ class CheckpointSection:
                                "launch/pretrain.sh converts it to a universal checkpoint first, and the run resumes "
                                "from it with its optimizer state (one launcher; with NNODES launchers, convert "
                                "first: tools/convert.py to-universal)", False)
+    extend_length: bool = described("when the checkpoint to resume was trained at a smaller model.max_seq_len than "
+                                    "this config's: load it grown to this length, every position-indexed weight "
+                                    "interpolated (model/extend.py, as tools/convert.py extend-length does), with a "
+                                    "fresh optimizer state for every weight (the Adam moments start from zero); the "
+                                    "step, the LR schedule and the data position (by step) carry on. False: a "
+                                    "resume at another max_seq_len is an error", False)
 
     def __post_init__(self):
         check_types(self, "checkpoint")

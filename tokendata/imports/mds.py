@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from tokendata.imports import CHUNK_TOKENS, read_exact
+from tokendata.imports import CHUNK_TOKENS, interleaved, read_exact
 from tokendata.remote import DataError
 
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
@@ -118,7 +118,8 @@ def chunks(folder: str, column: str | None = None, dtype: str | None = None, eos
                 ids = np.frombuffer(b"".join([buf[i:j] for i, j in zip(s, e)]), value)
                 yield ids, np.cumsum(end[k:k + step] - first[k:k + step]) // width, where
                 continue
-            pieces = []
-            for i, j, more in zip(s, e, open_end[k:k + step].tolist()):
-                pieces += (buf[i:j], eos_bytes) if more else (buf[i:j],)
+            # each sample, then eos where it needs one (the last one's after it: interleaved puts none after the last)
+            pieces = interleaved([buf[i:j] for i, j in zip(s, e)], eos_bytes, open_end[k:k + step])
+            if len(s) and open_end[k + len(s) - 1]:
+                pieces.append(eos_bytes)
             yield np.frombuffer(b"".join(pieces), value), np.zeros(0, dtype=np.int64), where

@@ -129,8 +129,21 @@ def loss(model, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torc
     cp, rank, n = dist.get_world_size(group), dist.get_rank(group), tokens.shape[1]
     spans = chunks(n, cp, rank)
     docs = [model.documents(tokens[:, :t1], fused=False) for _, t1 in spans]   # each chunk's prefix (or None)
-    xs = [model.embed(tokens[:, t0:t1], t0, d) for (t0, t1), d in zip(spans, docs)]
+    x = torch.cat([model.embed(tokens[:, t0:t1], t0, d) for (t0, t1), d in zip(spans, docs)], dim=1)
     for block in model.blocks:
-        cache = ContextCache(group, n)
-        xs = [block(x, t0=t0, cache=cache, docs=d) for x, (t0, _), d in zip(xs, spans, docs)]
-    return model.head_loss(torch.cat(xs, dim=1), split(targets, cp, rank))
+        x = block_chunks(block, x, group, docs)
+    return model.head_loss(x, split(targets, cp, rank))
+
+
+def block_chunks(block, x: torch.Tensor, group, docs: list | None = None) -> torch.Tensor:
+    """One block on this rank's two chunks x (B, n/cp, d) (its first chunk's s positions, then its second's, as
+    `split` lays them out) → (B, n/cp, d): the first chunk through the block, then the second, with the block's own
+    `ContextCache` (one all-gather a round of its per-position tensors over `group`). `block(x, t0=, cache=, docs=)`
+    is a Block's forward; `docs`: each chunk's documents (of the window's prefix up to the chunk's end), or None.
+    The whole model (`loss`) and a pipeline stage (pretrain/pipeline.py) run their blocks through this."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = x.shape[1] * cp
+    spans, cache = chunks(n, cp, rank), ContextCache(group, n)
+    docs = docs or [None, None]
+    halves = x.split(n // (2 * cp), dim=1)
+    return torch.cat([block(h, t0=t0, cache=cache, docs=d) for h, (t0, _), d in zip(halves, spans, docs)], dim=1)

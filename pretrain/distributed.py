@@ -316,8 +316,8 @@ def init(cfg: TrainConfig) -> Layout:
     if p.tp > 1 or p.cp > 1 or p.pp > 1:
         from megatron.core import parallel_state
 
-        # megatron's rank order (tp fastest, then cp, dp, pp) is DeepSpeed's PipeModelDataParallelTopology's where
-        # cp = 1 (cp > 1 runs without pipeline stages: TrainConfig.check_runtime)
+        # megatron's rank order (tp fastest, then cp, dp, pp) is DeepSpeed's PipeModelDataParallelTopology's, its
+        # data axis dp × cp wide (pretrain/pipeline.py build_pipeline)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
                                                  pipeline_model_parallel_size=p.pp,
                                                  distributed_timeout_minutes=math.ceil(timeout.total_seconds() / 60))

@@ -105,7 +105,7 @@ def build_engine(cfg: TrainConfig, lay, load_universal: bool = False, device_cli
     decides this when it is built); `device_clip`: see `clips_on_device` (default: a run that resumes no checkpoint)."""
     float8.check(cfg, lay.device)   # a one-line error before any model is built
     if cfg.parallel.pp > 1:   # DeepSpeed's PipelineModule brings its own grid (topology) as the mpu
-        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition), None
+        model, mpu = build_pipeline(cfg.model, lay.tp, lay.pp, lay.dp, cfg.parallel.partition, lay.cp), None
     else:
         # the mpu where TP or CP makes DeepSpeed's data-parallel group other than the world (None: DP is the world)
         model, mpu = build_model(cfg.model), distributed.MegatronMPU() if lay.tp > 1 or lay.cp > 1 else None

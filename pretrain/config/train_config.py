@@ -103,9 +103,6 @@ class TrainConfig:
             raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp = {2 * p.cp}, as "
                               "context parallelism needs (each rank holds two chunks of n/(2·cp)); choose max_seq_len "
                               "as a multiple of it")
-        if p.pp > 1:   # DeepSpeed's pipeline topology (its grid is the mpu there) has no context-parallel axis
-            raise ConfigError(f"parallel.cp={p.cp} needs parallel.pp=1 (it is {p.pp}): pipeline stages under context "
-                              "parallelism are not built yet; set parallel.pp=1 or parallel.cp=1")
         if p.tp > 1 and p.sequence_parallel:   # the chunks' positions split again over TP: not tested
             raise ConfigError(f"parallel.cp={p.cp} with parallel.tp={p.tp} needs parallel.sequence_parallel=false "
                               "(sequence parallelism inside a context-parallel chunk is not built yet)")

@@ -1,6 +1,6 @@
 """Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with a layer of
 every variant and the document mask, its sequences split over 2 ranks, gives the per-step losses and gradient norms
-of the one-process run, from the same global batches; so does cp 2 × tp 2 (without ZeRO). A cp 2 checkpoint, made
+of the one-process run, from the same global batches; so do cp 2 × tp 2 (without ZeRO) and cp 2 × pp 2. A cp 2 checkpoint, made
 universal, resumes at cp 1 and goes on with the one-process run's losses (the parameters are replicated over cp as
 over dp). One launch per layout."""
 import pytest
@@ -45,5 +45,13 @@ def test_cp2_gives_the_losses_of_one_process_and_resumes_at_cp1(shards, tmp_path
 def test_cp2_tp2_without_zero_gives_the_losses_of_one_process(shards, tmp_path, reference):
     """ZeRO-0: the trainer's own clipping norm (GuardedAdamW, each replica's gradient counted by one rank)."""
     got = run(tmp_path, shards, "cp2tp2", 4, cp=2, tp=2, zero_stage=0)
+    for have, want in zip(got, reference):
+        assert_close(have, want, rel=TOL)
+
+
+def test_cp2_pp2_gives_the_losses_of_one_process(shards, tmp_path, reference):
+    """Pipeline stages on this rank's two chunks (pretrain/pipeline.py): the stages pass n/cp positions, each block
+    runs its chunks with its own ContextCache, the last stage's loss covers the rank's chunks' targets."""
+    got = run(tmp_path, shards, "cp2pp2", 4, cp=2, pp=2, zero_stage=1)
     for have, want in zip(got, reference):
         assert_close(have, want, rel=TOL)

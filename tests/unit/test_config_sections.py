@@ -198,9 +198,9 @@ def test_context_parallel_layouts_and_what_it_refuses():
     assert rt.dp == 2 and ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * \
         ds["gradient_accumulation_steps"] * rt.dp * 2
     assert load_config(DEMO, ["parallel.cp=2", "parallel.tp=2"]).check_runtime(4).dp == 1
+    assert load_config(DEMO, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=1"]).check_runtime(8).dp == 2
     cp2 = ["parallel.cp=2"]
     for overrides, needles in [(["parallel.cp=3"], ["model.max_seq_len=128", "2·parallel.cp = 6"]),
-                               (cp2 + ["parallel.pp=2", "parallel.zero_stage=1"], ["parallel.pp=1"]),
                                (cp2 + ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                 ["parallel.sequence_parallel=false"]),
                                (cp2 + ["parallel.activation_checkpointing=1"], ["parallel.activation_checkpointing=0"]),

@@ -1,8 +1,8 @@
 """Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with a layer of
 every variant and the document mask, its sequences split over 2 ranks, gives the per-step losses and gradient norms
-of the one-process run, from the same global batches; so do cp 2 × tp 2 (without ZeRO) and cp 2 × pp 2. A cp 2 checkpoint, made
-universal, resumes at cp 1 and goes on with the one-process run's losses (the parameters are replicated over cp as
-over dp). One launch per layout."""
+of the one-process run, from the same global batches; so do cp 2 × tp 2 (without ZeRO) and cp 2 × pp 2 (pipeline
+stages on the rank's chunks, pretrain/pipeline.py). A cp 2 checkpoint, made universal, resumes at cp 1 and goes on
+with the one-process run's losses (the parameters are replicated over cp as over dp). One launch per layout."""
 import pytest
 
 from pretrain.checkpoints.resume import layout_problem

@@ -17,8 +17,8 @@ Balance. Under the causal mask a chunk's work grows with its index: chunk c's s 
 average. Rank r holds chunks r and 2·cp−1−r (`chunks`): s²·(r + ½ + 2cp − 1 − r + ½) = 2cp·s² (query, key) pairs,
 the same on every rank.
 
-The order of work. Layer by layer, each rank runs its first chunk through the block, then its second, as the decoder
-runs positions, with a `ContextCache` per layer in the place of the decoder's cache. At each chunk every rank
+The order of work. Layer by layer (`block_chunks`), each rank runs its first chunk through the block, then its
+second, as the decoder runs positions, with a `ContextCache` per layer in the place of the decoder's cache. At each chunk every rank
 all-gathers its per-position tensors (`ContextCache.extend`): after the first round the cache holds chunks 0 … cp−1
 (each rank's first), after the second all 2·cp. Rank r's first chunk r reads chunks ≤ r (there after round one), its
 second chunk 2cp−1−r reads chunks ≤ 2cp−1−r (those < cp from round one, the rest from round two). Under the

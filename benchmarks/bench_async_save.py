@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The stall of a checkpoint save, sync against async (checkpoint.async_save), on a real DeepSpeed engine of
-synth-125m's widths (configs/synth-125m.yaml at n 256, micro-batch 1, 1 rank: the writer's thread competes with no
+synth-125m's widths (configs/synth-125m.yaml at n 256, fp32, micro-batch 1, 1 rank: the writer's thread competes with no
 second rank for the cores), a save every 3 steps, through the trainer's own Checkpointer.
 
     PYTHONPATH=. python benchmarks/bench_async_save.py [--saves 5] [--every 3] [--bucket] [--json]
@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     server = local_s3()[0] if args.bucket else None
     try:
         with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-            cfg, lay = one_rank_125m(f"{tmp}/run", ["parallel.zero_stage=1"])
+            # fp32: a CPU without bf16 instructions emulates bf16 GEMMs (~90 s a step here against ~2 s), and the
+            # steps beside a background write are what the stall is measured against
+            cfg, lay = one_rank_125m(f"{tmp}/run", ["parallel.zero_stage=1", "train.precision=fp32"])
             engine = build_engine(cfg, lay)
 
             def step() -> float:

@@ -175,7 +175,7 @@ def test_the_log_opens_with_the_memory_plan_and_reports_eta_and_the_deepspeed_se
     lines = first.splitlines()
     plan = next(i for i, l in enumerate(lines) if "memory plan per rank: tp 2 × pp 1 × dp 1, ZeRO-2, micro-batch 4 × n "
                                                    "32, fp32" in l)
-    assert plan < next(i for i, l in enumerate(lines) if "2 ranks (tp=2, pp=1, dp=1)" in l)   # it heads the log
+    assert plan < next(i for i, l in enumerate(lines) if "2 ranks (tp=2, cp=1, pp=1, dp=1)" in l)   # it heads the log
     assert ("deepspeed section applied, as the engine reports it: zero_optimization.overlap_comm=True, "
             "zero_optimization.reduce_bucket_size=50000000") in first
     steps = [l for l in second.splitlines() if "| loss " in l]

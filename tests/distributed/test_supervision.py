@@ -337,5 +337,5 @@ def test_slurm_one_task_a_gpu_and_a_data_error_that_is_not_requeued(shards, tmp_
     logs = run / "logs"
     assert f"error: shard {victim} has content hash" in (logs / "rank1.log").read_text()
     assert "rank 1 (pid" in (logs / "rank1.log").read_text().splitlines()[0]
-    assert "2 ranks (tp=1, pp=1, dp=2)" in (logs / "rank0.log").read_text()   # rank 0's own log holds the trainer's
+    assert "2 ranks (tp=1, cp=1, pp=1, dp=2)" in (logs / "rank0.log").read_text()   # rank 0's own log holds the trainer's
     assert [json.loads(line)["cls"] for line in open(logs / "rank1.exits.jsonl")] == ["config or data error"]

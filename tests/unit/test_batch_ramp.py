@@ -147,7 +147,7 @@ def test_the_plans_use_the_largest_batch(tmp_path):
     everything = {tuple(c.overrides): c.prediction.step_s for c in candidates(plain, 2, cluster)[0]}
     kept = {tuple(c.overrides): c.prediction.step_s for c in candidates(ramped, 2, cluster)[0]}
     dp = lambda overrides: 2 // math.prod(int(o.split("=")[1]) for o in overrides if o.startswith(("parallel.tp",  # noqa
-                                                                                                   "parallel.pp")))
+                                                                                                   "parallel.cp", "parallel.pp")))
     micro = lambda overrides: int(overrides[-1].split("=")[1])   # noqa: E731
     assert kept and kept == {k: s for k, s in everything.items()   # no pipeline with a ramp; 4, 8, 12 must split
                              if "parallel.pp=1" in k and 4 % (micro(k) * dp(k)) == 0}

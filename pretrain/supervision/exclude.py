@@ -55,13 +55,18 @@ def flag(command: list[str], names: tuple[str, ...]) -> int | None:
     return next((i + 1 for i, a in enumerate(command[:-1]) if a in names), None)
 
 
+def host_lines(path: str) -> list[str]:
+    """A DeepSpeed hostfile's host lines (`host slots=k`), comments and blank lines left out."""
+    with open(path) as f:
+        return [line for line in f if line.split("#", 1)[0].strip()]
+
+
 def honour(command: list[str], run_dir: str | None) -> list[str]:
     """A DeepSpeed launch over ssh (--hostfile without --no_ssh) without the run's excluded hosts."""
     at = flag(command, ("--hostfile",))
     if not run_dir or at is None or "--no_ssh" in command or not exclusion.excluded(run_dir):
         return command
-    with open(command[at]) as f:
-        lines = [line for line in f if line.split("#", 1)[0].strip()]
+    lines = host_lines(command[at])
     hosts = [line.split()[0] for line in lines]
     keep = exclusion.hosts_for_launch(run_dir, hosts)
     if keep == hosts:
@@ -77,8 +82,7 @@ def rewrite(command: list[str], count: int, rank: int, micro_batch: int) -> list
     out = list(command)
     at = flag(out, ("--hostfile",))
     if at is not None and "--no_ssh" in out:   # DeepSpeed's per-node hostfile gives the world's shape only
-        with open(out[at]) as f:
-            lines = [line for line in f if line.strip()]
+        lines = host_lines(out[at])
         path = f"{out[at].removesuffix('.kept')}.kept"
         with open(path, "w") as f:
             f.write("".join(lines[:count]))

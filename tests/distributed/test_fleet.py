@@ -41,7 +41,9 @@ def test_the_check_before_launch_names_a_slow_gemm_and_passes_an_even_machine(sh
     """python -m pretrain.fleet on 4 gloo ranks: with rank 1's GEMM slowed 3× (slow@1@1) it names rank 1 alone and
     exits 1; without, it passes with the figures of 4 ranks and 6 links (every rank pair, on one host)."""
     cfg = write_config(tmp_path / "c.yaml", shards, tmp_path / "run", train={"micro_batch_size": 2})
-    slow = preflight(cfg, {"SYNTHFORMER_FAULTS": "slow@1@1"})
+    # a floor of 0.7: under the suite's other worker a healthy rank's best GEMM came out at 0.88 of the median once,
+    # below the default 0.9; the slowed rank measures 0.2–0.56
+    slow = preflight(cfg, {"SYNTHFORMER_FAULTS": "slow@1@1"}, "fleet.gpu_floor=0.7")
     [line] = [line for line in slow.stdout.splitlines() if line.startswith("preflight")]   # rank 0's, one
     print(line)
     assert slow.returncode == 1, slow.stdout + slow.stderr[-2000:]

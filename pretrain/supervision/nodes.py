@@ -16,8 +16,12 @@
                                  relaunches once every node's launch has ended, so that all read the same records and
                                  start again together.
 
-A line belongs to a launch by its number and its place in the file (after where the file ended when the supervisor
-began), never by its time: the nodes' clocks may disagree.
+A line belongs to a launch by its number and its place in the file, never by its time: the nodes' clocks may
+disagree. Each supervisor of a job writes a "joined" line as it begins and a "closed" line as it ends; the job's lines
+begin at its first node's "joined" line. A node whose supervisor started late (its peers' first launch may already have
+failed and ended) reads back from its own "joined" line to the first of its peers', and no further: it stops at a line
+of its own supervisor's (an earlier job's), at a "closed" line, or at a second "joined" line of one node (`session`).
+A supervisor writes its "closed" line on any way out but SIGKILL (a scheduler's SIGTERM stops it first).
 """
 from __future__ import annotations
 
@@ -98,7 +102,7 @@ def launch_of(run_dir: str) -> tuple[int, str | None]:
 
 
 def tell(run_dir: str, restart: int, event: str, **what) -> None:
-    """One line on the run's board, in one write (O_APPEND): `event` ("failed", "ended") of launch `restart`."""
+    """One line on the run's board, in one write (O_APPEND): `event` ("joined", "failed", "ended", "closed") of launch `restart`."""
     path = board_path(run_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -110,13 +114,25 @@ def tell(run_dir: str, restart: int, event: str, **what) -> None:
 
 
 class Board:
-    """The board's lines written since this was made (a supervisor's start), read as they come: one small file, so
-    that polling it costs the shared filesystem one read a poll, whatever the number of ranks."""
+    """The board's lines of this job (from its first node's "joined" line on), read as they come: one small file, so
+    that polling it costs the shared filesystem one read a poll, whatever the number of ranks. Making one says that
+    node `node` of `count` joined, at launch `restart`."""
 
-    def __init__(self, run_dir: str):
-        self.path = board_path(run_dir)
-        self.offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+    def __init__(self, run_dir: str, node: int, count: int, restart: int, mark: dict[str, int]):
+        """`mark`: where the ranks' records end now (classes.mark). `self.mark`: the first joined node's, so that
+        every node reads the same records of the job's launches, a late one too."""
+        self.path, self.node = board_path(run_dir), node
+        me = f"{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
+        tell(run_dir, restart, "joined", node=node, id=me, mark=mark)
+        with open(self.path, "rb") as f:
+            data = f.read()
+        self.offset, first = session(data, me, node, count)
+        self.mark: dict[str, int] = first.get("mark", mark)
         self.lines: list[dict] = []
+
+    def close(self, restart: int) -> None:
+        """This node's supervisor ends: a later job's late joiner reads back no further than this."""
+        tell(os.path.dirname(os.path.dirname(self.path)), restart, "closed", node=self.node)
 
     def poll(self) -> list[dict]:
         """Every line since this was made (whole lines only: one being written waits for the next poll)."""
@@ -145,6 +161,32 @@ class Board:
         """The nodes whose launch `restart` has ended."""
         return {line["node"] for line in self.poll() if line.get("restart") == restart and line.get("event") == "ended"
                 and "node" in line}
+
+
+def session(data: bytes, me: str, node: int, count: int) -> tuple[int, dict]:
+    """(where this job's lines begin in the board's bytes `data`, its first "joined" line): at the earliest of the other nodes' "joined" lines
+    found reading back from this node's own (`me`), until a line of this node's supervisor (an earlier job's), a
+    "closed" line or a node's second "joined" line, or once the other `count - 1` nodes have joined; at its own line
+    where none is found.)"""
+    lines, at = [], 0
+    for raw in data.splitlines(keepends=True):
+        try:
+            lines.append((at, json.loads(raw)))
+        except ValueError:
+            pass
+        at += len(raw)
+    mine = next(i for i, (_, line) in enumerate(lines) if line.get("id") == me)
+    (start, first), joined = lines[mine], set()
+    for at, line in reversed(lines[:mine]):
+        if len(joined) == count - 1 or line.get("event") == "closed" or (
+                line.get("node") == node and "rank" not in line):
+            break
+        if line.get("event") == "joined":
+            if line.get("node") in joined:
+                break
+            joined.add(line.get("node"))
+            start, first = at, line
+    return start, first
 
 
 def failure_words(line: dict) -> str:

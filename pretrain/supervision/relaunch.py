@@ -280,18 +280,30 @@ def relaunch(command: list[str], max_restarts: int, backoff: float, run_dir: str
     """Run `command`; after a failure a relaunch can fix, wait and run it again, at most `max_restarts` times. The
     exit status: 0, or the last launch's class's (classes.py). `node`: one supervisor of several, one a node (it needs
     `run_dir`)."""
-    env, in_a_row, stopping = dict(os.environ), 0, []   # stopping: signals to stop the run
+    env = dict(os.environ)
     found: dict = {"dir": run_dir, "mark": classes.mark(run_dir) if run_dir else None}   # before any launch
     finder = threading.Thread(target=lambda: found.update(dir=(d := run_dir_of(command)),
                                                           mark=classes.mark(d) if d else None), daemon=True)
     if run_dir is None:   # found while the first launch runs
         finder.start()
-    board = nodes.Board(run_dir) if node else None
     restarts = int(env.get(RESTARTS) or 0)   # a supervisor started as a relaunch goes on counting
-    first = restarts   # (moved on by each move off a node: those relaunches are no failures)
     if node and exclude.kept_out(run_dir):   # this node is in the run's excluded nodes (fleet.exclude)
         print(exclude.kept_out(run_dir), file=sys.stderr, flush=True)
         return 0
+    board = nodes.Board(run_dir, node.rank, node.count, restarts, found["mark"]) if node else None
+    if board is not None:   # a late node reads the records from where the first node's began
+        found["mark"] = board.mark
+    try:
+        return launches(command, max_restarts, backoff, run_dir, node, board, restarts, env, found, finder)
+    finally:
+        if board is not None:   # for a later job's late joiner (nodes.session)
+            board.close(restarts)
+
+
+def launches(command: list[str], max_restarts: int, backoff: float, run_dir: str | None, node: Node | None,
+             board: nodes.Board | None, restarts: int, env: dict, found: dict, finder: threading.Thread) -> int:
+    """relaunch()'s launches, from launch `restarts` on, till one ends the run: its exit status."""
+    first, in_a_row, stopping = restarts, 0, []   # first: moved on by each move off a node (no failures)
     for s in STOP_SIGNALS:   # also while it waits to relaunch
         signal.signal(s, lambda signum, frame: stopping.append(signum))
     while True:

@@ -10,6 +10,8 @@ import subprocess
 import textwrap
 import time
 
+import pytest
+
 from tests.support.runs import PY, ROOT, run_py
 
 SUPERVISE = [PY, "-m", "pretrain.supervision"]
@@ -45,16 +47,48 @@ NODE = """\
     """
 
 
-def test_a_failure_on_one_node_stops_the_other_node_s_launcher_and_both_relaunch_together(tmp_path):
+EARLIER_JOB = [   # an earlier job in the same run directory, killed with SIGKILL (no "closed" lines): its rank 3 failed
+    {"restart": 0, "event": "joined", "node": 0, "host": "a", "id": "a.1"},
+    {"restart": 0, "event": "joined", "node": 1, "host": "b", "id": "b.1"},
+    {"restart": 0, "event": "failed", "rank": 3, "host": "b", "cls": "unknown", "line": "an earlier job's failure"},
+    {"restart": 0, "event": "ended", "node": 1, "host": "b", "status": 1, "stopped": False},
+    {"restart": 0, "event": "ended", "node": 0, "host": "a", "status": 1, "stopped": True},
+]
+
+
+def ended(run, node):
+    lines = (json.loads(line) for line in (run / "logs" / "nodes.jsonl").read_text().splitlines())
+    return [line for line in lines if line["event"] == "ended" and line.get("node") == node]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "node-1-late"])
+def test_a_failure_on_one_node_stops_the_other_node_s_launcher_and_both_relaunch_together(tmp_path, late):
     """Two nodes of 2 ranks, a supervisor each (as launch/pretrain.sh starts them with NNODES=2): rank 1 on node 0
     fails, node 1's ranks would wait in a collective. Node 1's supervisor stops its launcher within its poll and grace,
-    both judge the same records (rank 1's error), and launch 1 starts on both within a second of each other."""
+    both judge the same records (rank 1's error), and launch 1 starts on both within a second of each other. Late: node
+    1's supervisor starts only once node 0's first launch has failed and ended, and still reads that failure; neither
+    reads the earlier job's lines on the board."""
     run, fake = tmp_path / "run", script(tmp_path, "node.py", NODE)
-    procs = [subprocess.Popen(SUPERVISE + ["--max-restarts", "1", "--backoff", "0.5", "--run-dir", str(run),
-                                           "--nodes", "2", "--node-rank", str(n), "--stop-grace", "1", "--",
-                                           PY, fake, str(n), str(run)],
-                              cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True) for n in (0, 1)]
-    errs = [p.communicate(timeout=60)[1] for p in procs]
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "nodes.jsonl").write_text("".join(json.dumps(line) + "\n" for line in EARLIER_JOB))
+
+    def supervise(n):
+        return subprocess.Popen(SUPERVISE + ["--max-restarts", "1", "--backoff", "0.5", "--run-dir", str(run),
+                                             "--nodes", "2", "--node-rank", str(n), "--stop-grace", "1", "--",
+                                             PY, fake, str(n), str(run)],
+                                cwd=ROOT, env=env(), stderr=subprocess.PIPE, text=True)
+
+    procs = [supervise(0)]
+    deadline = time.time() + 30
+    while late and len(ended(run, node=0)) < 2:   # the earlier job's, and this job's first launch on node 0
+        assert time.time() < deadline and procs[0].poll() is None
+        time.sleep(0.05)
+    procs.append(supervise(1))
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [0, 0], errs
     starts = [dict(line.split() for line in (tmp_path / f"starts{n}").read_text().splitlines()) for n in (0, 1)]
     assert float(starts[1]["1"]) - float(starts[1]["0"]) < 2 + 1 + 0.5 + 3, starts   # poll, grace, backoff, slack
@@ -64,6 +98,9 @@ def test_a_failure_on_one_node_stops_the_other_node_s_launcher_and_both_relaunch
         assert ("error: rank 1 failed first (unknown): RuntimeError: CUDA error: an illegal memory access was "
                 "encountered" in err), err
         assert "restart 1 of at most 1 in 0.5 s" in err, err
+        assert "earlier job" not in err, err
+    board = [json.loads(line) for line in (run / "logs" / "nodes.jsonl").read_text().splitlines()]
+    assert sorted(line["node"] for line in board if line["event"] == "closed") == [0, 1], board
 
 
 RANK = """\

@@ -20,8 +20,10 @@ A line belongs to a launch by its number and its place in the file, never by its
 disagree. Each supervisor of a job writes a "joined" line as it begins and a "closed" line as it ends; the job's lines
 begin at its first node's "joined" line. A node whose supervisor started late (its peers' first launch may already have
 failed and ended) reads back from its own "joined" line to the first of its peers', and no further: it stops at a line
-of its own supervisor's (an earlier job's), at a "closed" line, or at a second "joined" line of one node (`session`).
-A supervisor writes its "closed" line on any way out but SIGKILL (a scheduler's SIGTERM stops it first).
+of its own supervisor's (an earlier job's), at a "closed" line, at a second "joined" line of one node, or at one of
+another job where the scheduler names jobs (`job`, `session`). A supervisor writes its "closed" line on any way out
+but SIGKILL (a scheduler's SIGTERM stops it first); an earlier job whose supervisors were all killed so, started by
+hand without SYNTHFORMER_JOB_ID, is the one case a late node may read back into.
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class Board:
         every node reads the same records of the job's launches, a late one too."""
         self.path, self.node = board_path(run_dir), node
         me = f"{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
-        tell(run_dir, restart, "joined", node=node, id=me, mark=mark)
+        tell(run_dir, restart, "joined", node=node, id=me, mark=mark, job=job())
         with open(self.path, "rb") as f:
             data = f.read()
         self.offset, first = session(data, me, node, count)
@@ -163,10 +165,16 @@ class Board:
                 and "node" in line}
 
 
+def job() -> str:
+    """What every node of one job has alike and a later job has not, where the scheduler gives it: SLURM's job id and
+    requeue count, or SYNTHFORMER_JOB_ID (set it alike on every node of a job started by hand); else ''."""
+    return ".".join(os.environ.get(name, "") for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SYNTHFORMER_JOB_ID"))
+
+
 def session(data: bytes, me: str, node: int, count: int) -> tuple[int, dict]:
     """(where this job's lines begin in the board's bytes `data`, its first "joined" line): at the earliest of the other nodes' "joined" lines
     found reading back from this node's own (`me`), until a line of this node's supervisor (an earlier job's), a
-    "closed" line or a node's second "joined" line, or once the other `count - 1` nodes have joined; at its own line
+    "closed" line, a node's second "joined" line or one of another job (`job`), or once the other `count - 1` nodes have joined; at its own line
     where none is found.)"""
     lines, at = [], 0
     for raw in data.splitlines(keepends=True):
@@ -175,14 +183,16 @@ def session(data: bytes, me: str, node: int, count: int) -> tuple[int, dict]:
         except ValueError:
             pass
         at += len(raw)
-    mine = next(i for i, (_, line) in enumerate(lines) if line.get("id") == me)
+    mine = next((i for i, (_, line) in enumerate(lines) if line.get("id") == me), None)
+    if mine is None:   # its line ran into another node's (O_APPEND over NFS): from where the file ends
+        return len(data), {}
     (start, first), joined = lines[mine], set()
     for at, line in reversed(lines[:mine]):
         if len(joined) == count - 1 or line.get("event") == "closed" or (
                 line.get("node") == node and "rank" not in line):
             break
         if line.get("event") == "joined":
-            if line.get("node") in joined:
+            if line.get("node") in joined or line.get("job", "") != first.get("job", ""):
                 break
             joined.add(line.get("node"))
             start, first = at, line

@@ -33,9 +33,9 @@ def test_rows_by_hand():
         StageLengths(32, [(24, 12)])
 
 
-def streams(spec, M, dp, micro, lengths, workers=0):
-    return [TokenStream(spec, micro, M, dp_rank=r, dp_world=dp, num_workers=workers, seed=5, global_batch_size=G,
-                        canonical_streams=C, stages=[(3, [0.0, 1.0, 1.0])] if isinstance(spec, list) else (),
+def streams(spec, M, dp, micro, lengths, workers=0, global_batch=G):
+    return [TokenStream(spec, micro, M, dp_rank=r, dp_world=dp, num_workers=workers, seed=5,
+                        global_batch_size=global_batch, canonical_streams=C, stages=[(3, [0.0, 1.0, 1.0])] if isinstance(spec, list) else (),
                         stage_lengths=lengths) for r in range(dp)]
 
 
@@ -43,7 +43,8 @@ def global_batches(ranks, steps):
     """(ids, tokens) of each of the next `steps` global batches, rank after rank."""
     its, out = [iter(s) for s in ranks], []
     for _ in range(steps):
-        got = [next(it) for s, it in zip(ranks, its) for _ in range(G // (s.micro_batch_size * s.dp_world))]
+        got = [next(it) for s, it in zip(ranks, its) for _ in range(s.global_batch_size // (s.micro_batch_size *
+                                                                                        s.dp_world))]
         out.append(([i for b in got for i in b["ids"]], np.concatenate([b["tokens"].numpy() for b in got])))
     return out
 
@@ -80,11 +81,12 @@ def test_each_stage_trains_the_samples_of_M_cut_into_its_rows(blend, case):
 
 
 def test_an_epoch_across_a_change_of_length_trains_every_token_once(blend):
-    """Source c (small) read for one epoch and a batch beyond, 32 → 16 at step 2: the rows of the file samples drawn
-    put back together are every file sample of the epoch once, each whole."""
+    """Source c (small: 5 global batches of 8 an epoch) read for its first epoch, 32 → 16 at step 2: the rows of the
+    file samples drawn, put back together, are every file sample of the epoch once, each whole."""
     ref = file_samples(blend["c"])
     per_epoch = read_manifest(blend["c"])["splits"]["train"]["samples"]
-    batches = global_batches(streams(blend["c"], N, 1, 24, [(2, 16)]), per_epoch // G)   # within the first epoch
+    batches = global_batches(streams(blend["c"], N, 1, 8, [(2, 16)], global_batch=8), per_epoch // 8)
+    assert per_epoch // 8 >= 4 and [len(ids) for ids, _ in batches[1:3]] == [8, 16]   # the change inside the epoch
     pieces = {}
     for ids, tokens in batches:
         for key, row in zip(ids, tokens):
@@ -94,7 +96,7 @@ def test_an_epoch_across_a_change_of_length_trains_every_token_once(blend):
     whole = {}
     for (fid, p), row in pieces.items():
         whole.setdefault(fid, {})[p] = row
-    assert len(whole) == per_epoch // G * G and set(whole) <= set(ref)   # no file sample twice, none of another
+    assert len(whole) == per_epoch // 8 * 8 and set(whole) <= set(ref)   # no file sample twice, none of another
     for fid, got in whole.items():
         assert set(got) in ({None}, {0, 1}), fid   # whole, or both halves: no token skipped
         joined = got[None] if None in got else np.concatenate([got[0][:16], got[1]])

@@ -20,6 +20,10 @@ share one boundary id (tools/make_shards.py). A model sample holds L + 1 ids.
 
 Where neither divides the other, or no shard holds k samples to join, `fit` is a one-line DataError naming the
 lengths and model.max_seq_len.
+
+A data stage of its own length L' < L (data.seq_len, data.stages[i].seq_len; `StageLengths`) changes none of this: the
+order's samples stay those of L, and a batch of that stage is `rows` of them, each sample of L as L/L' rows of L' + 1
+ids, row p its ids [pL', pL' + L' + 1), id "<sample id>/<p>of<L/L'>" (a cut of the model's sample, as above).
 """
 from __future__ import annotations
 

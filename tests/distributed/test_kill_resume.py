@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+from model.accounting import train_flops_per_token
 from pretrain.checkpoints.resume import newest_complete
+from pretrain.config import load_config
 from pretrain.faults import SAVE_PHASES
 from tests.support.http_shards import ShardServer
 from tests.support.runs import (blend_sources, finish, free_local_port, launch, logged_step, metric_rows, output,
@@ -159,3 +161,8 @@ def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_
     assert first_c == 6 * 8 and len(a) > 30 and len(set(a)) == len(a)
     lr = {row["step"]: row["train/lr"] for row in metric_rows(tmp_path / "chain") if "train/lr" in row}
     assert lr[4] == lr[6] == 3e-3 > lr[8] > lr[10]
+    model = load_config(chain).model   # the throughput's FLOPs: at 16 tokens a row to step 6, then at 32
+    per_token = {row["step"]: row["perf/tflops_per_device"] * 2e12 / row["perf/tokens_per_s"]
+                 for row in metric_rows(tmp_path / "straight") if "perf/tokens_per_s" in row}
+    assert all(per_token[s] == pytest.approx(train_flops_per_token(model, 16 if s <= 6 else 32)) for s in per_token)
+    assert train_flops_per_token(model, 16) < train_flops_per_token(model, 32) and len(per_token) == 10

@@ -3,7 +3,7 @@ with its manifest, where its files are, and which of its shards are good; and th
 
     Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
-    as_stages(spec, names)                data.stages: [(first step, [weight of each source])], checked
+    as_stages(spec, names, weights0)      data.stages: [(first step, [weight of each source])], checked
     stage_lengths(spec, first)            data.seq_len and data.stages' seq_len: [(key, first step, L)]
     decay_stage(spec)                     the step of the stage that starts train.decay=wsd's decay, or None
     check_joined(sources, stages)         a source of weight 0 is weighed by a stage (it joins there)

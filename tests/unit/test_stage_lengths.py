@@ -2,7 +2,8 @@
 a stage of L < M = model.max_seq_len trains each sample of the order (of M) as M/L rows of L, so its global batches
 are the same samples, in the same order, as at M; checked against hand arithmetic on the shards' file samples
 across boundaries 32 → 16 and 16 → 32 (shards of 32), over an epoch (each token once), and through a stream
-stopped on 2 ranks and resumed on 3 on either side of a boundary; the config's one-line refusals name the key."""
+stopped on 2 ranks and resumed on 3 on either side of a boundary, and along a batch ramp; the config's one-line
+refusals name the key."""
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.data import stage_lines
 from tokendata.lengths import StageLengths, rows
+from tokendata.ramp import BatchRamp
 from tokendata.shards import DataError, read_manifest
 from tokendata.sources import Source
 from tokendata.stream import TokenStream, merged_state
@@ -162,3 +164,25 @@ def test_the_config_check_prints_each_stages_length():
     one = load_config("configs/demo-cpu.yaml", [*ANY, "data.seq_len=64", "train.max_steps=10", "train.warmup_steps=2"])
     assert stage_lines(one) == ["data stage 0: steps 0–10 at seq_len 64 (2 rows a sample of 128): data 160 samples "
                                 "(20,480 tokens)"]
+
+
+def ramped(blend, ramp, lengths):
+    """(ids, tokens) of the first six steps' global batches of a stream along `ramp`."""
+    it, out = iter(TokenStream(blend["b"], 8, N, seed=5, global_batch_size=G, canonical_streams=C, ramp=ramp,
+                               stage_lengths=lengths)), []
+    for step in range(6):
+        got = [next(it) for _ in range(ramp.size(step) // 8)]
+        out.append(([i for b in got for i in b["ids"]], np.concatenate([b["tokens"].numpy() for b in got])))
+    return out
+
+
+def test_along_a_batch_ramp_a_stage_begins_at_its_steps_batch(blend):
+    """train.batch_ramp 8, 8, 8, 16, 16, then 24 (G): the length changes at step 3's global batch, inside the ramp;
+    each step's rows are its samples (those of the ramped order without stage lengths) cut by hand."""
+    ramp = BatchRamp(8, 8, 48, G)
+    assert [ramp.size(s) for s in range(6)] == [8, 8, 8, 16, 16, 24]
+    plain, staged = ramped(blend, ramp, ()), ramped(blend, ramp, [(3, 16)])
+    for step, (ids, tokens) in enumerate(staged):
+        want_ids, want = cut_by_hand([plain[step]], N, 16 if step >= 3 else N)[0]
+        assert ids == want_ids and np.array_equal(tokens, want)
+        assert len(ids) == ramp.size(step) * (2 if step >= 3 else 1)

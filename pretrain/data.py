@@ -10,9 +10,10 @@ import torch
 
 from pretrain import distributed
 from pretrain.config import TrainConfig
+from pretrain.config.stage_lengths import length_list
 from pretrain.distributed import Layout
 from tokendata.order import blend_of
-from tokendata.sources import as_stages
+from tokendata.lengths import StageLengths
 from tokendata.stream import TokenStream
 
 
@@ -27,26 +28,30 @@ def train_stream(cfg: TrainConfig, lay: Layout, sources: tuple = ()) -> TokenStr
                        global_batch_size=cfg.train.global_batch_size, canonical_streams=cfg.data.canonical_streams,
                        verify=cfg.data.verify, fetch_threads=cfg.data.fetch_threads,
                        preempt_signals=[getattr(signal, name) for name in cfg.train.preempt_signals],
-                       stages=as_stages(cfg.data.stages, [s["name"] for s in cfg.data.sources or [{"name": None}]]),
-                       ramp=cfg.batch_ramp())
+                       stages=cfg.data.stage_list(), ramp=cfg.batch_ramp(), stage_lengths=length_list(cfg.data))
 
 
 def stage_lines(cfg: TrainConfig) -> list[str]:
-    """data.stages, one line each: its steps and the samples and tokens each source gives in it (the order's own
-    arithmetic, tokendata/order.py `Staged`; to train.max_steps). None without stages."""
-    names = [s["name"] for s in cfg.data.sources or [{"name": None}]]
-    stages, P = as_stages(cfg.data.stages, names), cfg.batch_ramp().samples_before   # P(step): picks before it
-    if not stages:
+    """data.stages (and data.seq_len), one line each: its steps, its length, and the samples (of model.max_seq_len)
+    and tokens each source gives in it (the order's own arithmetic, tokendata/order.py `Staged`; to train.max_steps).
+    None without stages or data.seq_len."""
+    named, M = cfg.data.sources or [{"name": None, "weight": 1.0}], cfg.model.max_seq_len
+    stages, P = cfg.data.stage_list(), cfg.batch_ramp().samples_before   # P(step): picks before it
+    if not stages and cfg.data.seq_len is None:
         return []
-    blend = blend_of([s["weight"] for s in cfg.data.sources], [(P(step), w) for step, w in stages])
-    ends, pos, lines = [step for step, _ in stages] + [max(cfg.train.max_steps, stages[-1][0])], blend.start(), []
+    blend, lengths = blend_of([s["weight"] for s in named], [(P(step), w) for step, w in stages]), \
+        StageLengths(M, length_list(cfg.data))   # by step here
+    ends, pos, lines, said = [step for step, _ in stages], blend.start(), [], length_list(cfg.data)
+    ends.append(max([cfg.train.max_steps] + ends))
     for k, (first, last) in enumerate(zip([0] + ends[:-1], ends)):
         before = list(pos.counts)
         blend.picks(pos, P(last) - P(first))
-        gives = ", ".join(f"{name} {c - b} samples ({(c - b) * cfg.model.max_seq_len:,} tokens)"
-                          for name, c, b in zip(names, pos.counts, before))
+        gives = ", ".join(f"{name or 'data'} {c - b} samples ({(c - b) * M:,} tokens)"
+                          for name, c, b in zip([s["name"] for s in named], pos.counts, before))
         decay = " (the LR decays: train.decay=wsd)" if k and cfg.data.stages[k - 1].get("decay") else ""
-        lines.append(f"data stage {k}: steps {first}–{last}{decay}: {gives}")
+        L = lengths.at(first)   # said where a stage sets a length
+        at = (f" at seq_len {L}" + (f" ({M // L} rows a sample of {M})" if L < M else "")) if said else ""
+        lines.append(f"data stage {k}: steps {first}–{last}{decay}{at}: {gives}")
     return lines
 
 

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             rt = cfg.check_runtime(args.world_size or 1)
         elif args.world_size is not None:   # the check before a launch: config, shards, a checkpoint to resume
             check_launch(cfg, args.world_size, relayout=True)
-            print("\n".join(stage_lines(cfg)), file=sys.stderr, end="\n" if cfg.data.stages else "")
+            lines = stage_lines(cfg)   # data.stages, data.seq_len: each stage's steps, length and tokens
+            print("\n".join(lines), file=sys.stderr, end="\n" if lines else "")
             print(run_prediction.StepCheck.for_run(cfg, args.world_size, run_prediction.device_cluster_name(), args.cluster).line,
                   file=sys.stderr)
         print("\n".join(ramp_lines(cfg.batch_ramp(), cfg.model.max_seq_len)), file=sys.stderr,

@@ -58,7 +58,6 @@ class Trainer:
         # a tokenizer is read from local files: one beside remote shards is fetched into the run directory
         self.tokenizer = tokenizers.local_copy(cfg.data.tokenizer or tokenizer_path(self.stream.manifest),
                                                cfg.train.run_dir)
-        self.flops_per_token = train_flops_per_token(cfg.model)
         self.peak_tflops = peak_tflops(lay.device, cfg.train.precision, cfg.logging.peak_tflops_per_device)
         resume = bucket.resume_from(cfg.checkpoint, cfg.to_dict(), lay.world, announce=lay.rank == 0)
         self.engine = build_engine(cfg, lay, load_universal=resume is not None and is_universal(resume),
@@ -317,7 +316,8 @@ class Trainer:
         grad_norm = self.read(guarded.grad_norm.reshape(1))[0] if guarded else self.engine.get_global_grad_norm()
         if grad_norm is not None and grad_norm < 0:   # DeepSpeed writes -1 for a non-finite norm (a skipped step)
             grad_norm = float("inf")
-        tflops = self.flops_per_token * tokens_per_s / lay.world / 1e12
+        L = self.stream.stage_lengths.at(self.ramp.samples_before(self.step - 1))   # the step's data stage's length
+        tflops = train_flops_per_token(cfg.model, L) * tokens_per_s / lay.world / 1e12
         values = {"train/loss": loss, "train/ppl": math.exp(min(loss, 50)), "train/lr": lr,
                   "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_device": tflops,
                   "progress/samples_seen": self.ramp.samples_before(self.step),

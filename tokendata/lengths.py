@@ -20,10 +20,17 @@ share one boundary id (tools/make_shards.py). A model sample holds L + 1 ids.
 
 Where neither divides the other, or no shard holds k samples to join, `fit` is a one-line DataError naming the
 lengths and model.max_seq_len.
+
+A data stage of its own length L' < L (data.seq_len, data.stages[i].seq_len; `StageLengths`) changes none of this: the
+order's samples stay those of L, and a batch of that stage is `rows` of them, each sample of L as L/L' rows of L' + 1
+ids, row p its ids [pL', pL' + L' + 1), id "<sample id>/<p>of<L/L'>" (a cut of the model's sample, as above).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+
+import numpy as np
 
 from tokendata.shards import MAKE, need
 
@@ -93,3 +100,38 @@ def fit(manifest: dict, max_seq_len: int) -> Lengths:
                                 f"to join {lengths.join} into one of {KEY}={L} (samples are joined within a shard): "
                                 f"rebuild them with {MAKE} --samples-per-shard ≥ {lengths.join}, or --seq-len {L}")
     return lengths
+
+
+class StageLengths:
+    """The length each global batch trains at (data.seq_len, data.stages[i].seq_len): L_k from pick `starts[k]` of
+    the run on, each a divisor of the order's length M (model.max_seq_len). The order, its positions and every
+    source's draws and epochs are those of samples of M, whatever the stages' lengths: a batch of stage k holds the
+    same M-samples as at M, each cut into M/L_k rows of L_k (`rows`), so no token is trained twice or skipped at a
+    change of length, and the global batch keeps its tokens (G·M a step)."""
+
+    def __init__(self, M: int, stages: list[tuple[int, int]]):
+        self.M, self.starts, self.lengths = M, [0], [M]   # [(first pick, L)]: pick 0's L replaces M
+        for first, L in stages:
+            need(L >= 1 and M % L == 0, f"a data stage's seq_len={L} must divide model.max_seq_len={M} (each sample "
+                                        f"of {M} is cut into rows of seq_len)")
+            if first == self.starts[-1]:
+                self.lengths[-1] = L
+            else:
+                self.starts.append(first)
+                self.lengths.append(L)
+
+    def at(self, samples: int) -> int:
+        """L of the global batch that begins after `samples` picks of the run."""
+        return self.lengths[bisect.bisect_right(self.starts, samples) - 1]
+
+
+def rows(batch: dict, L: int) -> dict:
+    """A batch of samples of M + 1 ids ({"tokens": (B, M + 1), "ids": [B ids], ...}) as rows of L + 1: sample i's
+    rows i·q … i·q + q − 1 (q = M/L) are its ids [pL, pL + L + 1), p = 0 … q − 1 (consecutive rows share one
+    boundary id, as in a cut), their ids "<id>/<p>of<q>"."""
+    tokens, q = batch["tokens"], (batch["tokens"].shape[1] - 1) // L
+    if q == 1:
+        return batch
+    windows = np.arange(q)[:, None] * L + np.arange(L + 1)[None, :]   # (q, L + 1) positions in a sample
+    return dict(batch, tokens=tokens[:, windows].reshape(-1, L + 1),
+                ids=[f"{key}/{p}of{q}" for key in batch["ids"] for p in range(q)])

@@ -35,6 +35,10 @@ no other draw moves, so the batches depend on which shards are bad, not on which
 Stages (data.stages, `Staged`): from a stage's first pick on, Tijdeman's rule runs over that stage's weights, counted
 from the stage's start; draws (so epochs) of each source carry on across the boundary.
 
+Stage lengths (data.seq_len, data.stages[i].seq_len; tokendata/lengths.py `StageLengths`) are no part of the order: its
+picks are samples of the model's length M in every stage, and a stage of L < M trains each as M/L rows of L, so the
+picks, draws, epochs and positions are those of a run without them.
+
 Batch ramps (train.batch_ramp, tokendata/ramp.py): step s's global batch is picks P_s … P_s + G_s − 1 instead, laid
 out as above with G_s for G; the picks, and so the samples, are those of a run without the ramp.
 

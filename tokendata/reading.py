@@ -3,6 +3,7 @@ this rank's positions of every global batch (tokendata/order.py says which sampl
 level, so workers can pickle it under any start method.
 
     start(loader, ignored)  iter(loader), its worker processes ignoring the rank's preemption signals
+    one_line(e)        a DataError a DataLoader worker raised, as its own line (without the worker's traceback)
     RankPieces(plan)   the IterableDataset of one rank: worker w of W reads the positions whose stream c has
                        c mod W = w and yields, per global batch, one piece {"positions", "tokens", "ids",
                        "skipped_shards", "retries"}; the training process puts the pieces back in position order
@@ -105,6 +106,13 @@ def join_pieces(pieces, n: int, seq_len: int) -> dict:
                 ids[i] = key
     return {"tokens": tokens, "ids": ids, "skipped_shards": [u for piece in pieces for u in piece["skipped_shards"]],
             "retries": sum(piece["retries"] for piece in pieces)}
+
+
+def one_line(e):
+    """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line (of
+    the same type: an outage stays FetchFailed)."""
+    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{type(e).__module__}.{type(e).__qualname__}: "
+    return type(e)(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
 def as_is(batch):

@@ -3,7 +3,8 @@ with its manifest, where its files are, and which of its shards are good; and th
 
     Source(path, weight=1.0, name=None)   name None: the one source of data.shard_dir (sample ids unprefixed)
     as_sources(spec)                      a location, or a list of Source / {"name", "path", "weight"}
-    as_stages(spec, names)                data.stages: [(first step, [weight of each source])], checked
+    as_stages(spec, names, weights0)      data.stages: [(first step, [weight of each source])], checked
+    stage_lengths(spec, first)            data.seq_len and data.stages' seq_len: [(key, first step, L)]
     decay_stage(spec)                     the step of the stage that starts train.decay=wsd's decay, or None
     check_joined(sources, stages)         a source of weight 0 is weighed by a stage (it joins there)
     open_sources(sources, cache_dir, verify)  [Opened]: manifests read (once: Opened ones are taken as they are),
@@ -26,7 +27,7 @@ SHARED = (("tokenizer_sha256", "tokenizer"), ("vocab_size", "vocabulary size"), 
           ("eos_id", "eos id"), ("dtype", "token dtype"))
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # it names metrics (val/<name>/loss) and prefixes sample ids
 SOURCE_KEYS = ("name", "path", "weight")
-STAGE_KEYS = ("step", "weights", "decay")
+STAGE_KEYS = ("step", "weights", "decay", "seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,24 +74,32 @@ def as_sources(spec) -> list[Source]:
     return out
 
 
-def as_stages(spec, names: list) -> list[tuple[int, list[float]]]:
-    """data.stages ([{step, weights: {source name: weight ≥ 0}}], steps increasing from > 0; a source a stage does not
-    name has weight 0 in it) as [(first step, [weight of each source, in data.sources' order])]."""
+def as_stages(spec, names: list, weights0: list | None = None) -> list[tuple[int, list[float]]]:
+    """data.stages ([{step, weights: {source name: weight ≥ 0}, seq_len, decay}], steps increasing from > 0; a source a
+    stage's weights do not name has weight 0 in it; a stage without weights keeps the stage before's) as
+    [(first step, [weight of each source, in data.sources' order])]; `weights0`: data.sources' weights (stage 0's)."""
     spec = [] if spec is None else spec
     need(isinstance(spec, (list, tuple)), f"data.stages must be a list of {{step, weights}}, got {spec!r}")
-    need(not spec or None not in names, "data.stages needs data.sources (named sources), not data.shard_dir")
-    out, last = [], 0
+    need(all(not isinstance(e, dict) or "weights" not in e for e in spec) or None not in names,
+         "data.stages' weights need data.sources (named sources), not data.shard_dir")
+    out, last, before = [], 0, [1.0] * len(names) if weights0 is None else list(weights0)
     for i, entry in enumerate(spec):
         where = f"data.stages[{i}]"
-        need(not isinstance(entry, dict) or "seq_len" not in entry, f"{where}.seq_len: a stage's own sequence "
-             f"length is not supported (every stage trains at model.max_seq_len): remove it")
-        need(isinstance(entry, dict) and {"step", "weights"} <= set(entry) <= set(STAGE_KEYS), f"{where} must be a "
-             f"mapping {{step, weights[, decay]}} (e.g. {{step: 1000, weights: {{{names[0]}: 1}}}}), got {entry!r}")
+        need(isinstance(entry, dict) and "step" in entry and ({"weights", "seq_len"} & set(entry))
+             and set(entry) <= set(STAGE_KEYS), f"{where} must be a mapping {{step, weights[, seq_len][, decay]}} "
+             f"or {{step, seq_len}} (e.g. {{step: 1000, weights: {{{names[0]}: 1}}}}), got {entry!r}")
         need(isinstance(entry.get("decay", False), bool), f"{where}.decay={entry.get('decay')!r} must be true (the "
              f"train.decay=wsd decay starts at this stage) or false")
-        step, weights = entry["step"], entry["weights"]
+        L = entry.get("seq_len", 1)
+        need(isinstance(L, int) and not isinstance(L, bool) and L >= 1, f"{where}.seq_len={L!r} must be an integer "
+             f"≥ 1 that divides model.max_seq_len (the stage trains rows of seq_len; docs/data.md)")
+        step, weights = entry["step"], entry.get("weights")
         need(isinstance(step, int) and not isinstance(step, bool) and step > last, f"{where}.step={step!r} must be "
              f"an integer > {last}: stages start at increasing steps (stage 0, data.sources' weights, at step 0)")
+        if weights is None:   # a change of length alone: the stage before's weights
+            out.append((step, list(out[-1][1] if out else before)))
+            last = step
+            continue
         need(isinstance(weights, dict) and weights, f"{where}.weights must be a mapping {{source name: weight}}")
         for name, w in weights.items():
             near = difflib.get_close_matches(str(name), [str(n) for n in names], 1)
@@ -104,6 +113,13 @@ def as_stages(spec, names: list) -> list[tuple[int, list[float]]]:
     need(sum(bool(entry.get("decay")) for entry in spec) <= 1, "data.stages: decay=true on more than one stage: "
                                                                 "the decay starts once (keep it on one)")
     return out
+
+
+def stage_lengths(spec, first: int | None) -> list[tuple[str, int, int]]:
+    """[(key, first step, L)] of the stages that set a length: data.seq_len (`first`, from step 0) and data.stages'
+    seq_len (`as_stages` checked them); a stage without one keeps the stage before's."""
+    return ([("data.seq_len", 0, first)] if first is not None else []) + [
+        (f"data.stages[{i}].seq_len", e["step"], e["seq_len"]) for i, e in enumerate(spec or []) if "seq_len" in e]
 
 
 def decay_stage(spec) -> int | None:

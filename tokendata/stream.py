@@ -4,7 +4,8 @@ or several blended by weight.
 Public API (the shard format, the manifest, DataError and the checks against a model: tokendata/shards.py)
     TokenStream(sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0, mix_shards=4,
                 bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
-                canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None)
+                canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None,
+                stage_lengths=())
                             sources: a shard location (data.shard_dir), a list of Source / {"name", "path",
                             "weight"} (data.sources, tokendata/sources.py), or of Opened (read by the launch
                             check); global_batch_size: G, the samples of a full optimizer step over all ranks (default
@@ -13,11 +14,13 @@ Public API (the shard format, the manifest, DataError and the checks against a m
                             bound on shards in memory); decide(fn): fn's result as one rank computed it, on every rank
                             (the trainer's pretrain.distributed.from_rank0: the size check an older checkpoint's order
                             needs); preempt_signals: the rank's, which its DataLoader workers ignore; stages:
-                            [(step, weights)] (data.stages); ramp: each step's G_s (tokendata/ramp.py; None: G)
+                            [(step, weights)] (data.stages); ramp: each step's G_s (tokendata/ramp.py; None: G);
+                            stage_lengths: [(step, L)] (data.seq_len, data.stages[i].seq_len; L divides seq_len)
         iter(stream)        endless train micro-batches {"tokens": LongTensor (B, n+1), "ids": [B sample ids,
                             "<source name>/<key>" for a named source], "skipped_shards": [URLs of shards found bad
                             while this batch was read; usually []], "retries": fetches retried (network faults)}; each
-                            G_s / (B × dp_world) of them in a row are this rank's share of step s's global batch
+                            G_s / (B × dp_world) of them in a row are this rank's share of step s's global batch;
+                            in a stage of L < n each sample is B·n/L rows (B·n/L, L+1) (tokendata/lengths.py `rows`)
         skipped_shards      [(URL, reason)]: shards dropped before reading (only an older checkpoint's order does)
         bad_found()         the URLs of the shards found bad while reading, before a resume too
         retries             fetches retried in this process (validation); the workers' ride on batches
@@ -29,16 +32,16 @@ Public API (the shard format, the manifest, DataError and the checks against a m
                             every rank, of one source (an index)
         upcoming_shards(worker=0, source=0)    the shards a DataLoader worker of this rank fetches first
 
-Order (tokendata/order.py): a function of the data settings (sources and weights, C, seed, mix_shards, seq_len) and
-the manifests alone, defined on the model's samples of seq_len: shards of another length n (seq_len divides n or n
-divides it) are cut or joined as read (tokendata/lengths.py). Global batch g is the same G samples, in the same order, whatever dp_world (any divisor of G),
-num_workers, micro_batch_size or accumulation read it; rank r trains on positions [rG/D, (r+1)G/D) of each, which its
-workers read stream by stream. The position is the picks so far and each source's count, plus the shards found bad
-while reading; it is the same on every rank. A stream resumed in another layout goes on at the next global batch; one
-stopped inside a global batch (never the trainer, which saves between steps) resumes only in its own layout. Older
-checkpoints keep their order: a data state of canonical streams dealt by shard (tokendata/shard_stream_order.py) resumes it
-on data-parallel sizes that divide its C; one of before canonical streams (a count of micro-batches,
-tokendata/rank_order.py), in its own layout.
+Order (tokendata/order.py): a function of the data settings (sources and weights, C, seed, mix_shards, seq_len) and the
+manifests alone, defined on the model's samples of seq_len: shards of another length n (seq_len divides n or n divides
+it) are cut or joined as read, and a stage of a shorter L cuts each sample into rows (tokendata/lengths.py). Global
+batch g is the same G samples, in the same order, whatever dp_world (any divisor of G), num_workers, micro_batch_size
+or accumulation read it; rank r trains on positions [rG/D, (r+1)G/D) of each, read by stream. The position is the picks
+so far and each source's count, plus the shards found bad while reading; it is the same on every rank. A stream resumed
+in another layout goes on at the next global batch; one stopped inside a global batch (never the trainer, which saves
+between steps) resumes only in its own layout. Older checkpoints keep their order: a data state of canonical streams
+dealt by shard (tokendata/shard_stream_order.py) resumes it on data-parallel sizes that divide its C; one of before
+canonical streams (a count of micro-batches, tokendata/rank_order.py), in its own layout.
 
 The trainer must call iter() again after load_state_dict; a stream has one live iterator (an older one raises).
 
@@ -65,9 +68,9 @@ import torch
 
 from tokendata import rank_order, shard_stream_order
 from tokendata.order import Position, blend_of, SourceOrder, check_streams, default_streams, layout, rank_slice
-from tokendata.reading import Part, Plan, RankPieces, as_is, collate, join_pieces, start
+from tokendata.reading import Part, Plan, RankPieces, as_is, collate, join_pieces, one_line, start
 from tokendata.shard_files import ShardReader
-from tokendata.lengths import fit
+from tokendata.lengths import StageLengths, fit, rows
 from tokendata.ramp import BatchRamp
 from tokendata.shards import DTYPES, MAKE, DataError, need
 from tokendata.sources import Opened, as_sources, good_shards, open_sources
@@ -76,13 +79,6 @@ ORDER = "canonical streams dealt by sample"
 BAD_SHARDS = ("fail", "skip")
 SETTING_KEYS = {"canonical_streams": "data.canonical_streams", "seed": "data.seed", "mix_shards": "mix_shards",
                 "seq_len": "model.max_seq_len"}
-
-
-def _one_line(e):
-    """A DataError the DataLoader re-raises from a worker holds the worker's traceback; its own is the last line (of
-    the same type: an outage stays FetchFailed)."""
-    last, prefix = str(e).rstrip().rsplit("\n", 1)[-1], f"{type(e).__module__}.{type(e).__qualname__}: "
-    return type(e)(last[len(prefix):]) if "\n" in str(e) and last.startswith(prefix) else e
 
 
 def merged_state(states: list[dict]) -> dict | None:
@@ -99,7 +95,8 @@ class TokenStream:
 
     def __init__(self, sources, micro_batch_size, seq_len, dp_rank=0, dp_world=1, num_workers=0, seed=0,
                  mix_shards=4, bad_shards="fail", pin_memory=False, cache_dir=None, decide=None, global_batch_size=None,
-                 canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None):
+                 canonical_streams=None, verify="hash", fetch_threads=8, preempt_signals=(), stages=(), ramp=None,
+                 stage_lengths=()):
         need(micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}")
         need(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
         need(0 <= dp_rank < dp_world, f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}")
@@ -133,6 +130,7 @@ class TokenStream:
         self.ramp = ramp or BatchRamp.constant(G)   # the global batch of each step (train.batch_ramp); data.stages:
         self.blend = blend_of([p.source.weight for p in self.parts], [(self.ramp.samples_before(k), w) for k, w in stages])
         self.lo, self.hi, self.grad_accum = *rank_slice(G, dp_rank, dp_world), G // (micro_batch_size * dp_world)
+        self.stage_lengths = StageLengths(seq_len, [(self.ramp.samples_before(k), L) for k, L in stage_lengths])
         self._order(C)
         self.notes = [f"data.num_workers={num_workers}, but the order has {C} canonical streams (data.canonical_"
                       f"streams) and a worker reads whole streams: {self.workers} workers read them"
@@ -191,13 +189,14 @@ class TokenStream:
             pieces, B, skip = start(loader, self.preempt_signals), self.micro_batch_size, self._into
             while True:
                 accum = self._batch() // (B * self.dp_world)   # of this global batch (it grows along a ramp)
+                L = self.stage_lengths.at(self._v1.pos.samples if self._v1 is not None else self._pos.samples)
                 got = share([next(pieces) for _ in range(max(1, workers))])
                 for k in range(skip, accum):
                     self._check_live(me)
                     first = k == skip   # what the readers learned rides on the step's first micro-batch
-                    batch = {"tokens": got["tokens"][k * B:(k + 1) * B], "ids": got["ids"][k * B:(k + 1) * B],
-                             "skipped_shards": got["skipped_shards"] if first else [],
-                             "retries": got["retries"] if first else 0}
+                    batch = rows({"tokens": got["tokens"][k * B:(k + 1) * B], "ids": got["ids"][k * B:(k + 1) * B],
+                                  "skipped_shards": got["skipped_shards"] if first else [],
+                                  "retries": got["retries"] if first else 0}, L)
                     if first:
                         for url in batch["skipped_shards"]:
                             source, name = self._urls[url]
@@ -209,7 +208,7 @@ class TokenStream:
                     yield self._as_tensors(batch)
                 skip = 0
         except DataError as e:
-            raise _one_line(e) from None
+            raise one_line(e) from None
 
     def _advance(self):
         """The position past one more global batch."""
@@ -225,6 +224,7 @@ class TokenStream:
     def _legacy_batches(self, me):
         for batch in start(rank_order.loader(self, self._legacy, self._bad[0]), self.preempt_signals):
             self._check_live(me)
+            batch = rows(batch, self.stage_lengths.at(self._legacy // self.grad_accum * self.global_batch_size))
             self._legacy += 1
             self._bad[0].update(self._urls[url][1] for url in batch["skipped_shards"])
             yield self._as_tensors(batch)

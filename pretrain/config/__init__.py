@@ -6,6 +6,7 @@
                       load_config, the one loader
     files.py          YAML files with `base:` chains, and `section.key=value` overrides
     fleet_section.py  the fleet section (its own file: sections.py is at its length)
+    stage_lengths.py  data.seq_len and data.stages[i].seq_len against the model and the layout
     reference.py      every key with its type, default and description (`--keys`, docs/config.md)
 
 One loader, in one fixed order (later wins):

@@ -26,8 +26,12 @@ class DataSection:
                         "the data.stages that weigh it); "
                         "name: letters, digits, _ - . (it names val/<name>/loss and prefixes sample ids). All share "
                         "one tokenizer, vocabulary, seq_len and eos", None)
-    stages: list | None = described("[{step, weights: {source: weight}, decay}]: new weights from a step on; decay: "
+    stages: list | None = described("[{step, weights: {source: weight}, seq_len, decay}]: new weights (or the stage "
+                                    "before's) and optionally a new seq_len (as data.seq_len) from a step on; decay: "
                                     "true starts train.decay=wsd's decay at that step (docs/data.md)", None)
+    seq_len: int | None = described("the length stage 0 trains at (until a data.stages entry sets its seq_len): a "
+                                    "divisor of model.max_seq_len; each sample of max_seq_len is cut into rows of it, "
+                                    "a step keeping its tokens (docs/data.md). null = model.max_seq_len", None)
     canonical_streams: int | None = described("C, the canonical streams of the sample order (tokendata/order.py): "
                         "global batch g holds the same samples, in the same order, on every data-parallel size that "
                         "divides the global batch, any worker count and micro-batch. 1 ≤ C ≤ train.global_batch_size; "
@@ -75,10 +79,10 @@ class DataSection:
         try:
             if self.sources is not None:
                 self.sources = [{"name": s.name, "path": s.path, "weight": s.weight} for s in as_sources(self.sources)]
-            stages = as_stages(self.stages, [s["name"] for s in self.sources or [{"name": None}]])
-            check_joined(self.sources or [], stages)
+            check_joined(self.sources or [], self.stage_list())
         except DataError as e:
             raise ConfigError(str(e)) from None
+        need(self.seq_len is None or self.seq_len >= 1, "data.seq_len", self.seq_len, "null or ≥ 1")
         need(self.canonical_streams is None or self.canonical_streams >= 1, "data.canonical_streams",
              self.canonical_streams, "null or ≥ 1")
         for key, low in (("num_workers", 0), ("fetch_threads", 1), ("val_batches", 1)):
@@ -94,6 +98,11 @@ class DataSection:
             raise ConfigError(f"{key}={path} is plain http://: data.http_headers_from_env "
                               f"({', '.join(self.http_headers_from_env)}) would go out unencrypted; serve it over "
                               f"https://, or set data.headers_over_http=true on a network you trust")
+
+    def stage_list(self) -> list[tuple[int, list[float]]]:
+        """data.stages as [(first step, [weight of each source])] (tokendata/sources.py `as_stages`)."""
+        named = self.sources or [{"name": None, "weight": 1.0}]
+        return as_stages(self.stages, [s["name"] for s in named], [s["weight"] for s in named])
 
     def paths(self) -> list[tuple[str, str]]:
         """(dotted key, location) of every source."""

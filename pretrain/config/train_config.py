@@ -22,6 +22,7 @@ from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.fleet_section import FleetSection
 from pretrain.config.batch_ramp import check_layout, ramp_of
 from pretrain.config.schedule import stage_decay
+from pretrain.config.stage_lengths import check_stage_lengths
 from pretrain.config.checkpoint_section import CheckpointSection
 from pretrain.config.sections import DataSection, LoggingSection, ParallelSection, TrainSection
 from tokendata.order import check_streams, default_streams
@@ -66,6 +67,7 @@ class TrainConfig:
             self.checkpoint.staging_dir = os.path.join(self.train.run_dir, "checkpoint_staging")
         if self.logging.tensorboard_dir is None:
             self.logging.tensorboard_dir = os.path.join(self.train.run_dir, "tensorboard")
+        check_stage_lengths(self.model, self.parallel, self.data)   # data.seq_len, data.stages[i].seq_len
         if decay_stage(self.data.stages) is not None:   # an annealing stage at the decay: its length from the stage
             self.train.decay_steps = stage_decay(self.train, decay_stage(self.data.stages), self.total_steps())
 

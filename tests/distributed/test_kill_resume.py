@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+from model.accounting import train_flops_per_token
 from pretrain.checkpoints.resume import newest_complete
+from pretrain.config import load_config
 from pretrain.faults import SAVE_PHASES
 from tests.support.http_shards import ShardServer
 from tests.support.runs import (blend_sources, finish, free_local_port, launch, logged_step, metric_rows, output,
@@ -128,13 +130,16 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_one(shards, tmp
 
 
 def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_path):
-    """An annealing stage at the decay: a and b (c of weight 0: it joins at the stage), then from step 6 a and c 1:3
-    with decay: true (train.decay=wsd decays over steps 6-10); a checkpoint every 2. Rank 1 is killed (SIGKILL, from
-    itself) in step 5, the relaunch resumes at 4 and crosses the boundary, rank 0 is killed in step 7, the next
-    resumes at 6 (in the stage) and ends: every loss and sample id equal an uninterrupted run's; source a, drawn in
-    both stages, gives no sample twice (its epoch carries over the boundary); the LR decays from the stage on."""
+    """An annealing stage at the decay: a and b (c of weight 0: it joins at the stage) at rows of 16 (data.seq_len,
+    2 a sample of model.max_seq_len=32), then from step 6 a and c 1:3 at the full 32 with decay: true
+    (train.decay=wsd decays over steps 6-10); a checkpoint every 2. Rank 1 is killed (SIGKILL, from itself) in step
+    5, the relaunch resumes at 4 and crosses the boundary, rank 0 is killed in step 7, the next resumes at 6 (in the
+    stage) and ends: every loss and sample id equal an uninterrupted run's; the rows of stage 0 are each sample's
+    two halves; source a, drawn in both stages, gives no sample twice (its epoch carries over the boundary and the
+    change of length); the LR decays from the stage on."""
     sources = [{**s, "weight": 0 if s["name"] == "c" else s["weight"]} for s in blend_sources(blend)]
-    data = {"shard_dir": None, "sources": sources, "stages": [{"step": 6, "weights": {"a": 1, "c": 3}, "decay": True}]}
+    data = {"shard_dir": None, "sources": sources, "seq_len": 16,
+            "stages": [{"step": 6, "weights": {"a": 1, "c": 3}, "seq_len": 32, "decay": True}]}
     config = lambda name: reference_config(tmp_path, None, name, data=data,  # noqa: E731
                                            train={"max_steps": 10, "decay": "wsd"}, checkpoint={"every": 2})
     launch(config("straight"), 2)
@@ -146,9 +151,18 @@ def test_kill_9_on_each_side_of_a_stage_boundary_resumes_bit_for_bit(blend, tmp_
     check_resumed(launch(chain, 2, env=faults).stdout, 6)
     (loss, ids), (want_loss, want_ids) = record(tmp_path / "chain"), record(tmp_path / "straight")
     assert sorted(loss) == list(range(1, 11)) and loss == want_loss and ids == want_ids
-    drawn = [i for step in sorted(ids[0]) for rank in (0, 1) for i in ids[rank][step]]
+    halves = [ids[rank][step] for step in range(1, 7) for rank in (0, 1)]   # steps 1-6: stage 0's rows of 16
+    assert all(len(b) == 8 and [i[-4:] for i in b] == ["0of2", "1of2"] * 4 and b[::2] == [i[:-4] + "0of2" for i in
+                                                                                         b[1::2]] for b in halves)
+    drawn = [i.removesuffix("/0of2") for step in sorted(ids[0]) for rank in (0, 1) for i in ids[rank][step]
+             if not i.endswith("/1of2")]   # a sample of 32 once: its first row's id, or its own
     first_c = next(k for k, i in enumerate(drawn) if i.startswith("c/"))
     a = [i for i in drawn if i.startswith("a/")]
     assert first_c == 6 * 8 and len(a) > 30 and len(set(a)) == len(a)
     lr = {row["step"]: row["train/lr"] for row in metric_rows(tmp_path / "chain") if "train/lr" in row}
     assert lr[4] == lr[6] == 3e-3 > lr[8] > lr[10]
+    model = load_config(chain).model   # the throughput's FLOPs: at 16 tokens a row to step 6, then at 32
+    per_token = {row["step"]: row["perf/tflops_per_device"] * 2e12 / row["perf/tokens_per_s"]
+                 for row in metric_rows(tmp_path / "straight") if "perf/tokens_per_s" in row}
+    assert all(per_token[s] == pytest.approx(train_flops_per_token(model, 16 if s <= 6 else 32)) for s in per_token)
+    assert train_flops_per_token(model, 16) < train_flops_per_token(model, 32) and len(per_token) == 10

@@ -35,6 +35,19 @@ def test_causal(variant, impl):
         assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-4   # and later positions do see the change
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_shorter_row_is_read_as_the_first_positions_of_max_seq_len(variant):
+    """A data stage of seq_len n < L (data.stages[i].seq_len) trains rows of n: each variant reads them as positions
+    0 … n − 1 of L (its position-indexed weights sliced: the dense synthesizer's F2 output, the random maps, the
+    SGU's W, the learned positions), the logits those of the first n positions of a row of L."""
+    model = build_model(config(variant)).eval()
+    x = tokens(2, L)
+    with torch.no_grad():
+        whole = model(x)
+        for n in (L // 2, L // 4):
+            assert (model(x[:, :n]) - whole[:, :n]).abs().max() <= 1e-5, n
+
+
 @pytest.mark.parametrize("n", [11, L])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_matches_reference(variant, n):

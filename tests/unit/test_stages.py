@@ -74,8 +74,7 @@ def test_no_stages_is_todays_blend():
     ([{"step": 3, "weights": {"a": 1}}, {"step": 3, "weights": {"b": 1}}], "data.stages[1].step=3 must be"),
     ([{"step": 3, "weights": {"a": 0}}], "data.stages[0].weights are all 0"),
     ([{"step": 3}], "data.stages[0] must be a mapping"),
-    ([{"step": 3, "weights": {"a": 1}, "seq_len": 16}], "data.stages[0].seq_len: a stage's own sequence length is "
-                                                         "not supported"),
+    ([{"step": 3, "weights": {"a": 1}, "seq_len": 1.5}], "data.stages[0].seq_len=1.5 must be an integer ≥ 1"),
     ([{"step": 3, "weights": {"a": 1}, "decay": 1}], "data.stages[0].decay=1 must be true"),
     ([{"step": 3, "weights": {"a": 1}, "decay": True}, {"step": 5, "weights": {"b": 1}, "decay": True}],
      "data.stages: decay=true on more than one stage"),

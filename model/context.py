@@ -25,6 +25,12 @@ second chunk 2cp−1−r reads chunks ≤ 2cp−1−r (those < cp from round one
 document mask each chunk's documents are those of the window's prefix up to its end: positions in documents and the
 same-document mask depend only on earlier tokens.
 
+Under sequence parallelism (TP > 1) each chunk's s positions split again over the TP ranks: a TP rank holds s/tp of
+each chunk outside the TP linears, a block gathers a chunk's s before its mixer and MLP (model/sequence_parallel.py),
+and the head's input comes back in TP-rank order, which `split_targets` gives the targets. Under recomputation
+(pretrain/engine.py) each chunk's block is its own region: recomputing the second chunk redoes its round-two gather,
+on every rank at the same point of backward, and reads round one's rows from the cache the region keeps.
+
 Traffic (forward, per layer, per rank): each round all-gathers B·s·(Hl·d_h + Σ f) elements a rank, received from
 cp − 1 peers; backward the same again (the gathered tensors' gradients summed back to their owner).
 Memory: activations of 2s = n/cp positions a rank, and S rows (B, Hl, s, ≤ n) a chunk on this materialized path.

@@ -3,7 +3,8 @@ chunks 0 and 3, rank 1 chunks 1 and 2), gather values, keys and LN(Z2) chunk by 
 query rows. For every variant, with and without the document mask (documents that cross the chunk boundaries), the
 mean of the two ranks' losses is the whole window's loss computed in one process on the fused path, and the sum of
 their gradients ÷ 2 is its gradient, for every parameter; under megatron-core's context-parallel group the model's
-own forward is that split. One launch for every case."""
+own forward is that split; with dropout and every block recomputed, the split run's gradients are those of the same
+split run without recomputation. One launch for every case."""
 import torch
 import torch.distributed as dist
 

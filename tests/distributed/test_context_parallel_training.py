@@ -1,8 +1,10 @@
 """Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with a layer of
-every variant and the document mask, its sequences split over 2 ranks, gives the per-step losses and gradient norms
-of the one-process run, from the same global batches; so do cp 2 × tp 2 (without ZeRO) and cp 2 × pp 2 (pipeline
-stages on the rank's chunks, pretrain/pipeline.py). A cp 2 checkpoint, made universal, resumes at cp 1 and goes on
-with the one-process run's losses (the parameters are replicated over cp as over dp). One launch per layout."""
+every variant and the document mask, its sequences split over 2 ranks and its batches over 2 data-parallel replicas
+(cp 2 × dp 2, ZeRO-1), gives the per-step losses and gradient norms of the one-process run, from the same global
+batches; so do cp 2 × tp 2 (without ZeRO) with sequence parallelism inside each chunk and every block recomputed
+in backward, and cp 2 × pp 2 (pipeline stages on the rank's chunks, pretrain/pipeline.py). The cp 2 × dp 2
+checkpoint, made universal, resumes at cp 1 on one process and goes on with the one-process run's losses (the
+parameters are replicated over cp as over dp). One launch per layout."""
 import pytest
 
 from pretrain.checkpoints.resume import layout_problem

@@ -75,7 +75,7 @@ def recomputed():
         return [p.grad for p in model.parameters() if p.grad is not None]
 
     worst = {}
-    for variant in ("dense+dot", "sgu", "gmlp"):
+    for variant in ("dense+dot", "gmlp"):   # values, a dot member's keys, head dropout; SGU's LN(Z2)
         plain, again = grads(variant, False), grads(variant, True)
         worst[variant] = max(((a - b).norm() / (b.norm() + 1e-12)).item() for a, b in zip(again, plain))
     return worst

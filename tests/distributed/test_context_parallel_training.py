@@ -1,8 +1,8 @@
 """Context parallelism in the trainer (parallel.cp; model/context.py, pretrain/distributed.py): a run with a layer of
 every variant and the document mask, its sequences split over 2 ranks and its batches over 2 data-parallel replicas
 (cp 2 × dp 2, ZeRO-1), gives the per-step losses and gradient norms of the one-process run, from the same global
-batches; so do cp 2 × tp 2 (without ZeRO) with sequence parallelism inside each chunk and every block recomputed
-in backward, and cp 2 × pp 2 (pipeline stages on the rank's chunks, pretrain/pipeline.py). The cp 2 × dp 2
+batches; so do cp 2 × tp 2 (without ZeRO) with sequence parallelism inside each chunk and every other block
+recomputed in backward, and cp 2 × pp 2 (pipeline stages on the rank's chunks, pretrain/pipeline.py). The cp 2 × dp 2
 checkpoint, made universal, resumes at cp 1 on one process and goes on with the one-process run's losses (the
 parameters are replicated over cp as over dp). One launch per layout."""
 import pytest
@@ -52,10 +52,10 @@ def test_cp2_tp2_sequence_parallel_recomputed_without_zero_gives_the_losses_of_o
                                                                                          reference):
     """ZeRO-0: the trainer's own clipping norm (GuardedAdamW, each replica's gradient counted by one rank). Sequence
     parallelism inside each chunk (the norms, residuals and the loss's input on s/tp of its s positions), and every
-    block recomputed in backward: each chunk's recomputation redoes its TP and cp gathers, in the same order on
-    every rank."""
+    other block recomputed in backward (layers 0, 2, …: attention and SGU among them, between blocks that are not):
+    each chunk's recomputation redoes its TP and cp gathers, in the same order on every rank."""
     got = run(tmp_path, shards, "cp2tp2", 4, MICRO_4, cp=2, tp=2, zero_stage=0,
-              sequence_parallel=True, activation_checkpointing=1)
+              sequence_parallel=True, activation_checkpointing=2)
     for have, want in zip(got, reference):
         assert_close(have, want, rel=TOL)
 

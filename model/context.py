@@ -25,6 +25,12 @@ second chunk 2cp−1−r reads chunks ≤ 2cp−1−r (those < cp from round one
 document mask each chunk's documents are those of the window's prefix up to its end: positions in documents and the
 same-document mask depend only on earlier tokens.
 
+Under sequence parallelism (TP > 1) each chunk's s positions split again over the TP ranks: a TP rank holds s/tp of
+each chunk outside the TP linears, a block gathers a chunk's s before its mixer and MLP (model/sequence_parallel.py),
+and the head's input comes back in TP-rank order, which `split_targets` gives the targets. Under recomputation
+(pretrain/engine.py) each chunk's block is its own region: recomputing the second chunk redoes its round-two gather,
+on every rank at the same point of backward, and reads round one's rows from the cache the region keeps.
+
 Traffic (forward, per layer, per rank): each round all-gathers B·s·(Hl·d_h + Σ f) elements a rank, received from
 cp − 1 peers; backward the same again (the gathered tensors' gradients summed back to their owner).
 Memory: activations of 2s = n/cp positions a rank, and S rows (B, Hl, s, ≤ n) a chunk on this materialized path.
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .ranks import cp_group, cp_world
+from .sequence_parallel import sequence_split
 
 
 def chunks(n: int, cp: int, rank: int) -> list[tuple[int, int]]:
@@ -54,6 +61,15 @@ def chunk_of(rank: int, cp: int, round_: int) -> int:
 def split(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's two chunks of a whole sequence t (… n …) along `dim`, concatenated (… n/cp …)."""
     return torch.cat([t.narrow(dim, t0, t1 - t0) for t0, t1 in chunks(t.shape[dim], cp, rank)], dim=dim)
+
+
+def split_targets(targets: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This rank's targets (B, n/cp) of its two chunks of the windows' targets (B, n), in the order of the head's
+    input: `split`'s, or under sequence parallelism (sp = TP ranks) that of `gather_sequence` over the rank's
+    sequence-parallel pieces (each chunk's s/sp positions of each TP rank): TP rank 0's piece of the first chunk, its
+    piece of the second, then TP rank 1's, …"""
+    t, sp = split(targets, cp, rank), sequence_split()
+    return t if sp == 1 else t.unflatten(1, (2, sp, -1)).transpose(1, 2).flatten(1)
 
 
 class _AllGather(torch.autograd.Function):
@@ -115,9 +131,10 @@ class ContextCache:
 def splits(n: int) -> bool:
     """Whether a forward with targets of windows of n tokens runs split over the context-parallel group (parallel.cp
     > 1; model/ranks.py). A length that does not split into 2·cp chunks runs whole on every rank of the group: the
-    same loss on each, so their mean and the mean of their gradients are still the windows'."""
+    same loss on each, so their mean and the mean of their gradients are still the windows'. Under sequence
+    parallelism a chunk's positions split again over TP: n must be a multiple of 2·cp·tp."""
     cp = cp_world()
-    return cp > 1 and n % (2 * cp) == 0
+    return cp > 1 and n % (2 * cp * sequence_split()) == 0
 
 
 def loss(model, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
@@ -132,18 +149,20 @@ def loss(model, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torc
     x = torch.cat([model.embed(tokens[:, t0:t1], t0, d) for (t0, t1), d in zip(spans, docs)], dim=1)
     for block in model.blocks:
         x = block_chunks(block, x, group, docs)
-    return model.head_loss(x, split(targets, cp, rank))
+    return model.head_loss(x, split_targets(targets, cp, rank))
 
 
 def block_chunks(block, x: torch.Tensor, group, docs: list | None = None) -> torch.Tensor:
     """One block on this rank's two chunks x (B, n/cp, d) (its first chunk's s positions, then its second's, as
-    `split` lays them out) → (B, n/cp, d): the first chunk through the block, then the second, with the block's own
+    `split` lays them out; under sequence parallelism this TP rank's s/tp positions of each, (B, n/(cp·tp), d)) →
+    the same shape: the first chunk through the block, then the second, with the block's own
     `ContextCache` (one all-gather a round of its per-position tensors over `group`). `block(x, t0=, cache=, docs=)`
     is a Block's forward; `docs`: each chunk's documents (of the window's prefix up to the chunk's end), or None.
     The whole model (`loss`) and a pipeline stage (pretrain/pipeline.py) run their blocks through this."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = x.shape[1] * cp
+    m = x.shape[1] // 2                      # a chunk's positions here: s, or s/tp in the sequence-parallel region
+    n = 2 * cp * m * sequence_split()
     spans, cache = chunks(n, cp, rank), ContextCache(group, n)
     docs = docs or [None, None]
-    halves = x.split(n // (2 * cp), dim=1)
+    halves = x.split(m, dim=1)
     return torch.cat([block(h, t0=t0, cache=cache, docs=d) for h, (t0, _), d in zip(halves, spans, docs)], dim=1)

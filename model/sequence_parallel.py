@@ -57,6 +57,11 @@ def sequence_parallel() -> bool:
     return _enabled and tp_world() > 1
 
 
+def sequence_split() -> int:
+    """How many ranks split the sequence-parallel region's positions: TP under sequence parallelism, else 1."""
+    return tp_world() if sequence_parallel() else 1
+
+
 def _chunk(n: int) -> int:
     if n % tp_world():
         raise ValueError(f"sequence length n={n} is not divisible by parallel.tp={tp_world()}: under "

@@ -124,8 +124,8 @@ class BlockChunks(Block):
 
 def chunk_loss(logits, targets):
     """Last stage under cp: the mean cross-entropy of logits (B, n/cp, V/TP) against this rank's chunks of the
-    window's targets (B, n)."""
-    return Head.loss(logits, context.split(targets, cp_world(), cp_rank()))
+    window's targets (B, n), in the logits' order (`context.split_targets`: another under sequence parallelism)."""
+    return Head.loss(logits, context.split_targets(targets, cp_world(), cp_rank()))
 
 
 def stage_prefixes(cfg: ModelConfig) -> list[str]:

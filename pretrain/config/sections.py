@@ -127,7 +127,8 @@ class ParallelSection:
     partition: str = described("how pipeline stages split the layers: 'parameters' (balance parameter counts) or "
                         "'uniform' (balance layer counts)", "parameters")
     sequence_parallel: bool = described("tp > 1: norms, dropouts, residuals, loss input on n/tp positions a rank (Megatron's"
-                                        "; max_seq_len % tp = 0); off: slower at tp 2 on gloo (docs/DESIGN.md §2)", False)
+                                        "; max_seq_len % tp = 0, % 2·cp·tp under cp); off: slower at tp 2 on gloo "
+                                        "(docs/DESIGN.md §2)", False)
     activation_checkpointing: int = described("recompute activations in backward: 0 = off, 1 = every layer, "
                                        "k = every k-th layer (layers 0, k, 2k, …)", 0)
     cpu_keep_freed_memory: bool = described("CPU runs: malloc keeps freed memory in the process (faster steps, no page "

@@ -105,12 +105,13 @@ class TrainConfig:
             raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp = {2 * p.cp}, as "
                               "context parallelism needs (each rank holds two chunks of n/(2·cp)); choose max_seq_len "
                               "as a multiple of it")
-        if p.tp > 1 and p.sequence_parallel:   # the chunks' positions split again over TP: not tested
-            raise ConfigError(f"parallel.cp={p.cp} with parallel.tp={p.tp} needs parallel.sequence_parallel=false "
-                              "(sequence parallelism inside a context-parallel chunk is not built yet)")
-        if p.activation_checkpointing or t.compile:   # recomputing a chunk would redo its gathers inside backward
-            raise ConfigError(f"parallel.cp={p.cp} needs parallel.activation_checkpointing=0 and train.compile=false "
-                              f"(they are {p.activation_checkpointing}, {str(t.compile).lower()}): neither is built for "
+        if p.tp > 1 and p.sequence_parallel and m.max_seq_len % (2 * p.cp * p.tp):   # a chunk's positions over TP
+            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp·parallel.tp = "
+                              f"{2 * p.cp * p.tp}, as parallel.sequence_parallel under context parallelism needs (each "
+                              "TP rank holds n/(2·cp·tp) positions of a chunk); choose max_seq_len as a multiple of it "
+                              "or set parallel.sequence_parallel=false")
+        if t.compile:
+            raise ConfigError(f"parallel.cp={p.cp} needs train.compile=false: compiled blocks are not built for "
                               "context-parallel chunks yet")
 
     def check_runtime(self, world_size: int, cuda: bool | None = None) -> Runtime:

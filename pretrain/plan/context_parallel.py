@@ -173,8 +173,9 @@ def cp_activations(cfg: ModelConfig, B: int, n: int, cp: int, tp: int = 1, a: in
                    layers: range | None = None, first: bool = True, last: bool = True, pipeline: bool = False,
                    gpu: bool = False, sp: int = 1) -> Activations:
     """model/memory.py's `activations` under cp: the embedding and the head at n/cp positions, each block's terms
-    above (`checkpoint_every` k > 0: blocks 0, k, 2k, … keep their input, n/cp positions, and come back one at a
-    time in backward)."""
+    above (`checkpoint_every` k > 0: blocks 0, k, 2k, … keep their input, n/cp positions (n/(cp·sp) under sequence
+    parallelism), and the whole window's gathered rows B·n·F that the chunks' recomputation reads, pipeline stages
+    excepted, and come back one at a time in backward)."""
     s, P, K = spans(n, cp)
     layers = range(cfg.n_layers) if layers is None else layers
     outer = activations(cfg, B, P, tp, a, 0, range(0), first, last, pipeline, gpu, sp)   # embedding, head, docs
@@ -182,8 +183,11 @@ def cp_activations(cfg: ModelConfig, B: int, n: int, cp: int, tp: int = 1, a: in
     mixers, groups = cfg.layer_mixers(), {}
     for i in layers:
         size = sum(t.bytes for t in layer_terms(cfg, i, B, n, cp, tp, a, gpu, sp))
-        if checkpoint_every and i % checkpoint_every == 0:
-            what, each = f"{mixers[i]}, checkpointed: its input", a * B * P * cfg.d_model // sp
+        if checkpoint_every and i % checkpoint_every == 0:   # and, unless a pipeline stage recomputes both chunks
+            # in one region, the ContextCache that each chunk's recomputation takes along: every chunk's rows, B·n·F
+            cache = 0 if pipeline else a * B * n * gathered_width(cfg, i, tp)
+            what = f"{mixers[i]}, checkpointed: its input{'' if pipeline else ' and its gathered rows'}"
+            each = a * B * P * cfg.d_model // sp + cache
             if size > worst.bytes:
                 worst = Term(f"layer {i} ({mixers[i]}) recomputed in backward", size)
         else:

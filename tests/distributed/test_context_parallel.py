@@ -3,12 +3,15 @@ chunks 0 and 3, rank 1 chunks 1 and 2), gather values, keys and LN(Z2) chunk by 
 query rows. For every variant, with and without the document mask (documents that cross the chunk boundaries), the
 mean of the two ranks' losses is the whole window's loss computed in one process on the fused path, and the sum of
 their gradients ÷ 2 is its gradient, for every parameter; under megatron-core's context-parallel group the model's
-own forward is that split. One launch for every case."""
+own forward is that split; with dropout and every block recomputed, the split run's gradients are those of the same
+split run without recomputation. One launch for every case."""
 import torch
 import torch.distributed as dist
 
 from model import build_model, variants
 from model import context
+from model import parallel as tp
+from pretrain.engine import checkpoint_activations
 from tests.support.distributed import run_distributed
 from tests.unit.test_model import config
 
@@ -54,7 +57,28 @@ def compare(rank, world):
                 g /= world
                 errors.append(((g - ref).norm() / (ref.norm() + 1e-3 * top)).item())
             worst[(variant, masked)] = max(errors)
-    return worst, wired()
+    return worst, wired(), recomputed()
+
+
+def recomputed():
+    """With dropout (residual and head) and every block recomputed in backward (pretrain/engine.py), the split run's
+    gradients are those of the same split run without recomputation: the recomputed chunks redo their gathers in the
+    same order on both ranks and draw the forward's masks. {variant: worst relative error}."""
+    def grads(variant, recompute):
+        model = build_model(config(variant, document_mask=True, eos_id=EOS, dropout=0.2, mixer_dropout=0.5))
+        if recompute:
+            checkpoint_activations(model, 1)
+        tp.rng_tracker.set_seed(9)
+        torch.manual_seed(4 + dist.get_rank())
+        x = window(True)
+        context.loss(model, x[:, :-1], x[:, 1:], dist.group.WORLD).backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    worst = {}
+    for variant in ("dense+dot", "gmlp"):   # values, a dot member's keys, head dropout; SGU's LN(Z2)
+        plain, again = grads(variant, False), grads(variant, True)
+        worst[variant] = max(((a - b).norm() / (b.norm() + 1e-12)).item() for a, b in zip(again, plain))
+    return worst
 
 
 def wired():
@@ -75,13 +99,15 @@ def wired():
 
 
 def test_context_parallel_2_gives_the_loss_and_gradients_of_one_rank_for_every_variant_masked_and_not():
-    (worst, wired0), (worst1, wired1) = run_distributed(compare, 2)
+    (worst, wired0, again0), (worst1, wired1, again1) = run_distributed(compare, 2)
     assert worst == worst1   # the all-reduced figures, the same on both ranks
     bad = {case: e for case, e in worst.items() if e > 1e-4}   # fp32 sums in another order: ~1e-6
     assert len(worst) == 2 * len(VARIANTS) and not bad, bad
     for own, parts, odd, whole in (wired0, wired1):
         assert own == parts and odd == whole
     assert wired0[0] != wired1[0]   # each rank its own chunks' loss
+    for again in (again0, again1):   # recomputation: the same operations on the same values
+        assert max(again.values()) < 1e-6, again
 
 
 def test_the_chunks_are_balanced_and_cover_the_sequence_once():

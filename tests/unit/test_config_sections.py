@@ -199,11 +199,13 @@ def test_context_parallel_layouts_and_what_it_refuses():
         ds["gradient_accumulation_steps"] * rt.dp * 2
     assert load_config(DEMO, ["parallel.cp=2", "parallel.tp=2"]).check_runtime(4).dp == 1
     assert load_config(DEMO, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=1"]).check_runtime(8).dp == 2
-    cp2 = ["parallel.cp=2"]
+    cp2, sp = ["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    # sequence parallelism inside a chunk and recomputation run with cp (tests/distributed/test_context_parallel*.py)
+    assert load_config(DEMO, cp2 + sp + ["parallel.activation_checkpointing=1"]).check_runtime(4).dp == 1
     for overrides, needles in [(["parallel.cp=3"], ["model.max_seq_len=128", "2·parallel.cp = 6"]),
-                               (cp2 + ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                ["parallel.sequence_parallel=false"]),
-                               (cp2 + ["parallel.activation_checkpointing=1"], ["parallel.activation_checkpointing=0"]),
+                               (cp2 + sp + ["model.max_seq_len=132"],   # 132 = 4·33: two chunks of 33, not over tp 2
+                                ["model.max_seq_len=132", "2·parallel.cp·parallel.tp = 8",
+                                 "parallel.sequence_parallel=false"]),
                                (cp2 + ["train.compile=true"], ["train.compile=false"])]:
         with pytest.raises(ConfigError) as e:
             load_config(DEMO, overrides).check_runtime(12)

@@ -121,3 +121,19 @@ def test_an_sgu_block_under_cp_2_by_hand():
     assert terms["sgu: U X before and after GELU, LN(Z2), the gate, their product"] == 4 * 7 * 2 * 8 * 8
     assert terms["gathered LN(Z2) of keys j < t1, B·K·F = 2·20·8"] == 4 * 2 * 20 * 8
     assert terms["sgu: W rows ⊙ causal, per sample, (B or 1)·Hl·s·K = 2·2·4·20"] == 4 * 2 * 2 * 4 * 20
+
+
+def test_a_recomputed_block_under_cp_keeps_its_input_and_the_gathered_rows():
+    """parallel.activation_checkpointing under cp: a checkpointed dense block keeps its input, P = 8 positions of
+    d = 8 (P/tp under sequence parallelism), and its ContextCache, every chunk's values B·n·F = 2·16·8, which the
+    second chunk's recomputation reads; a pipeline stage recomputes both chunks in one region and keeps its input
+    alone."""
+    cfg, a = ModelConfig(mixer="dense", **TINY), 4
+    kept = {t.name: t.bytes for t in cpp.cp_activations(cfg, 2, 16, 2, 1, a, checkpoint_every=1).kept}
+    assert kept["1 layer(s) (dense, checkpointed: its input and its gathered rows) under cp 2"] == \
+        a * 2 * 8 * 8 + a * 2 * 16 * 8
+    kept = {t.name: t.bytes for t in cpp.cp_activations(cfg, 2, 16, 2, 2, a, checkpoint_every=1, sp=2).kept}
+    assert kept["1 layer(s) (dense, checkpointed: its input and its gathered rows) under cp 2"] == \
+        a * 2 * 8 * 8 // 2 + a * 2 * 16 * 4   # heads over tp 2: F = Hl·d_h = 4
+    kept = {t.name: t.bytes for t in cpp.cp_activations(cfg, 2, 16, 2, 1, a, checkpoint_every=1, pipeline=True).kept}
+    assert kept["1 layer(s) (dense, checkpointed: its input) under cp 2"] == a * 2 * 8 * 8

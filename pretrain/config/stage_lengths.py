@@ -1,8 +1,8 @@
 """The lengths the data stages train at (data.seq_len, data.stages[i].seq_len) against the model and the layout. A stage
 of L trains each sample of model.max_seq_len = M as M/L rows of L (tokendata/lengths.py `StageLengths`): L must divide
 M, is at most M (the model's position-indexed weights hold M positions: a longer stage needs a longer model first),
-and splits as the layout splits a sequence (context parallelism: 2·cp chunks; sequence parallelism: tp parts). A step
-keeps its tokens, so the LR schedule, train.max_tokens and the time and memory plans (made at M, the largest) stand."""
+and splits as the layout splits a sequence (context parallelism: 2·cp chunks; sequence parallelism: tp parts of the
+sequence, or of each chunk under cp). A step keeps its tokens, so the LR schedule, train.max_tokens and the time and memory plans (made at M, the largest) stand."""
 from __future__ import annotations
 
 from model.config import ConfigError
@@ -28,10 +28,11 @@ def check_stage_lengths(model, parallel, data) -> None:
         if L % (2 * cp):
             raise ConfigError(f"{key}={L} is not divisible by 2·parallel.cp = {2 * cp}, as context parallelism needs "
                               f"(each rank holds two chunks of n/(2·cp)); choose a multiple of it")
-        if tp > 1 and parallel.sequence_parallel and L % tp:
-            raise ConfigError(f"{key}={L} is not divisible by parallel.tp={tp}, as parallel.sequence_parallel needs "
-                              f"(each rank holds n/tp positions); choose a multiple of tp or set "
-                              f"parallel.sequence_parallel=false")
+        split, by = (2 * cp * tp, f"2·parallel.cp·parallel.tp = {2 * cp * tp}") if cp > 1 else (tp, f"parallel.tp={tp}")
+        if tp > 1 and parallel.sequence_parallel and L % split:   # under cp each of a rank's chunks splits over TP
+            raise ConfigError(f"{key}={L} is not divisible by {by}, as parallel.sequence_parallel needs (each TP rank "
+                              f"holds n/{split} positions); choose a multiple of {split} or set "
+                              "parallel.sequence_parallel=false")
         if parallel.pp > 1 and L != M:
             raise ConfigError(f"{key}={L} needs parallel.pp=1: the pipeline engine sends activations of one shape "
                               f"(model.max_seq_len={M} positions) between its stages; set {key}={M} or parallel.pp=1")

@@ -140,6 +140,8 @@ ANY = ["data.shard_dir=x", "model.max_seq_len=128"]
      "data.stages[1].seq_len=2 is not divisible by 2·parallel.cp = 4"),
     (["data.seq_len=2", "parallel.tp=4", "parallel.sequence_parallel=true"],
      "data.seq_len=2 is not divisible by parallel.tp=4, as parallel.sequence_parallel needs"),
+    (["data.seq_len=4", "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"],   # chunks of 1 over tp 2
+     "data.seq_len=4 is not divisible by 2·parallel.cp·parallel.tp = 8, as parallel.sequence_parallel needs"),
     (["data.stages=[{step: 5, seq_len: 64}]", "parallel.pp=2", "parallel.zero_stage=1"],
      "data.stages[0].seq_len=64 needs parallel.pp=1"),
 ])

@@ -39,9 +39,9 @@ def stage_lines(cfg: TrainConfig) -> list[str]:
     stages, P = cfg.data.stage_list(), cfg.batch_ramp().samples_before   # P(step): picks before it
     if not stages and cfg.data.seq_len is None:
         return []
-    blend, lengths = blend_of([s["weight"] for s in named], [(P(step), w) for step, w in stages]), \
-        StageLengths(M, length_list(cfg.data))   # by step here
-    ends, pos, lines, said = [step for step, _ in stages], blend.start(), [], length_list(cfg.data)
+    said = length_list(cfg.data)   # [(first step, L)] of the stages that set a length
+    blend, lengths = blend_of([s["weight"] for s in named], [(P(step), w) for step, w in stages]), StageLengths(M, said)
+    ends, pos, lines = [step for step, _ in stages], blend.start(), []
     ends.append(max([cfg.train.max_steps] + ends))
     for k, (first, last) in enumerate(zip([0] + ends[:-1], ends)):
         before = list(pos.counts)

@@ -22,7 +22,7 @@ from pretrain.config.deepspeed_section import DeepSpeedSection, refuse_owned
 from pretrain.config.fleet_section import FleetSection
 from pretrain.config.batch_ramp import check_layout, ramp_of
 from pretrain.config.schedule import stage_decay
-from pretrain.config.stage_lengths import check_stage_lengths
+from pretrain.config.stage_lengths import check_stage_lengths, split_problem
 from pretrain.config.checkpoint_section import CheckpointSection
 from pretrain.config.sections import DataSection, LoggingSection, ParallelSection, TrainSection
 from tokendata.order import check_streams, default_streams
@@ -99,17 +99,9 @@ class TrainConfig:
         return self.data.canonical_streams or default_streams(self.train.global_batch_size)
 
     def check_context_parallel(self) -> None:
-        """parallel.cp > 1 (model/context.py): what it splits, and the combinations the trainer does not run with it."""
-        m, p, t = self.model, self.parallel, self.train
-        if m.max_seq_len % (2 * p.cp):
-            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp = {2 * p.cp}, as "
-                              "context parallelism needs (each rank holds two chunks of n/(2·cp)); choose max_seq_len "
-                              "as a multiple of it")
-        if p.tp > 1 and p.sequence_parallel and m.max_seq_len % (2 * p.cp * p.tp):   # a chunk's positions over TP
-            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by 2·parallel.cp·parallel.tp = "
-                              f"{2 * p.cp * p.tp}, as parallel.sequence_parallel under context parallelism needs (each "
-                              "TP rank holds n/(2·cp·tp) positions of a chunk); choose max_seq_len as a multiple of it "
-                              "or set parallel.sequence_parallel=false")
+        """parallel.cp > 1 (model/context.py): the combinations the trainer does not run with it (how it splits
+        model.max_seq_len: `split_problem`, in check_runtime)."""
+        p, t = self.parallel, self.train
         if t.compile:
             raise ConfigError(f"parallel.cp={p.cp} needs train.compile=false: compiled blocks are not built for "
                               "context-parallel chunks yet")
@@ -124,10 +116,8 @@ class TrainConfig:
         if m.vocab_size % p.tp:  # VocabParallelEmbedding splits the vocabulary evenly
             raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
                               "pad the vocabulary")
-        if p.tp > 1 and p.sequence_parallel and m.max_seq_len % p.tp:
-            raise ConfigError(f"model.max_seq_len={m.max_seq_len} is not divisible by parallel.tp={p.tp}, as "
-                              "parallel.sequence_parallel needs (each rank holds n/tp positions); choose max_seq_len "
-                              "as a multiple of tp or set parallel.sequence_parallel=false")
+        if problem := split_problem("model.max_seq_len", m.max_seq_len, p):   # 2·cp chunks, tp parts under SP
+            raise ConfigError(problem)
         if p.cp > 1:
             self.check_context_parallel()
         if m.n_layers < p.pp:

@@ -106,6 +106,11 @@ def measure(fmt, ids, ends, work, repeat=3):
     files, given = write(src, ids, ends)
     nbytes = sum(os.path.getsize(f) for f in files)
     cp_dir = os.path.join(work, "cp")
+    for f in files:   # out of the page cache, then read back once: cached as a corpus read from disk is, not as just written
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)   # both start from the page cache
     args = ["--format", fmt, "--input", given, "--tokenizer", TOKENIZER, "--out", out, "--seq-len", "2048",
             "--quiet", *extra]

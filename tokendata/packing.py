@@ -4,12 +4,14 @@ the ids of a corpus tokenized elsewhere (tokendata/imports/). The same stream gi
 
     packer = Packer(out, seq_len, samples_per_shard, val_fraction, seed, dtype)
     packer.add(ids)     # any number of times: the next ids of the stream (any integer dtype)
+    low, high = packer.add_documents(docs)   # or the next documents where they lie (tokendata/windows.py)
     packer.close()      # the last partial shards
     packer.finish(tok, tokenizer_source, inputs, input_description)   # tokenizer files, then manifest.json
 
 Windows of seq_len+1 ids are taken with stride seq_len (consecutive samples share one boundary token, as in
 Megatron's GPTDataset); each goes to val with probability val_fraction (a seeded coin flip per window, in stream
-order), else to train.
+order: Python's random.Random(seed).random(), drawn by numpy a chunk at a time), else to train. Each window is copied
+once, from where its documents lie straight into its shard's buffer (tokendata/windows.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,20 @@ import numpy as np
 
 from tokendata import tokenizer as tokenizers
 from tokendata.shards import DTYPES, HASH, MANIFEST_FORMAT, SplitWriter, write_file, write_manifest
+from tokendata.windows import Documents, fill
+
+
+def coin(seed: int) -> np.random.RandomState:
+    """Draws equal to random.Random(seed).random()'s, in order (both MT19937 with 53-bit doubles; numpy takes Python's
+    seeded state), a chunk at a time: shard sets split by one Python draw a window stay the same."""
+    state = random.Random(seed).getstate()[1]
+    draws = np.random.RandomState()
+    draws.set_state(("MT19937", np.array(state[:624], dtype=np.uint32), state[624]))
+    return draws
+
+
+def span(ids: np.ndarray) -> tuple[int, int]:
+    return (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
 
 
 class Packer:
@@ -28,37 +44,47 @@ class Packer:
     def __init__(self, out, seq_len, samples_per_shard, val_fraction, seed, dtype):
         self.out, self.seq_len, self.seed, self.val_fraction, self.dtype = out, seq_len, seed, val_fraction, dtype
         self.writers = {s: SplitWriter(out, s, samples_per_shard, dtype) for s in ("train", "val")}
-        self.coin = random.Random(seed)   # one draw per sample: the split depends only on (stream, seed, seq_len)
+        self.coin = coin(seed)   # one draw per sample: the split depends only on (stream, seed, seq_len)
         self.leftover = np.zeros(0, dtype=DTYPES[dtype][0])
         self.tokens = 0
 
     def add(self, ids: np.ndarray) -> None:
-        n = self.seq_len
-        self.tokens += len(ids)
-        ids = np.asarray(ids).astype(DTYPES[self.dtype][0], copy=False)
+        """The next ids of the stream (any integer dtype)."""
+        ids = np.ascontiguousarray(np.asarray(ids).astype(self.numpy_dtype, copy=False))
+        self.add_documents(Documents.of_stream(ids, 0))
+
+    def add_documents(self, docs: Documents) -> tuple[int, int]:
+        """The next documents' stream (ids as wide as the shards'), each window copied from where its ids lie into
+        its shard; the smallest and largest id of that stream (as docs.dtype reads them; 0, 0 when it is empty)."""
+        n, total, dtype = self.seq_len, docs.tokens, np.dtype(self.numpy_dtype)
+        if docs.dtype.itemsize != dtype.itemsize:
+            raise ValueError(f"documents of {docs.dtype} for shards of {dtype}: convert them first")
+        self.tokens += total
         head = len(self.leftover)   # 1..n ids left from before (0 at the start): the first window begins with them
-        if head + len(ids) < n + 1:
-            self.leftover = np.concatenate([self.leftover, ids])
-            return
-        # window 0 joins the leftover to the chunk; every later one lies inside `ids`, from n - head on, and is read
-        # through an overlapping view (no copy), so a run of windows bound for one shard is copied once, by the writer
-        first = np.concatenate([self.leftover, ids[:n + 1 - head]])[None, :]
-        rest = ids[n - head:]
-        count = (len(rest) - 1) // n   # len(rest) >= 1: head + len(ids) > n
-        rest_windows = np.lib.stride_tricks.as_strided(rest, (count, n + 1), (n * rest.itemsize, rest.itemsize),
-                                                       writeable=False)
-        coin, fraction = self.coin.random, self.val_fraction
-        val = np.array([coin() < fraction for _ in range(count + 1)], dtype=bool)   # window 0 is `first`
-        self.writers["val" if val[0] else "train"].write_block(first, 1)
-        # runs of windows bound for one split, found at once; each run goes to its writer a shard's room at a time
-        bounds = np.flatnonzero(np.diff(val[1:].view(np.int8))) + 1
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), count]) if count else ():
-            writer = self.writers["val" if val[lo + 1] else "train"]
-            while lo < hi:
-                take = min(hi - lo, writer.room)
-                writer.write_block(rest_windows[lo:lo + take], take)
-                lo += take
-        self.leftover = rest[count * n:].copy()   # >= 1 token: the last window's end is the next window's start
+        if head + total < n + 1:
+            tail = docs.ids(0, total)
+            self.leftover = np.concatenate([self.leftover, tail.view(dtype)])
+            return span(tail)
+        # window 0 joins the leftover to the documents; window k ≥ 1 is the stream's [n - head + (k-1)·n, + n + 1)
+        first = docs.ids(0, n + 1 - head)
+        ranges = [span(first)]
+        count = (total - (n - head) - 1) // n   # total - (n - head) >= 1: head + total > n
+        val = self.coin.random_sample(count + 1) < self.val_fraction   # window 0 is `first`
+        self.writers["val" if val[0] else "train"].write_block(np.concatenate([self.leftover, first.view(dtype)]), 1)
+        # each split's windows, a shard's room at a time, each window copied once from where its ids lie
+        at = n - head + n * np.arange(count, dtype=np.int64)   # window k + 1 starts at stream position at[k]
+        row = (n + 1) * dtype.itemsize
+        for split, positions in (("train", at[~val[1:]]), ("val", at[val[1:]])):
+            writer = self.writers[split]
+            while len(positions):
+                take = min(len(positions), writer.room)
+                ranges.append(fill(docs, positions[:take], n + 1, writer.reserve(take * row)))
+                writer.commit(take, take * row)
+                positions = positions[take:]
+        rest = docs.ids(n - head + count * n, total)   # >= 1 id: the last window's end is the next window's start
+        self.leftover = rest.view(dtype)
+        ranges.append(span(rest))
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
 
     @property
     def numpy_dtype(self) -> str:

@@ -165,7 +165,8 @@ def tar_file(member: str, payload: bytes) -> bytes:
 
 class SplitWriter:
     """Writes one split's samples into numbered shards (format 2), each written whole once it is full: a sample at a
-    time (`write`) or a block of them (`write_block`: rows of a 2-D array, copied once)."""
+    time (`write`), a block of them (`write_block`: rows of a 2-D array, copied once), or bytes filled in place
+    (`reserve`, then `commit`)."""
 
     def __init__(self, out_dir, split, samples_per_shard, dtype):
         self.out_dir, self.split, self.per_shard = out_dir, split, samples_per_shard
@@ -185,18 +186,26 @@ class SplitWriter:
 
     def write_block(self, samples, count: int):
         """`count` (≤ room) samples back to back: bytes, or a 2-D array of one row a sample."""
+        block = samples if isinstance(samples, np.ndarray) else np.frombuffer(samples, dtype=np.uint8)
+        # a block's rows (an overlapping view of the stream) copied once, into place
+        self.reserve(block.nbytes).view(block.dtype).reshape(block.shape)[...] = block
+        self.commit(count, block.nbytes)
+
+    def reserve(self, nbytes: int) -> np.ndarray:
+        """The open shard's next `nbytes` (uint8), to be filled in place and then commit()ted."""
         if not self.used:
             self.shards.append({"name": f"{self.split}-{len(self.shards):06d}.tar", "samples": 0,
                                 "first_id": f"{self.split}-{len(self.shards):06d}-000000", "first_index": self.samples})
-        block = samples if isinstance(samples, np.ndarray) else np.frombuffer(samples, dtype=np.uint8)
-        end = self.used + block.nbytes
+        end = self.used + nbytes
         if end > len(self.buffer):
             grown = np.empty(max(end, 2 * len(self.buffer)), dtype=np.uint8)
             grown[:self.used] = self.buffer[:self.used]
             self.buffer = grown
-        # a block's rows (an overlapping view of the stream) copied once, into place
-        self.buffer[self.used:end].view(block.dtype).reshape(block.shape)[...] = block
-        self.used = end
+        return self.buffer[self.used:end]
+
+    def commit(self, count: int, nbytes: int):
+        """The `count` samples of the `nbytes` last reserved are in place."""
+        self.used += nbytes
         self.shards[-1]["samples"] += count
         self.samples += count
         if self.shards[-1]["samples"] == self.per_shard:

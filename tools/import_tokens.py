@@ -18,16 +18,18 @@ import argparse
 import sys
 import time
 
+import numpy as np
+
 from cli import UsageError, one_line_errors
 from tokendata import tokenizer as tokenizers
-from tokendata.imports import checked, megatron, mds, npy, with_eos
+from tokendata.imports import checked, in_vocab, megatron, mds, npy
 from tokendata.packing import Packer
 from tokendata.shards import dtype_for
 from tools.make_shards import prepare_out_dir, wrote_line
 
-READERS = {"megatron": lambda path, args, eos: megatron.chunks(path),
+READERS = {"megatron": lambda path, args, eos: megatron.chunks(path, eos),
            "mds": lambda path, args, eos: mds.chunks(path, args.mds_column, args.dtype, eos),
-           "npy": lambda path, args, eos: npy.chunks(path, args.dtype)}
+           "npy": lambda path, args, eos: npy.chunks(path, args.dtype, eos)}
 
 
 def import_tokens(args, progress=True) -> dict:
@@ -45,9 +47,13 @@ def import_tokens(args, progress=True) -> dict:
     packer = Packer(args.out, args.seq_len, args.samples_per_shard, args.val_fraction, args.seed, dtype_for(vocab))
     t0, read, nbytes = time.perf_counter(), 0, 0
     for path in args.input:
-        for ids, ends, where in READERS[args.format](path, args, eos):
-            read, nbytes = read + len(ids), nbytes + ids.nbytes
-            packer.add(with_eos(checked(ids, vocab, where), ends, eos, packer.numpy_dtype))
+        for docs, where in READERS[args.format](path, args, eos):
+            size = int(docs.lengths.sum())
+            read, nbytes = read + size, nbytes + size * docs.dtype.itemsize
+            if docs.dtype.itemsize == np.dtype(packer.numpy_dtype).itemsize:   # copied from where they lie
+                in_vocab(*packer.add_documents(docs), vocab, where)
+            else:   # ids of another width: joined, checked, then converted (one copy more)
+                packer.add(checked(docs.ids(0, docs.tokens), vocab, where))
             if progress:
                 print(f"\rimporting {where}: {read:,} ids, {nbytes / 1e6:,.0f} MB, "
                       f"{nbytes / 1e6 / max(time.perf_counter() - t0, 1e-9):,.0f} MB/s", end="", file=sys.stderr,

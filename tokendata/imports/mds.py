@@ -18,8 +18,9 @@ import os
 
 import numpy as np
 
-from tokendata.imports import CHUNK_TOKENS, interleaved, read_exact
+from tokendata.imports import eos_after, read_exact
 from tokendata.remote import DataError
+from tokendata.windows import Documents
 
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
                 65: "int64"}
@@ -91,10 +92,8 @@ def values(data: np.ndarray, start: np.ndarray, end: np.ndarray, encoding: str, 
     return np.dtype(value), start
 
 
-def chunks(folder: str, column: str | None = None, dtype: str | None = None, eos: int | None = None):
-    """(ids, document ends in them, where): a sample a document, about CHUNK_TOKENS ids at a time. With `eos`, it is
-    put after each sample that does not end with it in the same copy that gathers the samples (the ends are then
-    empty: nothing is left to insert)."""
+def chunks(folder: str, column: str | None, dtype: str | None, eos: int):
+    """(Documents, where): a sample a document, a shard file at a time, each where it lies in the file."""
     for shard in shards(folder):
         where = os.path.join(folder, shard["raw_data"]["basename"])
         col, encoding = column_of(shard, column, where)
@@ -104,22 +103,8 @@ def chunks(folder: str, column: str | None = None, dtype: str | None = None, eos
         width = value.itemsize
         if np.any((end - first) % width):
             raise DataError(f"{where}: a sample's tokens are not a whole number of {value} ids")
-        open_end = np.ones(len(end), dtype=bool)   # samples that need an eos after them
-        if eos is not None:
-            nonempty = end > first
-            last = data[(end[nonempty, None] - width) + np.arange(width)].copy().view(value)[:, 0]
-            open_end[nonempty] = last != eos
-            open_end &= nonempty
-        buf, step = memoryview(data), max(1, CHUNK_TOKENS * width // max(1, int(np.mean(end - first))))
-        eos_bytes = b"" if eos is None else np.asarray(eos, value).tobytes()
-        for k in range(0, len(first), step):   # whole samples, about CHUNK_TOKENS ids at a time: one join each
-            s, e = first[k:k + step].tolist(), end[k:k + step].tolist()
-            if eos is None:
-                ids = np.frombuffer(b"".join([buf[i:j] for i, j in zip(s, e)]), value)
-                yield ids, np.cumsum(end[k:k + step] - first[k:k + step]) // width, where
-                continue
-            # each sample, then eos where it needs one (the last one's after it: interleaved puts none after the last)
-            pieces = interleaved([buf[i:j] for i, j in zip(s, e)], eos_bytes, open_end[k:k + step])
-            if len(s) and open_end[k + len(s) - 1]:
-                pieces.append(eos_bytes)
-            yield np.frombuffer(b"".join(pieces), value), np.zeros(0, dtype=np.int64), where
+        lengths = (end - first) // width
+        # each sample's last id, read byte by byte: a sample's ids need not lie at an address aligned for `value`
+        last_at = np.maximum(end - width, 0)[:, None] + np.arange(width)
+        last = data[last_at].copy().view(value)[:, 0] if len(end) else np.zeros(0, value)
+        yield Documents(data, first, lengths, eos_after(last, lengths, eos), value, eos), where

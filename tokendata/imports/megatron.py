@@ -13,8 +13,9 @@ import struct
 
 import numpy as np
 
-from tokendata.imports import CHUNK_TOKENS, read_exact
+from tokendata.imports import CHUNK_TOKENS, eos_after, read_exact
 from tokendata.remote import DataError
+from tokendata.windows import Documents
 
 MAGIC = b"MMIDIDX\x00\x00"
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
@@ -44,8 +45,8 @@ def index(prefix: str):
     return np.dtype(DTYPES[code]), lengths, pointers, docs
 
 
-def chunks(path: str):
-    """(ids, document ends in them, where) of the dataset at `path`, about CHUNK_TOKENS ids at a time, in order."""
+def chunks(path: str, eos: int):
+    """(Documents, where) of the dataset at `path` in order, about CHUNK_TOKENS ids at a time (whole documents)."""
     prefix = prefix_of(path)
     dtype, lengths, pointers, docs = index(prefix)
     bin_path = prefix + ".bin"
@@ -57,13 +58,11 @@ def chunks(path: str):
     if starts[-1] > len(ids):
         raise DataError(f"{bin_path} holds {len(ids)} ids but {prefix}.idx says {starts[-1]} (truncated?)")
     ends = starts[docs[1:]]   # one past each document's last id
-    first = 0
-    while first < starts[-1]:
-        # whole documents up to about CHUNK_TOKENS ids (a longer document is cut: its end lands in a later chunk)
-        stop = min(int(starts[-1]), first + CHUNK_TOKENS)
-        k = np.searchsorted(ends, stop, side="right")
-        if k and ends[k - 1] > first:
-            stop = int(ends[k - 1])
-        inside = ends[(ends > first) & (ends <= stop)] - first
-        yield np.asarray(ids[first:stop]), inside, bin_path
-        first = stop
+    begins = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    sizes = ends - begins
+    eos_flags = eos_after(ids[np.maximum(ends - 1, 0)], sizes, eos)
+    src = ids.view(np.uint8)
+    cuts = np.searchsorted(ends, np.arange(CHUNK_TOKENS, int(starts[-1]), CHUNK_TOKENS), side="left")
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(ends)]):
+        if hi > lo:
+            yield Documents(src, begins[lo:hi] * dtype.itemsize, sizes[lo:hi], eos_flags[lo:hi], dtype, eos), bin_path

@@ -7,6 +7,7 @@ import numpy as np
 
 from tokendata.imports import CHUNK_TOKENS, read_exact
 from tokendata.remote import DataError
+from tokendata.windows import Documents
 
 NPY_MAGIC = b"\x93NUMPY"
 
@@ -34,9 +35,12 @@ def array(path: str, dtype: str | None) -> np.ndarray:
     return read_exact(path, dtype)
 
 
-def chunks(path: str, dtype: str | None = None):
+def chunks(path: str, dtype: str | None, eos: int):
+    """(Documents, where): the file CHUNK_TOKENS ids at a time, each piece a document; an eos after the last one where
+    the file does not end with eos."""
     ids = array(path, dtype)
+    src = ids.view(np.uint8)
     for first in range(0, len(ids), CHUNK_TOKENS):
-        stop = min(len(ids), first + CHUNK_TOKENS)
-        ends = np.array([stop - first] if stop == len(ids) else [], dtype=np.int64)   # the file's end ends one
-        yield np.asarray(ids[first:stop]), ends, path
+        size = min(len(ids), first + CHUNK_TOKENS) - first
+        last = first + size == len(ids) and int(ids[-1]) != eos   # the file's end ends a document
+        yield Documents(src, [first * ids.itemsize], [size], [last], ids.dtype, eos), path

@@ -1,6 +1,7 @@
 """The speed of tools/import_tokens.py against `cp` of the same bytes, for each format it reads: a synthetic corpus
 of --mb MB of uint16 ids (documents of 1-4000 ids, none ending in eos), written once per format, then copied with
-cp and imported (seq_len 2048, 1000 samples a shard); MB/s is input bytes per second, both from the page cache,
+cp and imported (seq_len 2048, 1000 samples a shard); MB/s is input bytes per second, both from the page cache
+(the inputs dropped from it and read back once, as a corpus read from disk is cached; --cache written: as written),
 each the best of --repeat tries (on a shared machine one try of a fraction of a second mostly measures the load), and
 the same by CPU time (user + system of the import, of cp's process), which other jobs on the machine disturb less.
 
@@ -99,15 +100,15 @@ def cpu_seconds():
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def measure(fmt, ids, ends, work, repeat=3):
+def measure(fmt, ids, ends, work, repeat=3, cache="read"):
     src, out = os.path.join(work, fmt), os.path.join(work, f"{fmt}-shards")
     os.makedirs(src)
     write, extra = WRITERS[fmt]
     files, given = write(src, ids, ends)
     nbytes = sum(os.path.getsize(f) for f in files)
     cp_dir = os.path.join(work, "cp")
-    for f in files:   # out of the page cache, then read back once: cached as a corpus read from disk is, not as just written
-        fd = os.open(f, os.O_RDONLY)
+    for f in files if cache == "read" else ():   # out of the page cache, then read back: cached as a corpus read
+        fd = os.open(f, os.O_RDONLY)                  # from disk is (in large folios, mapped a few faults a MB)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -132,6 +133,9 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", default=sorted(WRITERS), choices=sorted(WRITERS))
     p.add_argument("--repeat", type=int, default=3, help="tries of cp and of the import; the best counts (default 3)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    p.add_argument("--cache", choices=["read", "written"], default="read",
+                   help="how the inputs sit in the page cache: read back from disk (default), or as just written "
+                        "(small pages: a map of them costs more faults)")
     args = p.parse_args(argv)
     ids, ends = corpus(args.mb)
     print(f"{'format':<9} {'MB':>7} {'cp MB/s':>9} {'import MB/s':>12} {'ratio':>6}  (goal >= 0.5)  "
@@ -139,7 +143,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         for fmt in args.formats:
             print(f"writing {fmt} ...", end="\r", file=sys.stderr, flush=True)
-            nbytes, cp, imp = measure(fmt, ids, ends, work, args.repeat)
+            nbytes, cp, imp = measure(fmt, ids, ends, work, args.repeat, args.cache)
             mb = nbytes / 1e6
             print(f"{fmt:<9} {mb:>7.0f} {mb / cp[0]:>9.0f} {mb / imp[0]:>12.0f} {cp[0] / imp[0]:>6.2f}"
                   f"{'':>15}{mb / cp[1]:>6.0f} {mb / imp[1]:>6.0f} {cp[1] / imp[1]:>6.2f}", flush=True)

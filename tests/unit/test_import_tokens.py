@@ -90,10 +90,11 @@ def test_npy_arrays(tmp_path, header):
     assert np.array_equal(stream, want[:len(stream)]) and len(want) - len(stream) < SEQ
 
 
-def test_foreign_ids_stop_with_one_line(tmp_path, capsys):
-    ids = np.append(documents(2)[0], VOCAB + 7).astype(np.uint16)
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])   # as wide as the shards' ids (copied as they lie), or not
+def test_foreign_ids_stop_with_one_line(tmp_path, capsys, dtype):
+    ids = np.concatenate([documents(2)[0], [VOCAB + 7], documents(2)[1]]).astype(dtype)   # inside a window
     ids.tofile(tmp_path / "other.npy")
-    assert main(["--format", "npy", "--dtype", "uint16", "--input", str(tmp_path / "other.npy"), "--tokenizer",
+    assert main(["--format", "npy", "--dtype", dtype, "--input", str(tmp_path / "other.npy"), "--tokenizer",
                  TOKENIZER, "--out", str(tmp_path / "out"), "--seq-len", str(SEQ), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1

@@ -50,8 +50,7 @@ class Packer:
 
     def add(self, ids: np.ndarray) -> None:
         """The next ids of the stream (any integer dtype)."""
-        ids = np.ascontiguousarray(np.asarray(ids).astype(self.numpy_dtype, copy=False))
-        self.add_documents(Documents.of_stream(ids, 0))
+        self.add_documents(Documents.of_stream(np.asarray(ids).astype(self.numpy_dtype, copy=False), 0))
 
     def add_documents(self, docs: Documents) -> tuple[int, int]:
         """The next documents' stream (ids as wide as the shards'), each window copied from where its ids lie into

@@ -164,9 +164,8 @@ def tar_file(member: str, payload: bytes) -> bytes:
 
 
 class SplitWriter:
-    """Writes one split's samples into numbered shards (format 2), each written whole once it is full: a sample at a
-    time (`write`), a block of them (`write_block`: rows of a 2-D array, copied once), or bytes filled in place
-    (`reserve`, then `commit`)."""
+    """Writes one split's samples into numbered shards (format 2), each written whole once it is full: a block of
+    them (`write_block`: rows of a 2-D array, copied once), or bytes filled in place (`reserve`, then `commit`)."""
 
     def __init__(self, out_dir, split, samples_per_shard, dtype):
         self.out_dir, self.split, self.per_shard = out_dir, split, samples_per_shard
@@ -181,13 +180,8 @@ class SplitWriter:
         """Samples the open shard (or the next) still takes."""
         return self.per_shard - (self.shards[-1]["samples"] if self.used else 0)
 
-    def write(self, sample: bytes):
-        self.write_block(sample, 1)
-
-    def write_block(self, samples, count: int):
-        """`count` (≤ room) samples back to back: bytes, or a 2-D array of one row a sample."""
-        block = samples if isinstance(samples, np.ndarray) else np.frombuffer(samples, dtype=np.uint8)
-        # a block's rows (an overlapping view of the stream) copied once, into place
+    def write_block(self, block: np.ndarray, count: int):
+        """`count` (≤ room) samples back to back: an array of their ids, copied once, into place."""
         self.reserve(block.nbytes).view(block.dtype).reshape(block.shape)[...] = block
         self.commit(count, block.nbytes)
 

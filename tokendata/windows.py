@@ -88,11 +88,11 @@ def by_numpy(src, starts, lengths, eos, at, eos_bytes, itemsize, positions, widt
     """copy_windows by numpy: the documents under the windows joined, then the windows copied out of the join."""
     first, stop = int(positions[0]), int(positions[-1]) + width
     d0, d1 = int(np.searchsorted(at, first, side="right")) - 1, int(np.searchsorted(at, stop, side="left"))
-    view, pieces = memoryview(src), []
+    view, pieces, eos_id = memoryview(src), [], eos_bytes.tobytes()
     for d in range(d0, d1):
         pieces.append(view[starts[d]:starts[d] + lengths[d] * itemsize])
         if eos[d]:
-            pieces.append(eos_bytes.tobytes())
+            pieces.append(eos_id)
     stream = np.frombuffer(b"".join(pieces), ids.dtype)   # stream positions at[d0] ..
     rows = ids.reshape(len(positions), width)
     rows[...] = stream[(positions - at[d0])[:, None] + np.arange(width)]

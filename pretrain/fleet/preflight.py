@@ -140,16 +140,16 @@ def measure(lay: Layout, members: list[int], mb: float, repeats: int, faults: Fa
     return both[:lay.world], rates
 
 
-def confirmed(measure: Callable[[], Figures], judge: Callable[[Figures], tuple[str, bool]],
+def confirmed(one_pass: Callable[[], Figures], judge: Callable[[Figures], tuple[str, bool]],
               confirm: int) -> tuple[str, bool]:
-    """Judge one pass of `measure()`; while it names something, up to `confirm` passes more, each figure then its
+    """Judge `one_pass()`'s figures; while it names something, up to `confirm` passes more, each figure then its
     best over the passes so far: a load that passed over a host during one pass (another job's burst, a page-cache
     flush) names nothing, while a slow GPU or link is slow in every pass and is still named."""
-    gemm, rates = measure()
+    gemm, rates = one_pass()
     line, slow = judge((gemm, rates))
     passes = 1
     while slow and passes <= confirm:
-        gemm_again, rates_again = measure()
+        gemm_again, rates_again = one_pass()
         gemm = [max(a, b) for a, b in zip(gemm, gemm_again)]
         rates = {pair: max(rate, rates_again[pair]) for pair, rate in rates.items()}
         line, slow = judge((gemm, rates))
